@@ -1,0 +1,1 @@
+"""Memory, overhead and concurrency benchmarks, with the naive baseline proxy."""

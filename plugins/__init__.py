@@ -1,0 +1,1 @@
+"""Built-in context-proxy plugins: fold, ledger, usage and the jsonlog example."""

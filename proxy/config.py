@@ -1,0 +1,164 @@
+"""Settings: defaults < TOML file < environment < command-line flags.
+
+Every layer produces a plain ``dict`` of field name to value; the layers are
+merged in that order and validated once by :func:`msgspec.convert`, so a bad
+value anywhere produces exactly one :class:`ConfigError` naming the setting
+(``port: Expected `int` <= 65535``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = ["ENV_PREFIX", "ConfigError", "Settings", "load_settings"]
+
+ENV_PREFIX = "CONTEXT_PROXY_"
+
+MiB = 1024 * 1024
+
+_Seconds = Annotated[float, msgspec.Meta(gt=0)]
+_Bytes = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or out of range; ``str()`` is one line."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """All settings of one proxy process.
+
+    Durations are seconds, sizes are bytes. Field names are the TOML keys; the
+    environment variable of a field is ``CONTEXT_PROXY_`` + its upper-cased name.
+    """
+
+    host: str = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8787
+    upstream_openai: str = "https://api.openai.com"
+    upstream_anthropic: str = "https://api.anthropic.com"
+
+    # Body reader (DESIGN section 3).
+    max_body_bytes: _Bytes = 100 * MiB
+    body_idle_timeout: _Seconds = 30.0
+    body_chunk_bytes: Annotated[int, msgspec.Meta(ge=4096, le=16 * MiB)] = 256 * 1024
+
+    # Upstream: no total timeout, it would cut a long stream.
+    upstream_connect_timeout: _Seconds = 10.0
+    upstream_header_timeout: _Seconds = 300.0
+    upstream_idle_read_timeout: _Seconds = 300.0
+    upstream_max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    # Exchange lifetime (DESIGN sections 1 and 2).
+    max_refolds: Annotated[int, msgspec.Meta(ge=0, le=16)] = 2
+    fake_completion_retries: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
+
+    # Plugins (DESIGN section 5).
+    plugins: list[str] = msgspec.field(default_factory=lambda: ["fold"])
+    plugin: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    plugin_timeout: _Seconds = 5.0
+
+    # Sessions (DESIGN section 6).
+    session_headers: list[str] = msgspec.field(
+        default_factory=lambda: ["x-session-id", "x-claude-code-session-id", "session-id"]
+    )
+    session_from_body: bool = True
+    session_from_bearer: bool = False
+    require_session: bool = False
+    idle_session_cap: Annotated[int, msgspec.Meta(ge=1)] = 10_000
+    session_shutdown_timeout: _Seconds = 30.0
+    tombstone_ttl: _Seconds = 600.0
+    tombstone_cap: Annotated[int, msgspec.Meta(ge=1)] = 100_000
+
+    # Process shutdown.
+    shutdown_grace: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    retry_after: Annotated[int, msgspec.Meta(ge=0)] = 5
+
+    # Admin routes.
+    admin_token: str | None = None
+    admin_allow: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1", "::1"])
+
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in ("upstream_openai", "upstream_anthropic"):
+            url = getattr(self, name)
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{name}: expected an http:// or https:// URL, got {url!r}")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ConfigError(f"log_level: unknown level {self.log_level!r}")
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path}: {exc}") from None
+
+
+def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Settings from ``CONTEXT_PROXY_*`` variables.
+
+    Values are strings; scalars are converted by msgspec (``strict=False``).
+    List settings take a comma-separated string; ``plugin`` takes JSON.
+    """
+    layer: dict[str, Any] = {}
+    for name in Settings.__struct_fields__:
+        raw = environ.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if name == "plugin":
+            try:
+                layer[name] = msgspec.json.decode(raw)
+            except msgspec.DecodeError as exc:
+                raise ConfigError(f"{name} (env {ENV_PREFIX}{name.upper()}): {exc}") from None
+        elif name in ("plugins", "session_headers", "admin_allow"):
+            layer[name] = [item.strip() for item in raw.split(",") if item.strip()]
+        elif name == "admin_token" and raw == "":
+            layer[name] = None
+        else:
+            layer[name] = raw
+    return layer
+
+
+def load_settings(
+    config_path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build :class:`Settings` from the layers, lowest first.
+
+    ``overrides`` are the command-line flags (``None`` values are ignored, so
+    an unset flag leaves the lower layers alone).
+
+    Raises:
+        ConfigError: one line naming the offending setting.
+    """
+    merged: dict[str, Any] = {}
+    if config_path is not None:
+        merged.update(_read_toml(Path(config_path)))
+    merged.update(_env_layer(os.environ if environ is None else environ))
+    if overrides:
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_one_line(str(exc))) from None
+
+
+def _one_line(message: str) -> str:
+    """Turn msgspec's ``Expected `int` >= 1 - at `$.port``` into ``port: ...``."""
+    text, sep, where = message.rpartition(" - at `$.")
+    if not sep:
+        if message.startswith("Object contains unknown field"):
+            return f"unknown setting: {message.split('`')[1]}"
+        return message
+    return f"{where.rstrip('`')}: {text}"
