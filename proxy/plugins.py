@@ -292,10 +292,16 @@ class PluginHost:
         name = _plugin_name(plugin)
         self.failures[name] = self.failures.get(name, 0) + 1
         if isinstance(exc, TimeoutError):
-            log.warning("plugin %s: %s exceeded its %.1fs budget; skipped", name, hook, self.timeout)
+            log.warning(
+                "plugin %s: %s exceeded its %.1fs budget; skipped", name, hook, self.timeout
+            )
         else:
             log.warning(
-                "plugin %s: %s raised %s: %s; skipped", name, hook, type(exc).__name__, exc,
+                "plugin %s: %s raised %s: %s; skipped",
+                name,
+                hook,
+                type(exc).__name__,
+                exc,
                 exc_info=log.isEnabledFor(logging.DEBUG),
             )
 

@@ -1,0 +1,214 @@
+"""The built-in usage plugin: token usage per session and per model.
+
+The proxy counts tokens from the protocol's usage events while it relays the
+answer, without keeping any text, and hands the totals to ``commit`` as the
+record's ``input_tokens``, ``output_tokens`` and ``cache_read_tokens`` (``None``
+when the upstream reported none). This plugin adds them up twice:
+
+* per ``(protocol, model)``, exported as Prometheus counters
+  ``context_proxy_input_tokens_total``, ``context_proxy_output_tokens_total``
+  and ``context_proxy_cache_read_tokens_total`` with labels ``protocol`` and
+  ``model``;
+* per session, for ``GET /admin/sessions/{id}``.
+
+The numbers are what the upstream reported, not normalized across protocols:
+OpenAI's input count includes its cached tokens, Anthropic's excludes them.
+
+Metrics design: each proxy app has its own ``CollectorRegistry`` (several apps
+live in one process in tests), so the plugin does not create global
+``Counter`` objects. It keeps plain integer totals and is itself a Prometheus
+collector (:meth:`UsagePlugin.collect`), rendered at scrape time by whichever
+registry it is registered on: the app's, or the ``registry`` option's.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from typing import ClassVar, Final
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
+
+from proxy import ExchangeRecord, Plugin, Scalar
+
+__all__ = ["METRIC_NAMES", "UsagePlugin"]
+
+_MODEL_LABEL_CHARS: Final = 128
+_LABELS: Final = ("protocol", "model")
+
+METRIC_NAMES: Final = (
+    "context_proxy_input_tokens",
+    "context_proxy_output_tokens",
+    "context_proxy_cache_read_tokens",
+)
+"""The counters' family names (Prometheus adds ``_total`` to each sample)."""
+
+_HELP: Final = (
+    "Input (prompt) tokens reported by the upstream.",
+    "Output (completion) tokens reported by the upstream.",
+    "Input tokens the upstream served from its prompt cache.",
+)
+
+
+class _Totals:
+    """Token totals of one session or one ``(protocol, model)`` label pair."""
+
+    __slots__ = ("cache_read_tokens", "input_tokens", "output_tokens", "requests")
+
+    def __init__(self) -> None:
+        self.input_tokens = 0
+        self.output_tokens = 0
+        self.cache_read_tokens = 0
+        self.requests = 0
+
+    def add(self, record: ExchangeRecord) -> None:
+        # None (no usage reported) adds nothing; a negative count is a broken
+        # upstream and must not make a counter go down.
+        self.input_tokens += max(0, record.input_tokens or 0)
+        self.output_tokens += max(0, record.output_tokens or 0)
+        self.cache_read_tokens += max(0, record.cache_read_tokens or 0)
+        self.requests += 1
+
+
+class UsagePlugin(Plugin):
+    """Token usage per model (Prometheus collector) and per session (admin view).
+
+    Options (the ``[plugin.usage]`` table):
+
+    ``max_sessions`` (int, >= 1)
+        Sessions whose totals are kept; beyond it the least recently active
+        one is forgotten. A closed session is forgotten at once. Default 10000.
+    ``max_models`` (int, >= 1)
+        Distinct ``model`` label values. The model comes from the client's
+        request, so a client inventing names must not grow the metrics without
+        bound: later new models are counted as ``other``. Values are cut to 128
+        characters; a missing model is ``unknown``. Default 256.
+
+    From code only: ``registry``. If given, the plugin registers itself on it
+    in :meth:`startup` and unregisters in :meth:`shutdown`, so apps built one
+    after another on one registry never collide. Without it the plugin
+    registers nowhere and the host exports it (it has ``collect()``).
+
+    Raises:
+        ValueError: on construction, for an option out of range.
+    """
+
+    name: ClassVar[str] = "usage"
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int = 10_000,
+        max_models: int = 256,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if not (isinstance(max_sessions, int) and max_sessions >= 1):
+            raise ValueError(f"max_sessions: expected an int >= 1, got {max_sessions!r}")
+        if not (isinstance(max_models, int) and max_models >= 1):
+            raise ValueError(f"max_models: expected an int >= 1, got {max_models!r}")
+        self.max_sessions: Final = max_sessions
+        self.max_models: Final = max_models
+        self.registry: Final = registry
+        self._registered = False
+        self._sessions: OrderedDict[str, _Totals] = OrderedDict()  # least recent first
+        self._by_label: dict[tuple[str, str], _Totals] = {}
+        self._models: set[str] = set()
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        """Register on ``registry`` if one was given.
+
+        Raises:
+            ValueError: another live collector on that registry already uses
+                one of :data:`METRIC_NAMES` (e.g. a second usage plugin).
+        """
+        if self.registry is not None and not self._registered:
+            self.registry.register(self)
+            self._registered = True
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        """Count the record's tokens, whatever its outcome.
+
+        A failed exchange can still have been billed (a stream cut after its
+        usage event), so every record counts; ``None`` counts add nothing. A
+        record without a session id counts in the metrics only.
+        """
+        key = (record.protocol, self.model_label(record.model))
+        totals = self._by_label.get(key)
+        if totals is None:
+            totals = self._by_label[key] = _Totals()
+        totals.add(record)
+        sid = record.session_id
+        if sid is None:
+            return
+        usage = self._sessions.get(sid)
+        if usage is None:
+            usage = self._sessions[sid] = _Totals()
+            if len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        else:
+            self._sessions.move_to_end(sid)
+        usage.add(record)
+
+    async def session_closed(self, session_id: str) -> None:
+        """Forget the session's totals (the per-model counters keep them)."""
+        self._sessions.pop(session_id, None)
+
+    def session_state(self, session_id: str) -> Mapping[str, Scalar]:
+        """``{"input_tokens", "output_tokens", "cache_read_tokens", "requests"}``, or ``{}``."""
+        usage = self._sessions.get(session_id)
+        if usage is None:
+            return {}
+        return {
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cache_read_tokens": usage.cache_read_tokens,
+            "requests": usage.requests,
+        }
+
+    async def shutdown(self) -> None:
+        """Unregister from ``registry`` (if registered)."""
+        if self.registry is not None and self._registered:
+            self.registry.unregister(self)
+            self._registered = False
+
+    # -- Prometheus collector protocol -----------------------------------------------------
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The metric families without samples (used by a registry to check names)."""
+        for name, help_text in zip(METRIC_NAMES, _HELP, strict=True):
+            yield CounterMetricFamily(name, help_text, labels=_LABELS)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """The three token counters, one sample per ``(protocol, model)`` seen.
+
+        May be called from a scrape thread: it copies the totals first (a dict
+        copy is atomic under the GIL) and only reads ints afterwards.
+        """
+        snapshot = self._by_label.copy()
+        families = [
+            CounterMetricFamily(name, help_text, labels=_LABELS)
+            for name, help_text in zip(METRIC_NAMES, _HELP, strict=True)
+        ]
+        for (protocol, model), totals in sorted(snapshot.items()):
+            labels = (protocol, model)
+            families[0].add_metric(labels, totals.input_tokens)
+            families[1].add_metric(labels, totals.output_tokens)
+            families[2].add_metric(labels, totals.cache_read_tokens)
+        yield from families
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def model_label(self, model: str | None) -> str:
+        """The ``model`` label value for ``model``: capped in number, cut in length."""
+        if not model:
+            return "unknown"
+        label = model[:_MODEL_LABEL_CHARS]
+        if label in self._models:
+            return label
+        if len(self._models) >= self.max_models:
+            return "other"
+        self._models.add(label)
+        return label

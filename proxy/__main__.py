@@ -1,0 +1,5 @@
+"""``python -m proxy`` is the ``context-proxy`` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,176 @@
+"""Health, readiness, metrics and the admin API.
+
+Open to anyone: ``GET /healthz`` (alive), ``GET /readyz`` (503 while draining),
+``GET /metrics`` (Prometheus text). Under ``/admin/`` (loopback, an address in
+``admin_allow``, or ``Authorization: Bearer <admin_token>``; otherwise 403):
+``GET /admin/sessions``, ``GET|DELETE /admin/sessions/{id}``,
+``GET /admin/exchanges``, ``POST /admin/shutdown``.
+
+The peer address is the socket's, never ``X-Forwarded-For`` (a header any
+client can set). No admin answer ever contains a body, a prompt or a key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from aiohttp import web
+
+from .app import STATE, AppState
+from .sessions import SessionCloseError, SessionInfo
+
+__all__ = ["add_admin_routes"]
+
+
+def _allowed(request: web.Request, state: AppState) -> bool:
+    settings = state.settings
+    token = settings.admin_token
+    if token:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip(), token):
+            return True
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    host = peer[0] if isinstance(peer, tuple) and peer else None
+    return host is not None and host in settings.admin_allow
+
+
+@web.middleware
+async def _admin_guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path.startswith("/admin/") and not _allowed(request, request.app[STATE]):
+        return web.json_response({"error": "forbidden"}, status=403)
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Alive: 200 as long as the event loop answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready: 200, or 503 from the moment shutdown begins."""
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition (version 0.0.4)."""
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def _info_view(info: SessionInfo) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "in_flight": info.in_flight,
+        "pinned": info.pinned,
+        "requests": info.requests,
+        "idle_s": round(info.idle_s, 3),
+        "tombstoned": info.tombstoned,
+    }
+
+
+#: Seconds a status read waits for a prepare or commit holding the session lock.
+STATUS_READ_TIMEOUT = 2.0
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    """Every live session: in-flight count, pinned, last activity, tombstoned."""
+    state = request.app[STATE]
+    return web.json_response({"sessions": [_info_view(i) for i in state.registry.snapshot()]})
+
+
+async def get_session(request: web.Request) -> web.Response:
+    """One session, with each plugin's scalar state for it.
+
+    The read is taken under the session's lock (between two commits) when it
+    can be had within :data:`STATUS_READ_TIMEOUT`; otherwise the lock-free
+    registry view is returned with ``"plugins": null``.
+    """
+    state = request.app[STATE]
+    sid = request.match_info["sid"]
+    view: dict[str, Any]
+    try:
+        async with asyncio.timeout(STATUS_READ_TIMEOUT):
+            status = await state.registry.status(sid, probe=state.host.session_state)
+    except TimeoutError:
+        info = state.registry.info(sid)
+        if info is None:
+            return web.json_response({"error": "no such session"}, status=404)
+        view = _info_view(info)
+        view["plugins"] = None
+        return web.json_response(view)
+    if status is None:
+        return web.json_response({"error": "no such session"}, status=404)
+    view = _info_view(status.info)
+    view["plugins"] = dict(status.state)
+    return web.json_response(view)
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    """``shutdown_session``: tombstone, wait up to the timeout, cancel stragglers, drop."""
+    state = request.app[STATE]
+    sid = request.match_info["sid"]
+    try:
+        result = await state.registry.shutdown_session(sid, state.settings.session_shutdown_timeout)
+    except SessionCloseError as exc:
+        return web.json_response({"id": sid, "error": f"cleanup failed: {exc}"}, status=500)
+    return web.json_response(
+        {
+            "id": sid,
+            "finished": result.finished,
+            "cancelled": result.cancelled,
+            "already_closed": result.already_closed,
+        }
+    )
+
+
+async def list_exchanges(request: web.Request) -> web.Response:
+    """Each in-flight exchange: session, protocol, phase, bytes held by kind, age."""
+    state = request.app[STATE]
+    out = []
+    for ex in list(state.exchanges.values()):
+        held = ex.held_bytes()
+        out.append(
+            {
+                "id": ex.id,
+                "session": ex.session_id,
+                "protocol": str(ex.protocol),
+                "phase": ex.phase.value,
+                "fold_level": ex.fold_level,
+                "held_bytes": {
+                    "raw": held.raw,
+                    "parsed": held.parsed,
+                    "outbound": held.outbound,
+                    "total": held.total,
+                },
+                "age_s": round(ex.age(), 3),
+            }
+        )
+    return web.json_response({"exchanges": out})
+
+
+async def shutdown(request: web.Request) -> web.Response:
+    """Begin graceful shutdown (as SIGTERM does); answers 202 at once."""
+    state = request.app[STATE]
+    state.draining = True
+    state.stop.set()
+    return web.json_response({"status": "draining"}, status=202)
+
+
+def add_admin_routes(app: web.Application) -> None:
+    """Register the health, metrics and admin routes and the admin guard."""
+    app.middlewares.append(_admin_guard)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/sessions", list_sessions)
+    app.router.add_get("/admin/sessions/{sid}", get_session)
+    app.router.add_delete("/admin/sessions/{sid}", delete_session)
+    app.router.add_get("/admin/exchanges", list_exchanges)
+    app.router.add_post("/admin/shutdown", shutdown)

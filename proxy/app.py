@@ -1,0 +1,362 @@
+"""The aiohttp application: routes, admission, the exchange handler, drain, shutdown.
+
+``build_app(settings)`` returns an :class:`aiohttp.web.Application`;
+:func:`serve` runs it until SIGTERM/SIGINT or ``POST /admin/shutdown`` and then
+drains (DESIGN section 6, "Process shutdown"). The server must run with
+``handler_cancellation=True`` (a client that hangs up cancels its handler,
+which aborts the upstream request) and ``auto_decompress=False`` (request
+bodies are decoded by :mod:`proxy.body` under the size limit), which
+:func:`make_runner` sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from typing import Final
+
+from aiohttp import web
+
+from . import protocols, wire
+from .body import BodyError, check_content_length, read_body
+from .config import Settings
+from .exchange import Exchange, Phase, Preparer, null_lock
+from .metrics import Metrics
+from .plugins import ExchangeRecord, PluginHost, load_plugins
+from .protocols import Protocol
+from .relay import (
+    SHUTDOWN_CANCEL,
+    ClientGone,
+    Upstream,
+    error_response,
+    forward_headers,
+    relay,
+)
+from .sessions import SessionClosed, SessionRegistry, resolve_session_id
+
+__all__ = ["STATE", "AppState", "build_app", "make_runner", "serve"]
+
+log = logging.getLogger("context_proxy")
+
+_EXCHANGE_PROTOCOLS: Final = frozenset(
+    {Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSAGES, Protocol.COUNT_TOKENS}
+)
+_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+
+
+class AppState:
+    """Everything one proxy instance owns; stored on the app under :data:`STATE`.
+
+    Exchanges are listed in ``exchanges`` only while their handler runs (the
+    handler removes them in ``finally``), so nothing here outlives a request.
+    """
+
+    __slots__ = (
+        "background",
+        "draining",
+        "exchanges",
+        "handlers",
+        "host",
+        "metrics",
+        "registry",
+        "settings",
+        "stop",
+        "upstream",
+    )
+
+    def __init__(self, settings: Settings, host: PluginHost) -> None:
+        self.settings: Final = settings
+        self.host: Final = host
+        self.registry: Final = SessionRegistry(
+            idle_cap=settings.idle_session_cap,
+            tombstone_ttl=settings.tombstone_ttl,
+            tombstone_cap=settings.tombstone_cap,
+            on_close=host.run_session_closed,
+        )
+        self.upstream: Upstream | None = None
+        self.exchanges: dict[str, Exchange] = {}
+        self.handlers: set[asyncio.Task[object]] = set()
+        self.background: set[asyncio.Task[None]] = set()
+        self.draining = False
+        self.stop = asyncio.Event()
+        self.metrics: Final = Metrics(self)  # last: it reads the state when registering
+
+    def spawn(self, coro: asyncio.Future[None] | object) -> None:
+        """Run ``coro`` in the background, kept referenced until it finishes."""
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def drain(self, grace: float) -> None:
+        """Stop admitting, give in-flight handlers ``grace`` seconds, then cancel them.
+
+        Cancelled streams end with an in-band protocol error event (the relay
+        recognises :data:`SHUTDOWN_CANCEL`). Then every session is closed, the
+        background commits finish and the plugins are flushed.
+        """
+        self.draining = True
+        pending = {t for t in self.handlers if not t.done()}
+        if pending:
+            log.info("draining %d in-flight request(s), grace %.1fs", len(pending), grace)
+            _, late = await asyncio.wait(pending, timeout=grace)
+            for task in late:
+                task.cancel(SHUTDOWN_CANCEL)
+            if late:
+                log.warning(
+                    "cancelled %d stream(s) still running after the grace period", len(late)
+                )
+                await asyncio.wait(late, timeout=5.0)
+        if self.background:
+            await asyncio.wait(set(self.background), timeout=10.0)
+        try:
+            await self.registry.close_all()
+        except ExceptionGroup as group:
+            for exc in group.exceptions:
+                log.error("closing a session failed at shutdown: %s", exc)
+        await self.host.shutdown()
+
+
+STATE: Final = web.AppKey("context_proxy_state", AppState)
+
+
+def _reject(
+    protocol: Protocol, status: int, message: str, state: AppState, *, code: str | None = None
+) -> web.Response:
+    headers = {"Retry-After": str(state.settings.retry_after)} if status == 503 else None
+    resp = error_response(protocol, status, message, code=code, headers=headers)
+    if state.draining:
+        resp.force_close()
+    return resp
+
+
+async def handle_exchange(request: web.Request) -> web.StreamResponse:
+    """Proxy one request: admit, read the body, prepare, relay, commit."""
+    state = request.app[STATE]
+    settings = state.settings
+    route = protocols.route(request.method, request.path, request.headers)
+    if route is None:
+        return error_response(Protocol.OPENAI, 404, f"unknown route {request.path}")
+    protocol = route.protocol
+    if state.draining:
+        return _reject(protocol, 503, "proxy is shutting down", state)
+    ex = Exchange(
+        protocol=protocol,
+        method=request.method,
+        path=request.path,
+        query=request.query_string,
+        keep_for_resend=settings.fake_completion_retries > 0,
+    )
+    task = asyncio.current_task()
+    assert task is not None
+    state.exchanges[ex.id] = ex
+    state.handlers.add(task)
+    state.metrics.in_flight.inc()
+    try:
+        return await _run_exchange(request, state, ex, route.upstream, task)
+    except BodyError as exc:
+        ex.status, ex.outcome, ex.error = exc.status, "rejected", exc.kind
+        if exc.kind == "incomplete":
+            log.warning("%s: client closed the connection before the body completed", ex.id)
+            state.metrics.disconnects.labels("body").inc()
+        return _reject(protocol, exc.status, exc.message, state, code=exc.kind)
+    except wire.WireError as exc:
+        ex.status, ex.outcome, ex.error = 400, "rejected", "invalid_json"
+        return _reject(protocol, 400, str(exc), state, code="invalid_json")
+    except SessionClosed:
+        ex.status, ex.outcome, ex.error = 503, "rejected", "session_closed"
+        return _reject(protocol, 503, "session closed", state, code="session_closed")
+    except ClientGone:
+        _client_gone(state, ex)
+        raise
+    except asyncio.CancelledError:
+        if ex.phase is Phase.READING:
+            log.warning("%s: client closed the connection before the body completed", ex.id)
+        _client_gone(state, ex)
+        raise
+    finally:
+        del state.exchanges[ex.id]
+        state.handlers.discard(task)
+        state.metrics.in_flight.dec()
+        state.metrics.finished(ex)
+        if ex.meta is not None and ex.phase is not Phase.COMMITTED:
+            # Not committed inline (an early answer, an error, a client gone):
+            # commit in the background so a cancelled handler still books it.
+            state.spawn(_commit(state, ex.commit_record()))
+        ex.close()
+
+
+def _client_gone(state: AppState, ex: Exchange) -> None:
+    if ex.outcome in ("ok", "upstream_error"):
+        ex.outcome = "client_gone"
+    state.metrics.disconnects.labels(ex.phase.value).inc()
+
+
+async def _commit(state: AppState, record: ExchangeRecord) -> None:
+    """Commit hooks after the response was forwarded, with a scalars-only record."""
+    sid = record.session_id
+    try:
+        async with state.registry.locked(sid) if sid else null_lock():
+            await state.host.run_commit(record)
+    except SessionClosed:
+        log.info(
+            "%s: session closed before its commit; plugins were told already", record.exchange_id
+        )
+
+
+async def _run_exchange(
+    request: web.Request,
+    state: AppState,
+    ex: Exchange,
+    upstream_name: str,
+    task: asyncio.Task[object],
+) -> web.StreamResponse:
+    settings = state.settings
+    body_hint: str | None = None
+    if request.method in _BODY_METHODS or request.body_exists:
+        encoding = request.headers.get("Content-Encoding")
+        check_content_length(request.content_length, encoding, settings.max_body_bytes)
+        result = await read_body(
+            request.content,
+            content_length=request.content_length,
+            content_encoding=encoding,
+            limit=settings.max_body_bytes,
+            idle_timeout=settings.body_idle_timeout,
+            chunk_bytes=settings.body_chunk_bytes,
+        )
+        meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
+        ex.attach_body(result.buffer, meta)
+        del result
+        body_hint = meta.session_hint
+    sid = resolve_session_id(
+        request.headers,
+        header_order=settings.session_headers,
+        body_hint=body_hint if settings.session_from_body else None,
+        from_bearer=settings.session_from_bearer,
+    )
+    if sid is None and settings.require_session and ex.protocol in _EXCHANGE_PROTOCOLS:
+        ex.status, ex.outcome, ex.error = 400, "rejected", "session_required"
+        return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
+    assert state.upstream is not None
+    with state.registry.track(sid, task):
+        if ex.meta is not None:
+            ex.bind_preparer(
+                Preparer(
+                    state.host,
+                    (lambda: state.registry.locked(sid)) if sid else null_lock,
+                    sid,
+                )
+            )
+            await ex.prepare()
+        else:
+            ex.session_id = sid
+        response = await relay(
+            request,
+            ex,
+            state.upstream,
+            target=state.upstream.url(upstream_name, request.path, request.query_string),
+            headers=forward_headers(request.headers),
+            settings=settings,
+        )
+        if response.prepared:
+            # The client has every byte once write_eof returns: commit now, inside
+            # the tracked span, so a session shutdown waits for the bookkeeping.
+            await response.write_eof()
+            if ex.meta is not None:
+                await _commit(state, ex.commit_record())
+        return response
+
+
+async def handle_root(request: web.Request) -> web.Response:
+    """``HEAD /`` and ``GET /``: answer at once (Claude Code preconnects with HEAD)."""
+    return web.Response(text="context-proxy\n")
+
+
+async def _on_startup(app: web.Application) -> None:
+    state = app[STATE]
+    state.upstream = Upstream(state.settings)
+    await state.host.startup()
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    if state.upstream is not None:
+        await state.upstream.close()
+
+
+def build_app(settings: Settings, *, host: PluginHost | None = None) -> web.Application:
+    """Build the proxy application.
+
+    ``host`` overrides the plugins named in ``settings`` (tests pass their own).
+
+    Raises:
+        proxy.plugins.PluginError: a configured plugin cannot be loaded.
+    """
+    if host is None:
+        host = load_plugins(settings.plugins, settings.plugin, timeout=settings.plugin_timeout)
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    state = AppState(settings, host)
+    app[STATE] = state
+    from .admin import add_admin_routes
+
+    add_admin_routes(app)
+    app.router.add_route("GET", "/", handle_root)
+    app.router.add_route("*", "/v1/{tail:.*}", handle_exchange)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """An ``AppRunner`` with the server options the proxy relies on."""
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        auto_decompress=False,
+        access_log=None,
+        shutdown_timeout=1.0,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``app`` on ``host:port`` (0 = ephemeral) and yield the bound port.
+
+    On exit the app drains (grace from settings) and shuts down.
+    """
+    runner = make_runner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    bound = port
+    for address in runner.addresses:
+        bound = int(address[1])
+        break
+    try:
+        yield bound
+    finally:
+        await app[STATE].drain(app[STATE].settings.shutdown_grace)
+        await runner.cleanup()
+
+
+async def serve(settings: Settings) -> None:
+    """Run the proxy until SIGTERM/SIGINT or ``POST /admin/shutdown``, then drain and exit."""
+    app = build_app(settings)
+    state = app[STATE]
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, state.stop.set)
+    async with running(app, settings.host, settings.port) as port:
+        log.info(
+            "context-proxy listening on http://%s:%d (openai → %s, anthropic → %s)",
+            settings.host,
+            port,
+            settings.upstream_openai,
+            settings.upstream_anthropic,
+        )
+        await state.stop.wait()
+        log.info("shutting down: readiness is now 503; grace %.1fs", settings.shutdown_grace)
+        state.draining = True
+    log.info("context-proxy stopped")

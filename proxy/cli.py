@@ -1,0 +1,194 @@
+"""The ``context-proxy`` command: serve | emulate | bench | sessions | plugins."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+import click
+
+from .config import ConfigError, Settings, load_settings
+from .plugins import PluginError, discover_plugins
+
+__all__ = ["main"]
+
+
+class _RedactingFormatter(logging.Formatter):
+    """Belt and braces: never let a credential header value reach a log line."""
+
+    _MARKERS = ("authorization", "x-api-key", "bearer ")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        lowered = text.lower()
+        if any(marker in lowered for marker in self._MARKERS):
+            return f"{record.levelname} {record.name}: [log line withheld: it named a credential]"
+        return text
+
+
+def _setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # aiohttp's access log would print query strings and client headers.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _settings(config: str | None, **flags: Any) -> Settings:
+    try:
+        return load_settings(config, overrides=flags)
+    except ConfigError as exc:
+        raise click.ClickException(f"bad setting: {exc}") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="context-proxy")
+def main() -> None:
+    """context-proxy: a streaming LLM proxy with a strict request-memory lifetime."""
+
+
+@main.command()
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--host", help="Address to listen on [127.0.0.1].")
+@click.option("--port", type=int, help="Port to listen on [8787].")
+@click.option("--upstream-openai", help="OpenAI upstream base URL [https://api.openai.com].")
+@click.option(
+    "--upstream-anthropic", help="Anthropic upstream base URL [https://api.anthropic.com]."
+)
+@click.option("--max-body-bytes", type=int, help="Largest accepted request body, bytes [100 MiB].")
+@click.option("--upstream-connect-timeout", type=float, help="Seconds to connect upstream [10].")
+@click.option("--upstream-header-timeout", type=float, help="Seconds to response headers [300].")
+@click.option("--upstream-idle-read-timeout", type=float, help="Seconds of upstream silence [300].")
+@click.option(
+    "--shutdown-grace", type=float, help="Seconds in-flight streams get at shutdown [30]."
+)
+@click.option("--plugin", "plugins", multiple=True, help="Plugin to enable (repeatable).")
+@click.option("--log-level", help="DEBUG, INFO, WARNING or ERROR [INFO].")
+def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
+    """Run the proxy until SIGTERM/SIGINT, then drain and exit 0."""
+    from .app import serve as serve_app
+
+    if plugins:
+        flags["plugins"] = list(plugins)
+    settings = _settings(config, **flags)
+    _setup_logging(settings.log_level)
+    try:
+        asyncio.run(serve_app(settings))
+    except PluginError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot listen on {settings.host}:{settings.port}: {exc}"
+        ) from None
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8788, show_default=True, type=int)
+def emulate(host: str, port: int) -> None:
+    """Run the local upstream emulator (all three protocols, scriptable per request)."""
+    from .emulator import run_emulator
+
+    _setup_logging("INFO")
+    run_emulator(host, port)
+
+
+@main.command()
+@click.option("--port", default=8787, show_default=True, type=int, help="Proxy port.")
+@click.option("--once", is_flag=True, help="Exit after the demo request instead of serving on.")
+def demo(port: int, once: bool) -> None:
+    """Start the emulator and the proxy, stream one answer through it, keep serving.
+
+    The proxy listens on 127.0.0.1:PORT with both upstreams pointed at the
+    built-in emulator, so clients and SDKs can be tried with no network.
+    """
+    from .demo import run_demo
+
+    _setup_logging("WARNING")
+    try:
+        asyncio.run(run_demo(port, once=once))
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on 127.0.0.1:{port}: {exc}") from None
+    except KeyboardInterrupt:
+        pass
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("kind", type=click.Choice(["memory", "overhead", "concurrency"]))
+@click.pass_context
+def bench(ctx: click.Context, kind: str) -> None:
+    """Run a benchmark against the naive baseline proxy (extra args go to the benchmark)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(f"benchmarks.{kind}")
+    except ImportError as exc:
+        raise click.ClickException(
+            f"benchmarks need the 'bench' extra: pip install 'context-proxy[bench]' ({exc})"
+        ) from None
+    sys.exit(module.main(list(ctx.args)))
+
+
+def _admin_get(url: str, token: str | None) -> Any:
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as exc:
+        raise click.ClickException(f"{url}: HTTP {exc.code}") from None
+    except OSError as exc:
+        raise click.ClickException(f"{url}: {exc}") from None
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8787", show_default=True, help="Proxy URL.")
+@click.option("--token", envvar="CONTEXT_PROXY_ADMIN_TOKEN", help="Admin bearer token.")
+def sessions(url: str, token: str | None) -> None:
+    """Print the sessions of a running proxy, with each plugin's state, as a table."""
+    base = url.rstrip("/")
+    listing = _admin_get(f"{base}/admin/sessions", token)["sessions"]
+    rows: list[dict[str, Any]] = []
+    for entry in listing:
+        detail = _admin_get(f"{base}/admin/sessions/{entry['id']}", token)
+        row = {k: detail.get(k) for k in ("id", "in_flight", "requests", "idle_s", "tombstoned")}
+        for plugin, state in (detail.get("plugins") or {}).items():
+            for key, value in state.items():
+                row[f"{plugin}.{key}"] = value
+        rows.append(row)
+    if not rows:
+        click.echo("no sessions")
+        return
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    click.echo("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        click.echo("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+@main.command()
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
+def plugins(config: str | None) -> None:
+    """List the plugins found (config and entry points) with their versions."""
+    settings = _settings(config)
+    found = {info.name: info for info in discover_plugins()}
+    enabled = set(settings.plugins)
+    click.echo(f"{'name':<12} {'enabled':<8} {'version':<10} target")
+    for name in sorted(found.keys() | enabled):
+        info = found.get(name)
+        version = (info.version if info else None) or "-"
+        target = info.target if info else name
+        flag = "yes" if name in enabled else "no"
+        click.echo(f"{name:<12} {flag:<8} {version:<10} {target}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,423 @@
+"""Incremental byte-level Server-Sent Events framer (pure, sans-I/O).
+
+The proxy relays upstream bytes to the client untouched; this framer only lets
+it *look* at the stream: which SSE events went by (usage, terminal events,
+overflow errors, whether output started) and where event boundaries are, so the
+relay can hold back or cut a stream exactly between two events.
+
+Parsing follows the WHATWG "event stream interpretation" rules
+(https://html.spec.whatwg.org/multipage/server-sent-events.html#event-stream-interpretation):
+
+* lines end with CRLF, LF or a lone CR, in any mix, split anywhere across chunks;
+* one UTF-8 BOM at the very start of the stream is ignored;
+* a line starting with ``:`` is a comment; a line without ``:`` is a field name
+  with an empty value; one space after the colon is dropped;
+* ``data`` values are joined with ``"\\n"``; ``event`` sets the type; ``id``,
+  ``retry`` and unknown fields are ignored here (the proxy has no use for them);
+* a blank line dispatches the block, but only if a ``data`` field was seen
+  (a block of comments, or of ``event:`` alone, dispatches nothing);
+* at end of stream an unterminated block is discarded.
+
+Cost: every byte is scanned at most twice (once for line ends, once for the
+colon of a field name), never again on later feeds, and the framer keeps at
+most ``max_data`` bytes of a ``data`` field however long the line is, plus a
+few hundred bytes of bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Final
+
+__all__ = ["SSEEvent", "SSEFramer"]
+
+_EOL: Final = re.compile(rb"[\r\n]")
+_CR: Final = 0x0D
+_LF: Final = 0x0A
+_COLON: Final = 0x3A
+_SPACE: Final = 0x20
+_BOM: Final = b"\xef\xbb\xbf"
+_DONE: Final = b"[DONE]"
+
+# Field names the framer acts on are at most 5 bytes ("event"); keeping 8 is
+# enough to tell any longer name apart from them.
+_MAX_NAME: Final = 8
+# Event type names are short identifiers ("response.output_text.delta"); a
+# longer value is kept truncated rather than letting one line grow memory.
+_MAX_EVENT_NAME: Final = 1024
+
+# Line states.
+_START: Final = 0  # nothing of the current line seen yet
+_NAME: Final = 1  # inside the field name (no colon yet)
+_VALUE_START: Final = 2  # just after the colon: a single space may follow
+_VALUE: Final = 3  # inside the field value
+_COMMENT: Final = 4  # line began with ":"
+
+# What the current field's value feeds.
+_IGNORE: Final = 0
+_DATA: Final = 1
+_EVENT: Final = 2
+
+
+@dataclasses.dataclass(slots=True)
+class SSEEvent:
+    """One dispatched SSE event.
+
+    Attributes:
+        event: the last ``event:`` field value of the block (decoded as UTF-8
+            with replacement), or ``None`` when absent or empty (the spec's
+            default type ``message``).
+        data: the ``data`` field values joined with ``b"\\n"``; ``b""`` when
+            ``truncated``.
+        data_size: total size in bytes of the joined data, counted even when
+            it was not retained (``data_size == len(data)`` unless truncated).
+        truncated: the joined data exceeded the framer's ``max_data`` bytes
+            and was dropped as it streamed by.
+        start: stream offset in bytes (counting from the first byte fed, BOM
+            included) where the event's block begins.
+        end: stream offset just past the blank line that ended the block, so
+            ``raw[start:end]`` are exactly the upstream bytes of this event.
+    """
+
+    event: str | None
+    data: bytes
+    data_size: int
+    truncated: bool
+    start: int
+    end: int
+
+    @property
+    def is_done(self) -> bool:
+        """``True`` for OpenAI chat's end-of-stream sentinel ``data: [DONE]``.
+
+        Prefix match, as the ``openai`` SDK does (``sse.data.startswith("[DONE]")``).
+        """
+        return self.data.startswith(_DONE)
+
+
+class SSEFramer:
+    """Frames a byte stream into :class:`SSEEvent` objects, one chunk at a time.
+
+    Feed chunks as they arrive; each :meth:`feed` returns the events completed
+    by that chunk. Boundaries are chunk-independent: splitting the same stream
+    differently yields the same events with the same offsets, and after the
+    same number of bytes the same :attr:`pending_bytes`.
+
+    One detail needs lookahead: a blank line ended by CR may be the first half
+    of a CRLF. When a chunk ends exactly on such a CR, the event it completes
+    is returned by the next :meth:`feed` (or :meth:`close`), once the next byte
+    tells whether the LF belongs to it.
+
+    Args:
+        max_data: bytes of joined ``data`` retained per event; a larger event
+            is reported with ``truncated=True`` and ``data=b""``. Must be >= 0.
+
+    Raises:
+        ValueError: if ``max_data`` is negative.
+    """
+
+    __slots__ = (
+        "_bom_check",
+        "_closed",
+        "_cr_held",
+        "_data",
+        "_data_size",
+        "_event",
+        "_field",
+        "_has_data",
+        "_head",
+        "_max_data",
+        "_name",
+        "_name_overflow",
+        "_offset",
+        "_region_start",
+        "_scanned",
+        "_skip_lf",
+        "_state",
+        "_truncated",
+        "_value",
+    )
+
+    def __init__(self, *, max_data: int = 1 << 20) -> None:
+        if max_data < 0:
+            raise ValueError(f"max_data must be >= 0, got {max_data}")
+        self._max_data = max_data
+        self._closed = False
+        # Stream position.
+        self._offset = 0  # bytes fed and processed so far
+        self._region_start = 0  # offset where the current (not yet ended) block began
+        self._scanned = 0
+        # BOM detection: up to 2 bytes held while they could still be a BOM.
+        self._bom_check = True
+        self._head = b""
+        # Line-ending state.
+        self._skip_lf = False  # previous chunk ended on a CR ending a non-blank line
+        self._cr_held = False  # previous chunk ended on a CR ending a blank line
+        # Current line.
+        self._state = _START
+        self._name = bytearray()
+        self._name_overflow = False
+        self._field = _IGNORE
+        self._value = bytearray()
+        # Current block.
+        self._event: bytes | None = None
+        self._has_data = False
+        self._data = bytearray()
+        self._data_size = 0
+        self._truncated = False
+
+    # -- public state -------------------------------------------------------
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes fed so far that belong to a block not yet ended by a blank line.
+
+        The relay may forward ``fed - pending_bytes`` bytes and stay on an event
+        boundary. Comment-only blocks and stray blank lines end a region too.
+        After :meth:`close`, it is the number of trailing bytes discarded.
+        """
+        return self._offset - self._region_start + len(self._head)
+
+    @property
+    def mid_event(self) -> bool:
+        """``True`` while :attr:`pending_bytes` > 0 (the stream is inside a block)."""
+        return self.pending_bytes > 0
+
+    @property
+    def fed_bytes(self) -> int:
+        """Total bytes passed to :meth:`feed` so far."""
+        return self._offset + len(self._head)
+
+    @property
+    def scanned_bytes(self) -> int:
+        """Bytes examined by searches so far (diagnostic; at most 2x :attr:`fed_bytes`)."""
+        return self._scanned
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes the framer currently holds (diagnostic; <= ``max_data`` + ~1 KiB)."""
+        return len(self._data) + len(self._value) + len(self._name) + len(self._head)
+
+    # -- feeding ------------------------------------------------------------
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[SSEEvent]:
+        """Process the next chunk of the stream.
+
+        Args:
+            chunk: the next bytes as received (any size, may be empty). The
+                framer copies what it keeps; the caller may reuse the buffer.
+
+        Returns:
+            The events completed by this chunk, in stream order.
+
+        Raises:
+            RuntimeError: if called after :meth:`close`.
+        """
+        if self._closed:
+            raise RuntimeError("SSEFramer.feed() after close()")
+        buf = chunk if isinstance(chunk, bytes) else bytes(chunk)
+        events: list[SSEEvent] = []
+        if not buf:
+            return events
+        if self._bom_check:
+            head = self._head + buf[: 3 - len(self._head)]
+            if len(head) < 3 and _BOM.startswith(head):
+                self._head = head  # still ambiguous: wait for more bytes
+                return events
+            self._bom_check = False
+            rest = buf[len(head) - len(self._head) :]
+            self._head = b""
+            if head == _BOM:
+                self._offset += 3  # the BOM is part of the first block's bytes
+                buf = rest
+            else:
+                buf = head + rest
+        self._scan(buf, events)
+        return events
+
+    def close(self) -> list[SSEEvent]:
+        """Signal end of stream.
+
+        Returns:
+            The event of a blank line that ended on the very last byte with a
+            CR (see the class docstring), if any; otherwise ``[]``. Per the
+            spec an unterminated block is discarded, never dispatched.
+
+        Idempotent. Releases the retained buffers.
+        """
+        events: list[SSEEvent] = []
+        if self._closed:
+            return events
+        self._closed = True
+        if self._cr_held:
+            self._cr_held = False
+            self._blank_line(self._offset, events)
+        self._offset += len(self._head)
+        self._head = b""
+        self._data = bytearray()
+        self._value = bytearray()
+        self._name = bytearray()
+        return events
+
+    # -- internals ----------------------------------------------------------
+
+    def _scan(self, buf: bytes, events: list[SSEEvent]) -> None:
+        base = self._offset
+        n = len(buf)
+        if n == 0:
+            return
+        pos = 0
+        if self._cr_held or self._skip_lf:
+            # Resolve the CR that ended the previous chunk: an LF here is its pair.
+            pair = buf[0] == _LF
+            if pair:
+                pos = 1
+            if self._cr_held:
+                self._cr_held = False
+                self._blank_line(base + pos, events)
+            self._skip_lf = False
+        while pos < n:
+            m = _EOL.search(buf, pos)
+            if m is None:
+                self._scanned += n - pos
+                self._segment(buf, pos, n)
+                break
+            eol = m.start()
+            self._scanned += eol + 1 - pos
+            if eol > pos:
+                self._segment(buf, pos, eol)
+            blank = self._end_line()
+            pos = eol + 1
+            if buf[eol] == _CR:
+                if pos == n:
+                    # Next byte unknown: it may be this CR's LF.
+                    if blank:
+                        self._cr_held = True
+                    else:
+                        self._skip_lf = True
+                    break
+                if buf[pos] == _LF:
+                    pos += 1
+            if blank:
+                self._blank_line(base + pos, events)
+        self._offset = base + n
+
+    def _segment(self, buf: bytes, a: int, b: int) -> None:
+        """Consume ``buf[a:b]``, a piece of one line without its line ending."""
+        state = self._state
+        if state == _START:
+            if buf[a] == _COLON:
+                self._state = _COMMENT
+                return
+            state = self._state = _NAME
+        if state == _COMMENT:
+            return
+        if state == _NAME:
+            colon = buf.find(b":", a, b)
+            name_end = b if colon < 0 else colon
+            self._scanned += (name_end + 1 if colon >= 0 else b) - a
+            room = _MAX_NAME - len(self._name)
+            if name_end - a > room:
+                self._name_overflow = True
+            if room > 0:
+                self._name += buf[a : min(name_end, a + room)]
+            if colon < 0:
+                return
+            self._begin_field()
+            a = colon + 1
+            state = self._state = _VALUE_START
+            if a == b:
+                return
+        if state == _VALUE_START:
+            if buf[a] == _SPACE:
+                a += 1
+            self._state = _VALUE
+            if a == b:
+                return
+        field = self._field
+        if field == _DATA:
+            self._add_data(buf, a, b)
+        elif field == _EVENT:
+            room = _MAX_EVENT_NAME - len(self._value)
+            if room > 0:
+                self._value += memoryview(buf)[a : min(b, a + room)]
+
+    def _begin_field(self) -> None:
+        """The field name is complete: decide what its value feeds."""
+        name = bytes(self._name)
+        if self._name_overflow:
+            self._field = _IGNORE
+        elif name == b"data":
+            self._field = _DATA
+            if self._has_data:
+                self._add_separator()
+            self._has_data = True
+        elif name == b"event":
+            self._field = _EVENT
+            self._value.clear()
+        else:
+            self._field = _IGNORE  # id, retry and unknown fields
+
+    def _end_line(self) -> bool:
+        """Finish the current line; return ``True`` if it was blank."""
+        state = self._state
+        if state == _START:
+            return True
+        if state == _NAME:
+            self._begin_field()  # a line without a colon: the value is empty
+        if self._field == _EVENT:
+            self._event = bytes(self._value)
+            self._value.clear()
+        self._state = _START
+        self._name.clear()
+        self._name_overflow = False
+        self._field = _IGNORE
+        return False
+
+    def _add_separator(self) -> None:
+        self._data_size += 1
+        if not self._truncated:
+            if len(self._data) + 1 > self._max_data:
+                self._truncate()
+            else:
+                self._data.append(_LF)
+
+    def _add_data(self, buf: bytes, a: int, b: int) -> None:
+        size = b - a
+        self._data_size += size
+        if self._truncated:
+            return
+        if len(self._data) + size > self._max_data:
+            self._truncate()
+        else:
+            self._data += memoryview(buf)[a:b]
+
+    def _truncate(self) -> None:
+        self._truncated = True
+        self._data = bytearray()  # drop the buffer itself, not just its length
+
+    def _blank_line(self, end: int, events: list[SSEEvent]) -> None:
+        """A blank line ending at stream offset ``end``: dispatch, then reset the block."""
+        start = self._region_start
+        self._region_start = end
+        if self._has_data:
+            event = self._event
+            events.append(
+                SSEEvent(
+                    event=event.decode("utf-8", "replace") if event else None,
+                    data=b"" if self._truncated else bytes(self._data),
+                    data_size=self._data_size,
+                    truncated=self._truncated,
+                    start=start,
+                    end=end,
+                )
+            )
+            if len(self._data) > 4096:
+                self._data = bytearray()  # don't keep a large capacity between events
+            else:
+                self._data.clear()
+            self._data_size = 0
+            self._truncated = False
+            self._has_data = False
+        self._event = None

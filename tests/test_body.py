@@ -1,0 +1,677 @@
+"""Body reader over real sockets: limits, codings, disconnects, idle timeout, leftovers.
+
+Every socket test runs a tiny aiohttp app on 127.0.0.1 whose handler calls
+read_body and records an Outcome: what the reader returned or raised, and what
+it left behind (new tasks, live timers, the payload's waiter, traced memory
+still held). tracemalloc runs and the cyclic garbage collector is off during
+each test, so a buffer kept alive by a traceback or a reference cycle shows up
+as retained memory instead of being collected by luck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import gc
+import gzip
+import json
+import random
+import struct
+import time
+import tracemalloc
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import brotli
+import pytest
+import xxhash
+import zstandard
+from aiohttp import hdrs, web
+
+from proxy.body import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_CONTENT_CODINGS,
+    BodyEncodingError,
+    BodyError,
+    BodyTooLarge,
+    check_content_length,
+    encoded_size_cap,
+    parse_content_encoding,
+    read_body,
+)
+
+KiB = 1024
+MiB = 1024 * KiB
+IO_TIMEOUT = 20.0  # seconds; bounds every client-side wait
+RETAINED_MAX = 1 * MiB  # traced bytes a settled read may still hold (bodies here are >= 4 MiB)
+
+
+# --------------------------------------------------------------------------- harness
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one read_body call returned or raised, and what it left behind."""
+
+    status: int = 0
+    kind: str = ""
+    limit: int | None = None
+    digest: str = ""
+    size: int = 0
+    wire: int = 0
+    cancelled: bool = False
+    new_tasks: int = 0
+    new_timers: int = 0
+    waiter_left: bool = False
+    retained: int = 0  # traced bytes held after the read settled, over the start
+    freed: int = 0  # traced bytes released by dropping the ReadResult
+    peak: int = 0  # traced peak during the read, over the start
+
+
+def _live_timers(loop: asyncio.AbstractEventLoop) -> list[asyncio.TimerHandle]:
+    scheduled: list[asyncio.TimerHandle] = vars(loop)["_scheduled"]
+    return [h for h in scheduled if not h.cancelled()]
+
+
+class Harness:
+    """The server side: settings for the next read, and the outcomes recorded."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.limit = 8 * MiB
+        self.idle = 10.0
+        self.chunk = DEFAULT_CHUNK_BYTES
+        self.reading = asyncio.Event()
+        self.outcomes: asyncio.Queue[Outcome] = asyncio.Queue()
+
+    async def outcome(self) -> Outcome:
+        """The next recorded outcome.
+
+        Takes no timer of its own (it may be awaited while a read is being
+        measured); await it after the response, or under the caller's timeout.
+        """
+        return await self.outcomes.get()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        loop = asyncio.get_running_loop()
+        tasks_before = asyncio.all_tasks(loop)
+        timers_before = _live_timers(loop)
+        mem_before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        out = Outcome()
+        message = ""
+        self.reading.set()
+        try:
+            result = await read_body(
+                request.content,
+                content_length=request.content_length,
+                content_encoding=request.headers.get(hdrs.CONTENT_ENCODING),
+                limit=self.limit,
+                idle_timeout=self.idle,
+                chunk_bytes=self.chunk,
+            )
+        except BodyError as exc:
+            out.status, out.kind, out.limit, message = exc.status, exc.kind, exc.limit, exc.message
+        except asyncio.CancelledError:
+            # Measured while the CancelledError and its traceback are still alive.
+            out.cancelled = True
+            self._settle(out, request, tasks_before, timers_before, mem_before)
+            self.outcomes.put_nowait(out)
+            raise
+        else:
+            out.status, out.digest = 200, result.digest
+            out.size, out.wire = len(result.buffer), result.wire_bytes
+            held = tracemalloc.get_traced_memory()[0]
+            del result
+            out.freed = held - tracemalloc.get_traced_memory()[0]
+        self._settle(out, request, tasks_before, timers_before, mem_before)
+        self.outcomes.put_nowait(out)
+        payload: dict[str, Any] = {"kind": out.kind, "message": message, "limit": out.limit}
+        if out.status == 200:
+            payload = {"size": out.size, "digest": out.digest, "wire": out.wire}
+        return web.json_response(payload, status=out.status)
+
+    @staticmethod
+    def _settle(
+        out: Outcome,
+        request: web.Request,
+        tasks_before: set[asyncio.Task[Any]],
+        timers_before: list[asyncio.TimerHandle],
+        mem_before: int,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        current, peak = tracemalloc.get_traced_memory()
+        out.peak = peak - mem_before
+        out.retained = current - mem_before
+        out.new_tasks = len(asyncio.all_tasks(loop) - tasks_before)
+        out.new_timers = sum(
+            1 for h in _live_timers(loop) if not any(h is b for b in timers_before)
+        )
+        out.waiter_left = request.content._waiter is not None
+
+
+@pytest.fixture
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    """A server on an ephemeral loopback port; ``param`` = handler_cancellation."""
+    cancellation: bool = getattr(request, "param", True)
+    h = Harness()
+    app = web.Application()
+    app.router.add_post("/", h.handle)
+    runner = web.AppRunner(app, auto_decompress=False, handler_cancellation=cancellation)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    h.port = runner.addresses[0][1]
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        yield h
+    finally:
+        tracemalloc.stop()
+        if gc_was_enabled:
+            gc.enable()
+        await runner.cleanup()
+
+
+def assert_nothing_left(out: Outcome) -> None:
+    """The read settled without leaving a task, a timer, a waiter or its buffer behind."""
+    assert out.new_tasks == 0
+    assert out.new_timers == 0
+    assert not out.waiter_left
+    assert out.retained < RETAINED_MAX, f"{out.retained} bytes still held after the read"
+    if out.status == 200:
+        assert out.freed >= out.size, "dropping the ReadResult must free the body"
+
+
+# --------------------------------------------------------------------------- clients
+
+
+def request_head(
+    *, length: int | None = None, encoding: str | None = None, chunked: bool = False
+) -> bytes:
+    lines = ["POST / HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    if encoding is not None:
+        lines.append(f"Content-Encoding: {encoding}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def send_body(
+    writer: asyncio.StreamWriter,
+    body: bytes,
+    *,
+    chunked: bool = False,
+    piece: int = 256 * KiB,
+    finish: bool = True,
+) -> None:
+    """Write ``body`` in ``piece``-byte writes, waiting for the socket after each."""
+    view = memoryview(body)
+    for start in range(0, len(view), piece):
+        part = view[start : start + piece]
+        if chunked:
+            writer.write(b"%x\r\n" % len(part))
+            writer.write(part)
+            writer.write(b"\r\n")
+        else:
+            writer.write(part)
+        await writer.drain()
+    if chunked and finish:
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return status, json.loads(await reader.readexactly(length))
+
+
+async def close_quietly(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except ConnectionError:
+        pass
+
+
+async def raw_post(
+    h: Harness,
+    body: bytes,
+    *,
+    chunked: bool = False,
+    encoding: str | None = None,
+    send: bool = True,
+) -> tuple[int, dict[str, Any]]:
+    """POST over a raw socket; the body goes out while the response is awaited."""
+
+    async def sender() -> None:
+        try:
+            await send_body(writer, body, chunked=chunked)
+        except ConnectionError:
+            pass  # the server may answer early and close; the response tells
+
+    async with asyncio.timeout(IO_TIMEOUT):
+        reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
+        try:
+            length = None if chunked else len(body)
+            writer.write(request_head(length=length, encoding=encoding, chunked=chunked))
+            task = asyncio.create_task(sender()) if send else None
+            response = await read_response(reader)
+            if task is not None:
+                await task
+            return response
+        finally:
+            await close_quietly(writer)
+
+
+async def session_post(
+    h: Harness, data: bytes, *, chunked: bool = False, encoding: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """POST with an aiohttp ClientSession (Content-Length, or chunked from a generator)."""
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 64 * KiB):
+            yield data[start : start + 64 * KiB]
+
+    headers = {hdrs.CONTENT_ENCODING: encoding} if encoding else {}
+    payload: Any = pieces() if chunked else data
+    timeout = aiohttp.ClientTimeout(total=IO_TIMEOUT)
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(f"http://127.0.0.1:{h.port}/", data=payload, headers=headers) as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def digest(data: bytes) -> str:
+    return xxhash.xxh3_128(data).hexdigest()
+
+
+def patterned(size: int) -> bytes:
+    """``size`` bytes, cheap to make, every 256-byte run different from its offset."""
+    return (bytes(range(256)) * (size // 256 + 1))[:size]
+
+
+@functools.cache
+def chat_json(size: int) -> bytes:
+    """A compressible chat-like JSON body of about ``size`` bytes, deterministic."""
+    rng = random.Random(size)
+    words = ["".join(rng.choices("abcdefghijklmnop", k=rng.randint(2, 9))) for _ in range(4000)]
+    messages = []
+    total = 0
+    while total < size:
+        text = " ".join(rng.choices(words, k=120))
+        messages.append({"role": "user", "content": text})
+        total += len(text) + 32
+    return json.dumps({"model": "m", "messages": messages}).encode()
+
+
+def raw_deflate(data: bytes) -> bytes:
+    c = zlib.compressobj(6, zlib.DEFLATED, -zlib.MAX_WBITS)
+    return c.compress(data) + c.flush()
+
+
+def zstd_streamed(data: bytes) -> bytes:
+    """zstd written by a streaming compressor: the frame header has no content size."""
+    c = zstandard.ZstdCompressor(level=3, write_checksum=True).compressobj()
+    return c.compress(data) + c.flush()
+
+
+# --------------------------------------------------------------------------- bombs
+
+ONE_MIB_ZEROS = bytes(MiB)
+
+
+@functools.cache
+def gzip_bomb() -> bytes:
+    """1 MiB on the wire, 1 GiB decoded: 1024 concatenated gzip members (RFC 1952 2.2)."""
+    member = zlib.compress(ONE_MIB_ZEROS, 9, 16 + zlib.MAX_WBITS)
+    assert gzip.decompress(member) == ONE_MIB_ZEROS
+    return member * 1024
+
+
+@functools.cache
+def zstd_bomb() -> bytes:
+    """47 KB on the wire, 1 GiB decoded: 1024 zstd frames with no content size."""
+    frame = zstandard.ZstdCompressor(level=19, write_content_size=False).compress(ONE_MIB_ZEROS)
+    assert zstandard.ZstdDecompressor().decompressobj().decompress(frame) == ONE_MIB_ZEROS
+    return frame * 1024
+
+
+@functools.cache
+def br_bomb() -> bytes:
+    """About 900 bytes, 1 GiB decoded.
+
+    After a flush, brotli encodes each further 16 MiB of zeros as the same bytes
+    (a copy of the previous window), so one such block repeated 63 times plus the
+    first and the end marker is a valid stream of 64 x 16 MiB.
+    """
+    block = bytes(16 * MiB)
+    c = brotli.Compressor(quality=5, lgwin=24)
+    first = c.process(block) + c.flush()
+    repeat = c.process(block) + c.flush()
+    assert c.process(block) + c.flush() == repeat
+    return first + repeat * 63 + c.finish()
+
+
+BOMBS = {
+    "gzip": gzip_bomb,
+    "gzip, gzip": lambda: gzip.compress(gzip_bomb()),  # about 2.5 KB
+    "br": br_bomb,
+    "zstd": zstd_bomb,
+    "zstd, zstd": lambda: zstandard.ZstdCompressor(level=19).compress(zstd_bomb()),  # ~50 B
+}
+
+
+# --------------------------------------------------------------------------- pure checks
+
+
+def test_codings_are_listed_in_the_order_applied_and_normalised() -> None:
+    assert parse_content_encoding(None) == ()
+    assert parse_content_encoding("") == ()
+    assert parse_content_encoding("identity") == ()
+    assert parse_content_encoding(" GZIP ") == ("gzip",)
+    assert parse_content_encoding("x-gzip") == ("gzip",)
+    assert parse_content_encoding("gzip, identity,br") == ("gzip", "br")
+    assert parse_content_encoding("deflate,zstd") == ("deflate", "zstd")
+
+
+@pytest.mark.parametrize("value", ["compress", "gzip, lzma", "aes128gcm"])
+def test_unknown_coding_is_unsupported_media_type(value: str) -> None:
+    with pytest.raises(BodyEncodingError) as info:
+        parse_content_encoding(value)
+    assert (info.value.status, info.value.kind) == (415, "unsupported_encoding")
+
+
+def test_too_many_stacked_codings_are_refused() -> None:
+    parse_content_encoding(", ".join(["gzip"] * MAX_CONTENT_CODINGS))
+    with pytest.raises(BodyEncodingError) as info:
+        parse_content_encoding(", ".join(["gzip"] * (MAX_CONTENT_CODINGS + 1)))
+    assert info.value.status == 415
+
+
+def test_declared_length_is_checked_against_the_right_limit() -> None:
+    check_content_length(None, None, 10)
+    check_content_length(10, None, 10)
+    with pytest.raises(BodyTooLarge) as info:
+        check_content_length(11, None, 10)
+    assert (info.value.status, info.value.kind, info.value.limit) == (413, "too_large", 10)
+    assert "10 bytes" in info.value.message
+    # Coded: the decoded size is unknown, only an impossible wire size is refused.
+    check_content_length(encoded_size_cap(10), "gzip", 10)
+    with pytest.raises(BodyTooLarge):
+        check_content_length(encoded_size_cap(10) + 1, "gzip", 10)
+
+
+# --------------------------------------------------------------------------- success
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_small_body_is_read_whole(harness: Harness, chunked: bool) -> None:
+    body = chat_json(1536 * KiB)
+    status, payload = await session_post(harness, body, chunked=chunked)
+    assert status == 200
+    assert payload == {"size": len(body), "digest": digest(body), "wire": len(body)}
+    out = await harness.outcome()
+    assert out.status == 200
+    assert out.peak < len(body) + 2 * MiB
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_40mib_body_is_read_whole_and_freed_with_the_result(
+    harness: Harness, chunked: bool
+) -> None:
+    harness.limit = 64 * MiB
+    body = patterned(40 * MiB)
+    status, payload = await raw_post(harness, body, chunked=chunked)
+    assert status == 200
+    assert payload == {"size": len(body), "digest": digest(body), "wire": len(body)}
+    out = await harness.outcome()
+    assert_nothing_left(out)
+
+
+async def test_64mib_identity_body_peaks_at_its_own_size(harness: Harness) -> None:
+    harness.limit = 64 * MiB
+    body = patterned(64 * MiB)
+    status, payload = await raw_post(harness, body)
+    assert (status, payload["digest"]) == (200, digest(body))
+    out = await harness.outcome()
+    assert out.peak <= 1.05 * len(body), f"peak {out.peak / len(body):.3f} x body"
+    assert_nothing_left(out)
+
+
+# --------------------------------------------------------------------------- limits
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("delta", [-1, 0, 1])
+async def test_limit_is_inclusive(harness: Harness, chunked: bool, delta: int) -> None:
+    harness.limit = 1 * MiB
+    body = patterned(harness.limit + delta)
+    status, payload = await session_post(harness, body, chunked=chunked)
+    out = await harness.outcome()
+    if delta <= 0:
+        assert (status, payload["size"], payload["digest"]) == (200, len(body), digest(body))
+    else:
+        assert status == 413
+        assert payload["kind"] == "too_large"
+        assert payload["limit"] == harness.limit
+    assert out.new_tasks == out.new_timers == 0
+
+
+async def test_declared_length_over_limit_is_refused_before_any_body_byte(
+    harness: Harness,
+) -> None:
+    harness.limit = 4 * MiB
+    # Headers only: the 413 arrives although not one body byte was ever sent.
+    status, payload = await raw_post(harness, bytes(harness.limit + 1), send=False)
+    assert (status, payload["kind"], payload["limit"]) == (413, "too_large", harness.limit)
+    assert payload["message"] == f"request body exceeds the limit of {harness.limit} bytes"
+    out = await harness.outcome()
+    assert out.peak < 256 * KiB
+    assert_nothing_left(out)
+
+
+async def test_chunked_body_over_limit_stops_at_the_limit(harness: Harness) -> None:
+    harness.limit = 4 * MiB
+    status, payload = await raw_post(harness, patterned(12 * MiB), chunked=True)
+    assert (status, payload["limit"]) == (413, harness.limit)
+    out = await harness.outcome()
+    # Stopped near the limit instead of buffering all 12 MiB, and freed what it had.
+    assert out.peak < 1.5 * harness.limit
+    assert_nothing_left(out)
+
+
+# --------------------------------------------------------------------------- disconnect, idle
+
+
+async def _hang_up_mid_body(h: Harness) -> Outcome:
+    """Declare 8 MiB, send 3 MiB, hang up once the handler is reading."""
+    async with asyncio.timeout(IO_TIMEOUT):
+        _, writer = await asyncio.open_connection("127.0.0.1", h.port)
+        writer.write(request_head(length=8 * MiB))
+        await send_body(writer, patterned(3 * MiB))
+        await h.reading.wait()
+        await close_quietly(writer)
+        return await h.outcome()
+
+
+async def test_client_hang_up_cancels_the_read_and_frees_it(harness: Harness) -> None:
+    out = await _hang_up_mid_body(harness)
+    assert out.cancelled
+    assert_nothing_left(out)
+
+
+@pytest.mark.parametrize("harness", [False], indirect=True, ids=["no-handler-cancellation"])
+async def test_client_hang_up_is_incomplete_without_cancellation(harness: Harness) -> None:
+    out = await _hang_up_mid_body(harness)
+    assert (out.cancelled, out.status, out.kind) == (False, 400, "incomplete")
+    assert_nothing_left(out)
+
+
+async def test_broken_chunk_framing_ends_by_idle_timeout(harness: Harness) -> None:
+    # aiohttp 3.14's parser drops the payload of a request whose chunk framing
+    # breaks without telling it, so only the idle timeout can end the read.
+    harness.idle = 0.3
+    async with asyncio.timeout(IO_TIMEOUT):
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        try:
+            writer.write(request_head(chunked=True))
+            await send_body(writer, patterned(4 * MiB), chunked=True, finish=False)
+            writer.write(b"not-a-chunk-size\r\n")
+            await writer.drain()
+            out = await harness.outcome()
+        finally:
+            await close_quietly(writer)
+    assert (out.status, out.kind) == (408, "timeout")
+    assert_nothing_left(out)
+
+
+async def test_idle_client_gets_408(harness: Harness) -> None:
+    harness.idle = 0.25
+    async with asyncio.timeout(IO_TIMEOUT):
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        try:
+            writer.write(request_head(length=8 * MiB))
+            await send_body(writer, patterned(4 * MiB))
+            started = time.monotonic()
+            status, payload = await read_response(reader)
+            waited = time.monotonic() - started
+        finally:
+            await close_quietly(writer)
+    assert (status, payload["kind"]) == (408, "timeout")
+    assert waited >= harness.idle * 0.9
+    out = await harness.outcome()
+    assert_nothing_left(out)
+
+
+async def test_slow_but_steady_upload_is_not_idle(harness: Harness) -> None:
+    harness.idle = 0.5
+    pieces = [patterned(64 * KiB)] * 8
+    async with asyncio.timeout(IO_TIMEOUT):
+        reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
+        try:
+            writer.write(request_head(length=sum(map(len, pieces))))
+            await writer.drain()
+            await harness.reading.wait()
+            started = time.monotonic()
+            for piece in pieces:
+                await asyncio.sleep(0.1)  # pacing under test, not synchronisation
+                writer.write(piece)
+                await writer.drain()
+            status, payload = await read_response(reader)
+            elapsed = time.monotonic() - started
+        finally:
+            await close_quietly(writer)
+    assert elapsed > harness.idle  # the whole upload took longer than the idle timeout
+    assert (status, payload["digest"]) == (200, digest(b"".join(pieces)))
+
+
+# --------------------------------------------------------------------------- codings
+
+CODED: dict[str, tuple[str, Any]] = {
+    "gzip": ("gzip", gzip.compress),
+    "x-gzip": ("x-gzip", gzip.compress),
+    "gzip-two-members": ("gzip", lambda d: gzip.compress(d[:1000]) + gzip.compress(d[1000:])),
+    "deflate-zlib": ("deflate", zlib.compress),
+    "deflate-raw": ("deflate", raw_deflate),
+    "br": ("br", brotli.compress),
+    "zstd": ("zstd", lambda d: zstandard.ZstdCompressor(level=3).compress(d)),
+    "zstd-no-content-size": ("zstd", zstd_streamed),
+    "zstd-frames-and-skippable": (
+        "zstd",
+        lambda d: zstd_streamed(d[:5000]) + struct.pack("<II", 0x184D2A5A, 3) + b"pad"
+        + zstandard.ZstdCompressor().compress(d[5000:]),
+    ),
+    "gzip-then-br": ("gzip, br", lambda d: brotli.compress(gzip.compress(d))),
+    "zstd-then-deflate": ("zstd, deflate", lambda d: zlib.compress(zstd_streamed(d))),
+}
+
+
+@pytest.mark.parametrize("case", list(CODED))
+async def test_coded_body_is_decoded(harness: Harness, case: str) -> None:
+    body = chat_json(1536 * KiB)
+    encoding, encode = CODED[case]
+    wire = encode(body)
+    status, payload = await session_post(harness, wire, encoding=encoding)
+    assert status == 200
+    assert payload == {"size": len(body), "digest": digest(body), "wire": len(wire)}
+    out = await harness.outcome()
+    assert out.new_tasks == out.new_timers == 0
+
+
+@pytest.mark.parametrize("encoding", list(BOMBS))
+async def test_decompression_bomb_gets_413_fast_with_bounded_memory(
+    harness: Harness, encoding: str
+) -> None:
+    harness.limit = 4 * MiB
+    wire = BOMBS[encoding]()
+    started = time.monotonic()
+    status, payload = await raw_post(harness, wire, encoding=encoding)
+    elapsed = time.monotonic() - started
+    assert (status, payload["kind"], payload["limit"]) == (413, "too_large", harness.limit)
+    out = await harness.outcome()
+    assert out.peak < 3 * harness.limit, f"peak {out.peak} bytes for a {harness.limit} limit"
+    assert elapsed < 2.0  # a reader that inflated the whole GiB would take far longer
+    assert_nothing_left(out)
+
+
+def _corrupt_gzip(data: bytes) -> bytes:
+    wire = bytearray(gzip.compress(data, 1))
+    wire[-6] ^= 0xFF  # inside the CRC32 trailer: every byte decodes, the check fails
+    return bytes(wire)
+
+
+BROKEN: dict[str, tuple[str, Any]] = {
+    "gzip-bad-crc": ("gzip", _corrupt_gzip),
+    "gzip-truncated": ("gzip", lambda d: gzip.compress(d, 1)[:-100]),
+    "deflate-truncated": ("deflate", lambda d: zlib.compress(d, 1)[:-100]),
+    "deflate-trailing-bytes": ("deflate", lambda d: zlib.compress(d, 1) + b"tail"),
+    "br-truncated": ("br", lambda d: brotli.compress(d, quality=1)[:-100]),
+    "zstd-truncated": ("zstd", lambda d: zstandard.ZstdCompressor().compress(d)[:-100]),
+    "zstd-no-content-size-truncated": ("zstd", lambda d: zstd_streamed(d)[:-3]),
+    "zstd-garbage-after-frame": ("zstd", lambda d: zstd_streamed(d) + b"garbage!"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+async def test_corrupt_or_truncated_coded_body_is_400(harness: Harness, case: str) -> None:
+    # 6 MiB decoded, so a buffer left behind would show as retained memory.
+    encoding, encode = BROKEN[case]
+    status, payload = await raw_post(harness, encode(chat_json(6 * MiB)), encoding=encoding)
+    assert (status, payload["kind"]) == (400, "bad_encoding")
+    assert encoding.split(",")[-1].strip() in payload["message"]
+    out = await harness.outcome()
+    assert_nothing_left(out)
+
+
+async def test_unknown_coding_is_415_before_any_body_byte(harness: Harness) -> None:
+    status, payload = await raw_post(harness, bytes(MiB), encoding="compress", send=False)
+    assert (status, payload["kind"]) == (415, "unsupported_encoding")
+    out = await harness.outcome()
+    assert_nothing_left(out)
+
+
+async def test_zstd_window_over_rfc9659_limit_is_400(harness: Harness) -> None:
+    params = zstandard.ZstdCompressionParameters(window_log=25)
+    # Streamed, so the frame keeps its 32 MiB window (no content size to shrink it to).
+    c = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    wire = c.compress(patterned(6 * MiB)) + c.flush()
+    status, payload = await raw_post(harness, wire, encoding="zstd")
+    assert (status, payload["kind"]) == (400, "bad_encoding")
+    assert_nothing_left(await harness.outcome())

@@ -1,0 +1,187 @@
+"""The usage plugin: token totals per session (admin view) and per model (Prometheus)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from plugins.usage import UsagePlugin
+from proxy import ExchangeRecord
+
+
+def make_record(**overrides: Any) -> ExchangeRecord:
+    """An ``ok`` Anthropic exchange of session ``s1``; keyword arguments replace fields."""
+    fields: dict[str, Any] = {
+        "exchange_id": "x1",
+        "session_id": "s1",
+        "protocol": "anthropic",
+        "path": "/v1/messages",
+        "model": "claude-test",
+        "stream": True,
+        "wire_digest": "a" * 32,
+        "comparable": True,
+        "message_count": 3,
+        "request_bytes": 1000,
+        "outbound_bytes": 1000,
+        "outbound_digest": None,
+        "status": 200,
+        "outcome": "ok",
+        "fold_level": 0,
+        "refolds": 0,
+        "retries": 0,
+        "input_tokens": 100,
+        "output_tokens": 20,
+        "cache_read_tokens": 7,
+        "response_bytes": 500,
+        "started_at": 1_700_000_000.0,
+        "ttfb_s": 0.2,
+        "duration_s": 1.5,
+        "error": None,
+    }
+    fields.update(overrides)
+    return ExchangeRecord(**fields)
+
+
+def sample(registry: CollectorRegistry, kind: str, protocol: str, model: str) -> float | None:
+    return registry.get_sample_value(
+        f"context_proxy_{kind}_tokens_total", {"protocol": protocol, "model": model}
+    )
+
+
+@pytest.fixture
+async def registry_and_plugin() -> AsyncIterator[tuple[CollectorRegistry, UsagePlugin]]:
+    registry = CollectorRegistry()
+    plugin = UsagePlugin(registry=registry)
+    await plugin.startup()
+    yield registry, plugin
+    await plugin.shutdown()
+
+
+async def test_totals_per_session_and_per_model(
+    registry_and_plugin: tuple[CollectorRegistry, UsagePlugin],
+) -> None:
+    registry, plugin = registry_and_plugin
+
+    await plugin.commit(make_record())
+    await plugin.commit(make_record(input_tokens=50, output_tokens=5, cache_read_tokens=None))
+    await plugin.commit(make_record(session_id="s2", model="other-model", protocol="openai_chat"))
+
+    assert plugin.session_state("s1") == {
+        "input_tokens": 150,
+        "output_tokens": 25,
+        "cache_read_tokens": 7,
+        "requests": 2,
+    }
+    assert plugin.session_state("s2")["input_tokens"] == 100
+    assert sample(registry, "input", "anthropic", "claude-test") == 150
+    assert sample(registry, "output", "anthropic", "claude-test") == 25
+    assert sample(registry, "cache_read", "anthropic", "claude-test") == 7
+    assert sample(registry, "input", "openai_chat", "other-model") == 100
+    assert sample(registry, "input", "openai_chat", "claude-test") is None
+
+
+async def test_records_without_usage_or_session_count_where_they_can(
+    registry_and_plugin: tuple[CollectorRegistry, UsagePlugin],
+) -> None:
+    registry, plugin = registry_and_plugin
+
+    # The upstream reported no usage (e.g. the client hung up first): a request, no tokens.
+    await plugin.commit(
+        make_record(
+            outcome="client_gone", input_tokens=None, output_tokens=None, cache_read_tokens=None
+        )
+    )
+    # No session: the metrics count it, no per-session state is created.
+    await plugin.commit(make_record(session_id=None, model=None))
+
+    assert plugin.session_state("s1") == {
+        "input_tokens": 0,
+        "output_tokens": 0,
+        "cache_read_tokens": 0,
+        "requests": 1,
+    }
+    assert sample(registry, "input", "anthropic", "claude-test") == 0
+    assert sample(registry, "input", "anthropic", "unknown") == 100
+
+
+async def test_the_app_registry_renders_the_plugin_as_a_collector() -> None:
+    # What an app with its own registry does with a plugin built from the config
+    # file (no registry option): register the plugin itself.
+    app_registry = CollectorRegistry(auto_describe=True)
+    plugin = UsagePlugin()
+    app_registry.register(plugin)
+    await plugin.commit(make_record())
+    text = generate_latest(app_registry).decode()
+    assert (
+        'context_proxy_input_tokens_total{model="claude-test",protocol="anthropic"} 100.0' in text
+    )
+    assert "# TYPE context_proxy_output_tokens_total counter" in text
+
+
+async def test_apps_built_one_after_another_share_a_registry_without_clashing() -> None:
+    registry = CollectorRegistry()
+    for n in range(3):
+        plugin = UsagePlugin(registry=registry)
+        await plugin.startup()
+        await plugin.commit(make_record(input_tokens=10 * (n + 1)))
+        assert sample(registry, "input", "anthropic", "claude-test") == 10 * (n + 1)
+        await plugin.shutdown()
+    assert sample(registry, "input", "anthropic", "claude-test") is None
+
+
+async def test_two_live_plugins_on_one_registry_fail_clearly_at_startup() -> None:
+    registry = CollectorRegistry()
+    first = UsagePlugin(registry=registry)
+    await first.startup()
+    second = UsagePlugin(registry=registry)
+    with pytest.raises(ValueError, match="context_proxy_input_tokens"):
+        await second.startup()
+    await first.shutdown()
+
+
+async def test_a_foreign_collector_with_our_name_is_a_clear_error() -> None:
+    registry = CollectorRegistry()
+    Counter("context_proxy_input_tokens", "someone else's", registry=registry)
+    with pytest.raises(ValueError, match="context_proxy_input_tokens"):
+        await UsagePlugin(registry=registry).startup()
+
+
+async def test_closed_sessions_are_forgotten_and_the_session_table_is_capped() -> None:
+    plugin = UsagePlugin(max_sessions=2)
+
+    await plugin.commit(make_record(session_id="s1"))
+    await plugin.commit(make_record(session_id="s2"))
+    await plugin.commit(make_record(session_id="s1"))  # s1 is now the most recent
+    await plugin.commit(make_record(session_id="s3"))  # over the cap: s2 goes
+
+    assert plugin.session_state("s2") == {}
+    assert plugin.session_state("s1")["requests"] == 2
+    await plugin.session_closed("s1")
+    assert plugin.session_state("s1") == {}
+    assert plugin.session_state("s3")["requests"] == 1
+    # The per-model counters are not affected by forgetting sessions.
+    families = {family.name: family for family in plugin.collect()}
+    assert [s.value for s in families["context_proxy_input_tokens"].samples] == [400]
+
+
+async def test_model_labels_are_capped_against_invented_model_names() -> None:
+    plugin = UsagePlugin(max_models=3)
+    for n in range(5):
+        await plugin.commit(make_record(model=f"model-{n}"))
+    await plugin.commit(make_record(model="model-0"))
+    await plugin.commit(make_record(model="m" * 10_000))
+
+    families = {family.name: family for family in plugin.collect()}
+    per_model = {s.labels["model"]: s.value for s in families["context_proxy_input_tokens"].samples}
+    assert per_model == {"model-0": 200, "model-1": 100, "model-2": 100, "other": 300}
+    assert plugin.model_label(None) == "unknown"
+
+
+@pytest.mark.parametrize("option", ["max_sessions", "max_models"])
+def test_bad_options_are_rejected(option: str) -> None:
+    options: dict[str, Any] = {option: 0}
+    with pytest.raises(ValueError, match=option):
+        UsagePlugin(**options)
