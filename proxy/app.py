@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Final
 
 from aiohttp import web
@@ -52,6 +53,8 @@ class AppState:
 
     Exchanges are listed in ``exchanges`` only while their handler runs (the
     handler removes them in ``finally``), so nothing here outlives a request.
+    ``clock`` (monotonic seconds) is the session registry's, for tombstone TTLs
+    and idle times; tests inject one to expire tombstones without sleeping.
     """
 
     __slots__ = (
@@ -67,13 +70,20 @@ class AppState:
         "upstream",
     )
 
-    def __init__(self, settings: Settings, host: PluginHost) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        host: PluginHost,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.settings: Final = settings
         self.host: Final = host
         self.registry: Final = SessionRegistry(
             idle_cap=settings.idle_session_cap,
             tombstone_ttl=settings.tombstone_ttl,
             tombstone_cap=settings.tombstone_cap,
+            clock=clock,
             on_close=host.run_session_closed,
         )
         self.upstream: Upstream | None = None
@@ -161,7 +171,10 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         if exc.kind == "incomplete":
             log.warning("%s: client closed the connection before the body completed", ex.id)
             state.metrics.disconnects.labels("body").inc()
-        return _reject(protocol, exc.status, exc.message, state, code=exc.kind)
+        resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
+        # The rest of the body was never read: close rather than drain it.
+        resp.force_close()
+        return resp
     except wire.WireError as exc:
         ex.status, ex.outcome, ex.error = 400, "rejected", "invalid_json"
         return _reject(protocol, 400, str(exc), state, code="invalid_json")
@@ -216,7 +229,8 @@ async def _run_exchange(
     settings = state.settings
     body_hint: str | None = None
     if request.method in _BODY_METHODS or request.body_exists:
-        encoding = request.headers.get("Content-Encoding")
+        codings = request.headers.getall("Content-Encoding", [])
+        encoding = ", ".join(codings) if codings else None
         check_content_length(request.content_length, encoding, settings.max_body_bytes)
         result = await read_body(
             request.content,
@@ -276,8 +290,10 @@ async def handle_root(request: web.Request) -> web.Response:
 
 async def _on_startup(app: web.Application) -> None:
     state = app[STATE]
-    state.upstream = Upstream(state.settings)
+    # Plugins first: when one refuses to start, aiohttp runs no cleanup, so an
+    # upstream client session opened before it would be left unclosed.
     await state.host.startup()
+    state.upstream = Upstream(state.settings)
 
 
 async def _on_cleanup(app: web.Application) -> None:
@@ -286,10 +302,17 @@ async def _on_cleanup(app: web.Application) -> None:
         await state.upstream.close()
 
 
-def build_app(settings: Settings, *, host: PluginHost | None = None) -> web.Application:
+def build_app(
+    settings: Settings,
+    *,
+    host: PluginHost | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
     """Build the proxy application.
 
-    ``host`` overrides the plugins named in ``settings`` (tests pass their own).
+    ``host`` overrides the plugins named in ``settings`` (tests pass their own);
+    ``clock`` is the session registry's monotonic clock in seconds (tests inject
+    one to expire tombstones without sleeping).
 
     Raises:
         proxy.plugins.PluginError: a configured plugin cannot be loaded.
@@ -297,7 +320,7 @@ def build_app(settings: Settings, *, host: PluginHost | None = None) -> web.Appl
     if host is None:
         host = load_plugins(settings.plugins, settings.plugin, timeout=settings.plugin_timeout)
     app = web.Application(client_max_size=settings.max_body_bytes)
-    state = AppState(settings, host)
+    state = AppState(settings, host, clock=clock)
     app[STATE] = state
     from .admin import add_admin_routes
 

@@ -14,11 +14,12 @@ Cancellation (the app runs with ``handler_cancellation=True``, so a client that
 hangs up cancels the handler task) propagates unchanged after the same cleanup.
 
 Memory: with ``Content-Length`` and no content coding the body is read into one
-``bytearray`` of exactly that size (allocated when the first byte arrives), so
-the peak is the body plus aiohttp's read buffer (about two chunks). Encoded
-bodies grow one ``bytearray``; every decoder hands out pieces of at most about
-one chunk, so a 1 KB bomb that would expand to gigabytes costs the limit plus a
-chunk before it is refused.
+``bytearray`` of exactly that size (allocated when the first byte arrives) by
+slice assignment, so the peak is the body plus aiohttp's read buffer (about two
+chunks). Chunked or encoded bodies grow one ``bytearray``. Every decoder hands
+out pieces of at most about one chunk (zlib ``max_length``, brotli
+``output_buffer_limit``, zstd by walking block headers), so a 1 KB bomb that
+would expand to gigabytes costs the limit plus a chunk or two before the 413.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ SUPPORTED_CODINGS: Final = frozenset({"gzip", "x-gzip", "deflate", "br", "zstd"}
 
 ZSTD_MAX_WINDOW_BYTES: Final = 8 * 1024 * 1024
 """Largest zstd window accepted: the 8 MB limit of the ``zstd`` HTTP content coding
-(RFC 9659 section 3). A frame asking for more is a 400, so a 20-byte header cannot
+(RFC 9659). A frame asking for more is a 400, so a 20-byte header cannot
 make the decoder allocate hundreds of megabytes."""
 
 # RFC 8878 section 3.1.1.2.4: Block_Maximum_Size is min(Window_Size, 128 KB); no
@@ -108,7 +109,7 @@ class BodyTooLarge(BodyError):
 
 
 class BodyIncomplete(BodyError):
-    """400: the client closed (or broke the framing) before the body was complete."""
+    """400: the client closed, or aiohttp reported broken framing, before the body was complete."""
 
     status = 400
     kind = "incomplete"
@@ -138,7 +139,7 @@ class BodyEncodingError(BodyError):
 
     @classmethod
     def corrupt(cls, coding: str, detail: str = "is not valid") -> BodyEncodingError:
-        """400: the body ``detail`` (e.g. "ends early in its") ``coding`` data."""
+        """400: "request body <detail> <coding> data", e.g. detail "ends before the end of its"."""
         err = cls(f"request body {detail} {coding} data")
         err.status = 400
         err.kind = "bad_encoding"
@@ -356,6 +357,7 @@ class _ZlibStage(_Stage):
     def __init__(self, coding: str, emit: _Emit, *, piece: int, cap: int, limit: int) -> None:
         super().__init__(coding, emit, piece=piece, cap=cap, limit=limit)
         self._multi = coding == "gzip"
+        # gzip framing; for deflate the first two bytes decide (see feed).
         self._wbits = 16 + zlib.MAX_WBITS if self._multi else 0
         self._d = zlib.decompressobj(self._wbits) if self._multi else None
         self._head = b""
@@ -546,7 +548,7 @@ class _ZstdFramer:
         if state == _Z_MAGIC:
             if value == _ZSTD_MAGIC:
                 self._goto(_Z_DESCRIPTOR, 1)
-            elif value & _ZSTD_SKIPPABLE_MASK == _ZSTD_SKIPPABLE_MAGIC:
+            elif (value & _ZSTD_SKIPPABLE_MASK) == _ZSTD_SKIPPABLE_MAGIC:
                 self._goto(_Z_SKIP_SIZE, 4)
             else:
                 raise BodyEncodingError.corrupt("zstd")

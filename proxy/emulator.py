@@ -99,6 +99,7 @@ answered with 400 in the protocol's error shape.
   content block, no output item; ``output_tokens`` 0): the fake-completion case.
 - ``empty_times=K``: empty only for the first K requests carrying the same
   ``x-emulator-key`` header value (so a retry succeeds); overrides ``empty``.
+  Requests without that header share one counter; a reset clears the counters.
 - ``usage=1``: OpenAI chat streams always end with the usage chunk (empty
   ``choices``), as ``stream_options.include_usage`` asks.
 - ``cache_read=N``: cache-read input tokens reported in usage.
@@ -116,7 +117,8 @@ digest, selected headers with credentials redacted to their first 7 characters,
 and the answer's progress (``received``, ``headers_sent``, ``events_sent``,
 ``finished``, ``aborted_by_peer``, ``cut_by_emulator``, ``closed_at``). The
 AppRunner runs with ``handler_cancellation=True``, so a client that hangs up
-cancels the handler at once and the record says ``aborted_by_peer``. In-process
+cancels the handler at once and the record says ``aborted_by_peer``. Every answer
+carries an ``x-emulator-request-id`` header with the record's id. In-process
 tests wait on records with :meth:`EmulatorServer.wait_received`,
 :meth:`~EmulatorServer.wait_headers_sent`, :meth:`~EmulatorServer.wait_events`,
 :meth:`~EmulatorServer.wait_holding`, :meth:`~EmulatorServer.wait_aborted` and
@@ -151,6 +153,9 @@ __all__ = [
     "MAX_RECORDS",
     "PARSE_LIMIT",
     "SCAN_BYTES",
+    "SCRIPT_HEADER",
+    "SCRIPT_KEY_HEADER",
+    "STATE_KEY",
     "EmulatorServer",
     "EmulatorState",
     "EmulatorWaitError",
@@ -1475,7 +1480,7 @@ class _Wire:
 
     async def _send_split(self, data: bytes) -> None:
         # Split right after the lead byte of the first multi-byte character.
-        lead = next(i for i, byte in enumerate(data) if byte >= 0xC0)
+        lead = next((i for i, byte in enumerate(data) if byte >= 0xC0), len(data) // 2)
         await self._send(data[: lead + 1])
         await self._request.writer.drain()
         await self._state.sleep(_SPLIT_PAUSE)
@@ -1605,9 +1610,10 @@ async def _handle(request: web.Request, route: _Route) -> web.StreamResponse:
             record.aborted_by_peer = True
         raise
     except ConnectionError:
-        # The body read failed because the client went away mid-upload.
+        # The body read failed because the client went away mid-upload; aiohttp
+        # treats the failed write of this answer as a premature disconnect.
         record.aborted_by_peer = not state.closing
-        raise asyncio.CancelledError from None
+        return web.Response(status=400, text="request closed before body completed")
     finally:
         record.closed_at = time.monotonic()
         state.notify()

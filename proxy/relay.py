@@ -318,6 +318,10 @@ class _Relay:
         """Handle one upstream answer: ``done``, ``refold`` or ``retry``."""
         ex = self.ex
         ex.status = resp.status
+        # Each attempt starts clean: a refold or resend discards what the last one saw.
+        self.framer = None
+        self.tail.clear()
+        self.usage = protocols.UsageMeter(ex.protocol)
         if resp.status >= 400:
             head, whole = await _read_capped(resp, ERROR_BODY_CAP)
             overflow = whole and protocols.is_overflow_response(
@@ -424,13 +428,15 @@ class _Relay:
                     await self._forward(chunk)
                     continue
                 held += chunk
-                if overflow:
-                    if self._can_refold() and not _client_gone(self.request) and await ex.refold():
-                        log.info(
-                            "%s: overflow in stream; refolded to level %d", ex.id, ex.fold_level
-                        )
-                        return "refold"
-                    overflow = False
+                if (
+                    overflow
+                    and self._can_refold()
+                    and not _client_gone(self.request)
+                    and await ex.refold()
+                ):
+                    log.info("%s: overflow in stream; refolded to level %d", ex.id, ex.fold_level)
+                    return "refold"
+                # An overflow that cannot be refolded goes to the client as the upstream sent it.
                 if saw_output or overflow or len(held) > HEAD_HOLD_CAP:
                     gated = False
                     await self._open_gate(resp, held)
@@ -443,8 +449,6 @@ class _Relay:
         if gated:
             if not saw_output and ex.retries < self.max_retries and not _client_gone(self.request):
                 log.info("%s: empty completion; resending (retry %d)", ex.id, ex.retries + 1)
-                self.framer = None
-                self.usage = protocols.UsageMeter(ex.protocol)
                 return "retry"
             await self._open_gate(resp, held)
         if framer is not None:

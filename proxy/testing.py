@@ -18,11 +18,18 @@ and stops the emulator, so assertions after it see the final state.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any, Final
 
+import aiohttp
 from aiohttp import web
 
 from .app import STATE, AppState, build_app, running
@@ -30,7 +37,7 @@ from .config import Settings, load_settings
 from .emulator import EmulatorServer, start_emulator
 from .plugins import Plugin, PluginHost
 
-__all__ = ["Harness", "proxy_with_emulator"]
+__all__ = ["Harness", "ProxyProcess", "ProxyStartError", "proxy_process", "proxy_with_emulator"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +53,9 @@ class Harness:
     emulator: EmulatorServer
     app: web.Application
     settings: Settings
+    _stack: contextlib.AsyncExitStack = dataclasses.field(
+        default_factory=contextlib.AsyncExitStack, repr=False, compare=False, kw_only=True
+    )
 
     @property
     def openai_base_url(self) -> str:
@@ -57,35 +67,287 @@ class Harness:
         """The proxy's live state (exchanges, sessions, metrics, plugins)."""
         return self.app[STATE]
 
+    async def settle(self, within: float = 5.0) -> None:
+        """Wait until every exchange the proxy has started is finished, commit hooks included.
+
+        A client has the last byte of an answer before the proxy runs the
+        ``commit`` hooks, so call this between receiving an answer and asserting
+        on what a plugin booked. Covers every request whose handler has started
+        (in particular every one whose answer was received), and the background
+        commits of exchanges that ended early.
+
+        Raises:
+            TimeoutError: still busy after ``within`` seconds (a hung stream or hook).
+        """
+        state = self.state
+        me = asyncio.current_task()
+        async with asyncio.timeout(within):
+            while True:  # bounded by the timeout; each pass waits for real work
+                busy: set[asyncio.Task[Any]] = {
+                    t for t in (*state.handlers, *state.background) if t is not me and not t.done()
+                }
+                if not busy:
+                    return
+                await asyncio.wait(busy)
+
+    async def session_view(self, session_id: str) -> dict[str, Any] | None:
+        """``GET /admin/sessions/{session_id}`` decoded, or ``None`` for an unknown session.
+
+        The view has ``id``, ``in_flight``, ``requests``, ``idle_s`` (seconds),
+        ``tombstoned`` and ``plugins``: ``{plugin name: {key: scalar}}`` from each
+        plugin's ``session_state``. Call :meth:`settle` first to see the last commit.
+
+        Raises:
+            aiohttp.ClientResponseError: the admin route answered another error.
+        """
+        headers = {}
+        if self.settings.admin_token:
+            headers["Authorization"] = f"Bearer {self.settings.admin_token}"
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{self.url}/admin/sessions/{session_id}", headers=headers) as resp,
+        ):
+            if resp.status == 404:
+                return None
+            resp.raise_for_status()
+            view: dict[str, Any] = await resp.json()
+            return view
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The current value of one sample of the proxy's metrics, or ``None`` if absent.
+
+        ``name`` is the sample name as ``GET /metrics`` shows it (counters end in
+        ``_total``); ``labels`` must match the sample's labels exactly. Reads the
+        app's own registry, so it includes every plugin that exports metrics.
+        """
+        value: float | None = self.state.metrics.registry.get_sample_value(name, labels)
+        return value
+
+    async def stop(self) -> None:
+        """Drain and stop the proxy, then the emulator, before the block ends.
+
+        Afterwards every ``commit`` and ``shutdown`` hook has run, so a test can
+        assert on what a plugin flushed. Leaving the block later does nothing
+        more. Idempotent; do not call it from two tasks at once.
+        """
+        await self._stack.aclose()
+
 
 @contextlib.asynccontextmanager
 async def proxy_with_emulator(
     *,
     plugins: Sequence[Plugin] | None = None,
-    plugin_timeout: float = 5.0,
+    plugin_timeout: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    config: str | os.PathLike[str] | None = None,
     **settings: Any,
 ) -> AsyncIterator[Harness]:
     """Run the emulator and a proxy using ``plugins`` (instances, in order).
 
     ``settings`` override :class:`~proxy.config.Settings` fields (for example
     ``max_body_bytes=1024``); the upstream URLs always point at the emulator and
-    the environment is ignored. ``plugins=None`` loads the plugins named in
-    ``settings`` (none by default here).
+    the environment is ignored. ``plugins=None`` loads the plugins named in the
+    settings through the same loader as ``context-proxy serve`` (entry-point
+    names or ``module:Class``, options from the ``plugin`` table): none by
+    default here, or those of ``config``, a TOML settings file read as
+    ``serve --config`` reads it (the listening address is always an ephemeral
+    port of 127.0.0.1). ``plugin_timeout`` (seconds) defaults to the settings'.
+    ``clock`` (monotonic seconds) drives the session registry: pass a fake one
+    to expire tombstones without sleeping.
 
     Raises:
         proxy.config.ConfigError: a bad setting.
+        proxy.plugins.PluginError: a plugin cannot be loaded, or its ``startup`` raised.
     """
-    async with await start_emulator() as emulator:
+    async with contextlib.AsyncExitStack() as stack:
+        emulator = await start_emulator()
+        stack.push_async_callback(emulator.close)
+        # Quick drains by default, and no plugins unless named, when there is no
+        # config file to say otherwise.
+        defaults: dict[str, Any] = {"plugins": [], "shutdown_grace": 5.0} if config is None else {}
         overrides: dict[str, Any] = {
-            "plugins": [],
-            "shutdown_grace": 5.0,
+            **defaults,
             **settings,
             "upstream_openai": emulator.url,
             "upstream_anthropic": emulator.url,
-            "plugin_timeout": plugin_timeout,
+            "plugin_timeout": plugin_timeout,  # None leaves the lower layers alone
         }
-        resolved = load_settings(environ={}, overrides=overrides)
-        host = PluginHost(plugins, timeout=plugin_timeout) if plugins is not None else None
-        app = build_app(resolved, host=host)
-        async with running(app, "127.0.0.1", 0) as port:
-            yield Harness(f"http://127.0.0.1:{port}", emulator, app, resolved)
+        resolved = load_settings(config, environ={}, overrides=overrides)
+        host = None
+        if plugins is not None:
+            host = PluginHost(plugins, timeout=resolved.plugin_timeout)
+        app = build_app(resolved, host=host, clock=clock)
+        port = await stack.enter_async_context(running(app, "127.0.0.1", 0))
+        yield Harness(f"http://127.0.0.1:{port}", emulator, app, resolved, _stack=stack)
+
+
+# -- the proxy as a child process ----------------------------------------------------------
+
+_LISTENING: Final = re.compile(r"context-proxy listening on (http://[^\s:]+:\d+)")
+_READ_BYTES: Final = 64 * 1024
+
+
+class ProxyStartError(RuntimeError):
+    """The proxy process exited, or did not listen in time, before serving.
+
+    ``returncode`` is its exit status (``None`` if it was killed for being too
+    slow); ``output`` is everything it printed (stdout and stderr merged).
+    """
+
+    def __init__(self, message: str, returncode: int | None, output: str) -> None:
+        super().__init__(f"{message} (exit status {returncode}):\n{output}")
+        self.returncode = returncode
+        self.output = output
+
+
+class ProxyProcess:
+    """A proxy running as a child process (``python -m proxy serve`` by default).
+
+    ``url`` is its base URL; ``lines`` is everything it printed so far (log
+    lines on stderr, merged with stdout), one ``str`` per line, kept for the
+    whole life of the process: meant for tests, not for long runs.
+    """
+
+    __slots__ = ("_proc", "_reader", "lines", "url")
+
+    def __init__(
+        self, proc: asyncio.subprocess.Process, reader: asyncio.Task[None], lines: list[str]
+    ) -> None:
+        self._proc = proc
+        self._reader = reader
+        self.lines = lines
+        self.url = ""
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc.pid
+
+    @property
+    def output(self) -> str:
+        """Everything printed so far, lines joined with ``\\n``."""
+        return "\n".join(self.lines)
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the process has exited (and was waited for), else ``None``."""
+        return self._proc.returncode
+
+    async def stop(self, within: float = 30.0) -> int:
+        """Send SIGTERM as a service manager would, wait for the exit, return the exit status.
+
+        The proxy drains (in-flight streams get the ``shutdown_grace``), closes
+        its sessions and shuts its plugins down before it exits, so after this
+        returns whatever a plugin flushes at shutdown is on disk and ``lines``
+        holds the complete output. Idempotent.
+
+        Raises:
+            TimeoutError: the process did not exit within ``within`` seconds; it
+                has been killed.
+        """
+        if self._proc.returncode is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(within):
+                    await self._proc.wait()
+            except TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+                raise
+        await self._reader  # EOF follows the exit: the output is complete
+        return await self._proc.wait()  # the exit status, already known
+
+
+async def _read_lines(
+    stream: asyncio.StreamReader, lines: list[str], listening: asyncio.Future[str]
+) -> None:
+    """Collect ``stream`` into ``lines`` until EOF; resolve ``listening`` with the bound URL."""
+    pending = b""
+    while True:  # ends at EOF, which the child's exit guarantees
+        # Chunks, not readline(): a log line longer than the reader's limit must not
+        # stop the draining (a full pipe would block the child).
+        chunk = await stream.read(_READ_BYTES)
+        if chunk:
+            *complete, pending = (pending + chunk).split(b"\n")
+        else:  # EOF: a last line without its newline still counts
+            complete, pending = ([pending] if pending else []), b""
+        for raw in complete:
+            line = raw.decode("utf-8", "replace").rstrip("\r")
+            lines.append(line)
+            match = _LISTENING.search(line)
+            if match and not listening.done():
+                listening.set_result(match.group(1))
+        if not chunk:
+            if not listening.done():
+                listening.set_exception(EOFError("the proxy exited before listening"))
+            return
+
+
+@contextlib.asynccontextmanager
+async def proxy_process(
+    *args: str,
+    config: str | os.PathLike[str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    command: Sequence[str] | None = None,
+    start_timeout: float = 30.0,
+) -> AsyncIterator[ProxyProcess]:
+    """Run ``context-proxy serve`` as a child process on an ephemeral port of 127.0.0.1.
+
+    The command is ``command`` (default: this interpreter's ``python -m proxy``)
+    followed by ``serve --host 127.0.0.1 --port 0 --log-level INFO``, then
+    ``--config config`` if given, then ``args`` (later flags win, e.g.
+    ``"--upstream-openai", emulator.url``). The environment is this process's
+    without its ``CONTEXT_PROXY_*`` variables, updated with ``env``. Yields once
+    the proxy logs that it listens. Leaving the block stops it with SIGTERM if
+    it still runs (see :meth:`ProxyProcess.stop`).
+
+    Use it to test what only a real process shows: start-up errors, signal
+    handling, the flush at shutdown, state that must survive a restart.
+
+    Raises:
+        ProxyStartError: the process exited, or did not listen within
+            ``start_timeout`` seconds (it is killed), before serving.
+    """
+    base = list(command) if command is not None else [sys.executable, "-m", "proxy"]
+    argv = [*base, "serve", "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO"]
+    if config is not None:
+        argv += ["--config", os.fspath(config)]
+    argv += args
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXT_PROXY_")}
+    environ.update(env or {})
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=cwd,
+        env=environ,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    reader = asyncio.create_task(_read_lines(proc.stdout, lines, listening))
+    child = ProxyProcess(proc, reader, lines)
+    try:
+        try:
+            async with asyncio.timeout(start_timeout):
+                child.url = await listening
+        except EOFError:
+            await proc.wait()
+            await reader
+            raise ProxyStartError(
+                "the proxy exited before listening", proc.returncode, child.output
+            ) from None
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            await reader
+            raise ProxyStartError(
+                f"the proxy did not listen within {start_timeout:.0f}s", None, child.output
+            ) from None
+        yield child
+    finally:
+        if proc.returncode is None:
+            await child.stop()
+        await reader

@@ -11,6 +11,7 @@ as retained memory instead of being collected by luck.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -21,7 +22,7 @@ import struct
 import time
 import tracemalloc
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -30,6 +31,7 @@ import pytest
 import xxhash
 import zstandard
 from aiohttp import hdrs, web
+from aiohttp.base_protocol import BaseProtocol
 
 from proxy.body import (
     DEFAULT_CHUNK_BYTES,
@@ -45,6 +47,7 @@ from proxy.body import (
 
 KiB = 1024
 MiB = 1024 * KiB
+GiB = 1024 * MiB
 IO_TIMEOUT = 20.0  # seconds; bounds every client-side wait
 RETAINED_MAX = 1 * MiB  # traced bytes a settled read may still hold (bodies here are >= 4 MiB)
 
@@ -240,10 +243,8 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, An
 
 async def close_quietly(writer: asyncio.StreamWriter) -> None:
     writer.close()
-    try:
+    with contextlib.suppress(ConnectionError):
         await writer.wait_closed()
-    except ConnectionError:
-        pass
 
 
 async def raw_post(
@@ -257,10 +258,9 @@ async def raw_post(
     """POST over a raw socket; the body goes out while the response is awaited."""
 
     async def sender() -> None:
-        try:
+        # The server may answer early and close; the response tells what happened.
+        with contextlib.suppress(ConnectionError):
             await send_body(writer, body, chunked=chunked)
-        except ConnectionError:
-            pass  # the server may answer early and close; the response tells
 
     async with asyncio.timeout(IO_TIMEOUT):
         reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
@@ -309,15 +309,18 @@ def patterned(size: int) -> bytes:
 
 @functools.cache
 def chat_json(size: int) -> bytes:
-    """A compressible chat-like JSON body of about ``size`` bytes, deterministic."""
-    rng = random.Random(size)
-    words = ["".join(rng.choices("abcdefghijklmnop", k=rng.randint(2, 9))) for _ in range(4000)]
-    messages = []
-    total = 0
-    while total < size:
-        text = " ".join(rng.choices(words, k=120))
-        messages.append({"role": "user", "content": text})
-        total += len(text) + 32
+    """A compressible chat-like JSON body of about ``size`` bytes, deterministic.
+
+    Text is random bytes mapped onto 12 letters and a space (about 3.7 bits per
+    character), so every coding has real work to do; made in C, it is quick.
+    """
+    alphabet = b"etaoinshrdlu "
+    table = bytes(alphabet[i % len(alphabet)] for i in range(256))
+    text = random.Random(size).randbytes(size).translate(table).decode()
+    messages = [
+        {"role": "user" if i % 2 else "assistant", "content": text[start : start + 4000]}
+        for i, start in enumerate(range(0, len(text), 4000))
+    ]
     return json.dumps({"model": "m", "messages": messages}).encode()
 
 
@@ -339,10 +342,20 @@ ONE_MIB_ZEROS = bytes(MiB)
 
 @functools.cache
 def gzip_bomb() -> bytes:
-    """1 MiB on the wire, 1 GiB decoded: 1024 concatenated gzip members (RFC 1952 2.2)."""
-    member = zlib.compress(ONE_MIB_ZEROS, 9, 16 + zlib.MAX_WBITS)
-    assert gzip.decompress(member) == ONE_MIB_ZEROS
-    return member * 1024
+    """1 MiB on the wire, 1 GiB decoded, in a single gzip member (RFC 1952).
+
+    After a full flush deflate starts afresh, so each further MiB of zeros is
+    coded as the same bytes; 1024 of them between a gzip header and the CRC32 /
+    size trailer form one member that inflates to 1 GiB.
+    """
+    c = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    block = c.compress(ONE_MIB_ZEROS) + c.flush(zlib.Z_FULL_FLUSH)
+    assert c.compress(ONE_MIB_ZEROS) + c.flush(zlib.Z_FULL_FLUSH) == block
+    crc = 0
+    for _ in range(1024):
+        crc = zlib.crc32(ONE_MIB_ZEROS, crc)
+    header = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff"
+    return header + block * 1024 + c.flush() + struct.pack("<II", crc, GiB % 2**32)
 
 
 @functools.cache
@@ -363,13 +376,14 @@ def br_bomb() -> bytes:
     """
     block = bytes(16 * MiB)
     c = brotli.Compressor(quality=5, lgwin=24)
-    first = c.process(block) + c.flush()
-    repeat = c.process(block) + c.flush()
+    first: bytes = c.process(block) + c.flush()
+    repeat: bytes = c.process(block) + c.flush()
     assert c.process(block) + c.flush() == repeat
-    return first + repeat * 63 + c.finish()
+    end: bytes = c.finish()
+    return first + repeat * 63 + end
 
 
-BOMBS = {
+BOMBS: dict[str, Callable[[], bytes]] = {
     "gzip": gzip_bomb,
     "gzip, gzip": lambda: gzip.compress(gzip_bomb()),  # about 2.5 KB
     "br": br_bomb,
@@ -535,11 +549,11 @@ async def test_broken_chunk_framing_ends_by_idle_timeout(harness: Harness) -> No
             await send_body(writer, patterned(4 * MiB), chunked=True, finish=False)
             writer.write(b"not-a-chunk-size\r\n")
             await writer.drain()
-            out = await harness.outcome()
+            status, payload = await read_response(reader)
         finally:
             await close_quietly(writer)
-    assert (out.status, out.kind) == (408, "timeout")
-    assert_nothing_left(out)
+    assert (status, payload["kind"]) == (408, "timeout")
+    assert_nothing_left(await harness.outcome())
 
 
 async def test_idle_client_gets_408(harness: Harness) -> None:
@@ -590,15 +604,19 @@ CODED: dict[str, tuple[str, Any]] = {
     "gzip-two-members": ("gzip", lambda d: gzip.compress(d[:1000]) + gzip.compress(d[1000:])),
     "deflate-zlib": ("deflate", zlib.compress),
     "deflate-raw": ("deflate", raw_deflate),
-    "br": ("br", brotli.compress),
+    "br": ("br", lambda d: brotli.compress(d, quality=5)),
     "zstd": ("zstd", lambda d: zstandard.ZstdCompressor(level=3).compress(d)),
     "zstd-no-content-size": ("zstd", zstd_streamed),
     "zstd-frames-and-skippable": (
         "zstd",
-        lambda d: zstd_streamed(d[:5000]) + struct.pack("<II", 0x184D2A5A, 3) + b"pad"
-        + zstandard.ZstdCompressor().compress(d[5000:]),
+        lambda d: (
+            zstd_streamed(d[:5000])
+            + struct.pack("<II", 0x184D2A5A, 3)
+            + b"pad"
+            + zstandard.ZstdCompressor().compress(d[5000:])
+        ),
     ),
-    "gzip-then-br": ("gzip, br", lambda d: brotli.compress(gzip.compress(d))),
+    "gzip-then-br": ("gzip, br", lambda d: brotli.compress(gzip.compress(d), quality=5)),
     "zstd-then-deflate": ("zstd, deflate", lambda d: zlib.compress(zstd_streamed(d))),
 }
 
@@ -613,6 +631,73 @@ async def test_coded_body_is_decoded(harness: Harness, case: str) -> None:
     assert payload == {"size": len(body), "digest": digest(body), "wire": len(wire)}
     out = await harness.outcome()
     assert out.new_tasks == out.new_timers == 0
+
+
+class _NoFlowControl(BaseProtocol):
+    """A protocol for a StreamReader fed by hand: flow control has nothing to do."""
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        pass
+
+
+def fed_reader(wire: bytes) -> aiohttp.StreamReader:
+    """A request payload that already holds all of ``wire`` and its end."""
+    loop = asyncio.get_running_loop()
+    content = aiohttp.StreamReader(_NoFlowControl(loop), 2**16, loop=loop)
+    content.feed_data(wire)
+    content.feed_eof()
+    return content
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 4093])
+@pytest.mark.parametrize("case", list(CODED))
+async def test_coded_body_decodes_whatever_the_read_sizes(case: str, chunk_bytes: int) -> None:
+    # No socket: reads of 1, 7 or 4093 bytes split every header, block and
+    # trailer of every coding at every possible place.
+    body = chat_json(48 * KiB)
+    encoding, encode = CODED[case]
+    wire = encode(body)
+    result = await read_body(
+        fed_reader(wire),
+        content_length=len(wire),
+        content_encoding=encoding,
+        limit=len(body),
+        idle_timeout=10.0,
+        chunk_bytes=chunk_bytes,
+    )
+    assert (bytes(result.buffer), result.digest, result.wire_bytes) == (
+        body,
+        digest(body),
+        len(wire),
+    )
+
+
+async def test_limit_applies_to_decoded_bytes_not_wire_bytes() -> None:
+    body = chat_json(48 * KiB)
+    wire = gzip.compress(body)
+    assert len(wire) < len(body) - 1
+    with pytest.raises(BodyTooLarge) as info:
+        await read_body(
+            fed_reader(wire),
+            content_length=len(wire),
+            content_encoding="gzip",
+            limit=len(body) - 1,
+            idle_timeout=10.0,
+        )
+    assert info.value.limit == len(body) - 1
+    # Raised afresh by read_body: no frame of the decoders (which held chunks and
+    # decoder state) is reachable from the error, nor is any earlier exception.
+    frames = []
+    tb = info.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert frames[-1] == "read_body"
+    assert "_pump" not in frames and "feed" not in frames
+    assert info.value.__context__ is None and info.value.__cause__ is None
 
 
 @pytest.mark.parametrize("encoding", list(BOMBS))

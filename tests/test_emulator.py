@@ -50,6 +50,7 @@ ANT_USER: list[MessageParam] = [{"role": "user", "content": "hi"}]
 BETA_USER: list[BetaMessageParam] = [{"role": "user", "content": "hi"}]
 
 Event = tuple[str | None, str]
+TEN_SECONDS = aiohttp.ClientTimeout(total=10)
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ async def server() -> AsyncIterator[EmulatorServer]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+    async with aiohttp.ClientSession(timeout=TEN_SECONDS) as session:
         yield session
 
 
@@ -353,7 +354,7 @@ async def test_bad_script_is_400_in_protocol_shape(
 async def test_default_script_applies_and_header_overrides() -> None:
     async with (
         await start_emulator(default_script=Script(chunks=2, text="abcd")) as srv,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=TEN_SECONDS) as http,
     ):
         _, raw = await post(http, srv, CHAT, body_for(CHAT, stream=True))
         assert delta_texts(CHAT, sse_events(raw)) == ["ab", "cd"]
@@ -581,7 +582,7 @@ async def test_hold_on_json_answer_sends_the_head_first(
 
 async def test_close_releases_holds_and_cuts_stalls_short() -> None:
     srv = await start_emulator()
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=TEN_SECONDS) as http:
         held = http.post(
             srv.url + CHAT, json=body_for(CHAT, stream=True), headers={"x-emulator": "hold=never"}
         )
@@ -742,7 +743,7 @@ async def test_unknown_event(
 
 async def test_gzip_stream_on_the_wire(server: EmulatorServer) -> None:
     async with (
-        aiohttp.ClientSession(auto_decompress=False) as raw_http,
+        aiohttp.ClientSession(auto_decompress=False, timeout=TEN_SECONDS) as raw_http,
         raw_http.post(
             server.url + RESPONSES,
             json=body_for(RESPONSES, stream=True),
@@ -974,7 +975,7 @@ async def test_run_emulator_serves_until_sigterm() -> None:
             line = (await proc.stdout.readline()).decode()
         url = line.rsplit(" ", 1)[-1].strip()
         assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url), line
-        async with aiohttp.ClientSession() as http, http.get(url + "/") as resp:
+        async with aiohttp.ClientSession(timeout=TEN_SECONDS) as http, http.get(url + "/") as resp:
             assert resp.status == 200
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(5):
@@ -983,3 +984,17 @@ async def test_run_emulator_serves_until_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_client_gone_mid_body_is_a_peer_abort(server: EmulatorServer) -> None:
+    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100000\r\n\r\n" + b'{"model": "m", "messages": ['
+    )
+    await writer.drain()
+    await server.state.wait_for(1, lambda r: r.body_bytes > 0, "reading its body", 1.0)
+    writer.close()
+    await writer.wait_closed()
+    record = await server.wait_aborted(1, 1.0)
+    assert not record.received and record.body_digest is None and not record.headers_sent

@@ -1,0 +1,109 @@
+"""The naive baseline proxy: what a user would write in an afternoon.
+
+It reads the whole request with ``await request.read()``, parses it with
+``json.loads``, serializes it again with ``json.dumps`` (where a body-changing
+feature would go), sends that upstream and streams the answer back chunk by
+chunk as it arrives. Every one of those objects stays referenced by the
+handler until it returns, i.e. until the last byte of a possibly minutes-long
+answer has gone out. That is the memory profile the benchmarks compare against;
+it is a fair baseline, not a strawman: it streams, it pools upstream
+connections, and it passes headers and status through.
+
+Run: ``python -m benchmarks.naive --port 8789 --upstream http://127.0.0.1:8788``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+
+__all__ = ["build_naive_app", "main"]
+
+_HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+    }
+)
+_CLIENT: Final = web.AppKey("naive_client", aiohttp.ClientSession)
+
+
+def build_naive_app(upstream: str, *, max_body_bytes: int = 1 << 30) -> web.Application:
+    """The baseline as an aiohttp app forwarding ``/v1/*`` to ``upstream`` (a base URL).
+
+    ``GET /`` answers ``ok`` (readiness). Request bodies up to ``max_body_bytes``
+    bytes are accepted (aiohttp answers 413 above).
+    """
+    base = upstream.rstrip("/")
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = json.loads(raw) if raw else None
+        data = json.dumps(body).encode() if body is not None else None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        url = base + request.path_qs
+        async with request.app[_CLIENT].request(
+            request.method, url, data=data, headers=headers
+        ) as upstream_resp:
+            response = web.StreamResponse(
+                status=upstream_resp.status,
+                headers={
+                    k: v for k, v in upstream_resp.headers.items() if k.lower() not in _HOP_BY_HOP
+                },
+            )
+            await response.prepare(request)
+            async for chunk in upstream_resp.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def root(request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def on_startup(app: web.Application) -> None:
+        app[_CLIENT] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def on_cleanup(app: web.Application) -> None:
+        await app[_CLIENT].close()
+
+    app = web.Application(client_max_size=max_body_bytes)
+    app.router.add_get("/", root)
+    app.router.add_route("*", "/v1/{tail:.*}", forward)
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def main(argv: list[str]) -> int:
+    """Run the baseline until SIGINT/SIGTERM; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.naive", description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8789)
+    parser.add_argument("--upstream", required=True, help="upstream base URL")
+    args = parser.parse_args(argv)
+    web.run_app(
+        build_naive_app(args.upstream),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        print=None,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
