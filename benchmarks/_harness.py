@@ -51,6 +51,7 @@ __all__ = [
     "median_rss",
     "raise_nofile_limit",
     "read_vm_hwm",
+    "reset_vm_hwm",
     "start_emulator",
     "start_naive",
     "start_proxy",
@@ -101,6 +102,17 @@ def read_vm_hwm(pid: int) -> int:
     except OSError:
         pass
     return 0
+
+
+def reset_vm_hwm(pid: int) -> bool:
+    """Reset ``VmHWM`` of ``pid`` to its current RSS (``echo 5 > /proc/PID/clear_refs``,
+    Linux 4.0+, needs the right to ptrace it); ``False`` when not possible."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
 
 
 class RssSampler:
@@ -298,6 +310,7 @@ def start_proxy(
     fake_completion_retries: int = 0,
     max_body_bytes: int = 100 * 1024 * 1024,
     env: Mapping[str, str] | None = None,
+    module: str = "proxy",
     name: str = "proxy",
 ) -> Service:
     """Start this proxy (``python -m proxy serve``) in front of ``upstream``.
@@ -305,12 +318,13 @@ def start_proxy(
     ``plugins`` are entry-point names or ``module:Class`` paths (empty: none);
     settings not given here are the defaults, and the environment's
     ``CONTEXT_PROXY_*`` variables are ignored. ``env`` adds variables (e.g.
-    ``MALLOC_*`` tunables).
+    ``MALLOC_*`` tunables). ``module`` replaces ``proxy`` in ``python -m proxy``
+    (a wrapper that patches the proxy before running its CLI).
     """
     port = free_port()
     argv = [
         "-m",
-        "proxy",
+        module,
         "serve",
         "--host",
         HOST,

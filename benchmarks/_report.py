@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any, Final
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table as RichTable
 
 __all__ = [
@@ -26,6 +34,7 @@ __all__ = [
     "PASS",
     "Reporter",
     "Stat",
+    "Steps",
     "Table",
     "fmt_bytes",
     "fmt_ratio",
@@ -117,17 +126,17 @@ class Table:
 
     def to_rich(self) -> RichTable:
         """The table for a rich console."""
-        table = RichTable(title=self.title, title_justify="left", show_lines=False)
+        table = RichTable(title=escape(self.title), title_justify="left", show_lines=False)
         for column in self.columns:
-            table.add_column(column, overflow="fold")
+            table.add_column(escape(column), overflow="fold")
         for row in self.rows:
             if len(row) == 1:
                 table.add_section()
-                table.add_row(f"[bold]{row[0]}[/bold]", *([""] * (len(self.columns) - 1)))
+                table.add_row(f"[bold]{escape(row[0])}[/bold]", *([""] * (len(self.columns) - 1)))
                 continue
             table.add_row(*(_colour(cell) for cell in row))
         if self.notes:
-            table.caption = "\n".join(self.notes)
+            table.caption = escape("\n".join(self.notes))
             table.caption_justify = "left"
         return table
 
@@ -150,7 +159,7 @@ def _colour(cell: str) -> str:
         return "[green]PASS[/green]"
     if cell == MISS:
         return "[bold red]MISS[/bold red]"
-    return cell
+    return escape(cell)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -169,6 +178,24 @@ def _finite(value: Any) -> Any:
     return value
 
 
+class Steps:
+    """Handle of a running progress bar: :meth:`describe` the current step, :meth:`advance`."""
+
+    __slots__ = ("_progress", "_task")
+
+    def __init__(self, progress: Progress, task: TaskID) -> None:
+        self._progress = progress
+        self._task = task
+
+    def describe(self, text: str) -> None:
+        """Show ``text`` as what is running now."""
+        self._progress.update(self._task, description=text)
+
+    def advance(self) -> None:
+        """One step done."""
+        self._progress.advance(self._task)
+
+
 class Reporter:
     """Terminal output of one benchmark run: a progress bar, then tables.
 
@@ -178,16 +205,18 @@ class Reporter:
     __slots__ = ("console", "quiet")
 
     def __init__(self, *, quiet: bool = False, console: Console | None = None) -> None:
-        self.console = console or Console()
+        if console is None:
+            console = Console()
+            if not console.is_terminal:
+                # Piped to a file or CI log: rich would assume 80 columns and wrap
+                # every cell; the tables read well at 160.
+                console = Console(width=160)
+        self.console = console
         self.quiet = quiet
 
     @contextmanager
-    def progress(self, total: int, description: str) -> Iterator[Progress]:
-        """A progress bar of ``total`` steps; advance it with ``progress.advance(task_id)``.
-
-        The first task's id is 0; update the description with
-        ``progress.update(0, description=...)``.
-        """
+    def progress(self, total: int, description: str) -> Iterator[Steps]:
+        """A progress bar of ``total`` steps (shown on the terminal, removed at the end)."""
         progress = Progress(
             TextColumn("[progress.description]{task.description}"),
             BarColumn(),
@@ -195,11 +224,10 @@ class Reporter:
             TimeElapsedColumn(),
             console=self.console,
             disable=self.quiet,
-            transient=False,
+            transient=True,
         )
         with progress:
-            progress.add_task(description, total=total)
-            yield progress
+            yield Steps(progress, progress.add_task(description, total=total))
 
     def print_table(self, table: Table) -> None:
         """Print ``table`` to the terminal."""
@@ -220,17 +248,22 @@ def write_markdown(path: Path, tables: Sequence[Table], preamble: str = "") -> N
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Series:
-    """One line of a plot: ``label``, x values (seconds) and y values (MiB)."""
+    """One line of a plot: ``label``, x and y values, a matplotlib ``colour``, and
+    ``spans``: ``(start, end)`` x ranges shaded in the series' colour (phases such as
+    "answer held open"), named ``span_label`` in the legend."""
 
     label: str
     x: Sequence[float]
     y: Sequence[float]
-    marks: Sequence[tuple[float, str]] = ()
+    colour: str = "#1f77b4"
+    spans: Sequence[tuple[float, float]] = ()
+    span_label: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Panel:
-    """One subplot: a title, axis labels, its series and horizontal reference lines."""
+    """One subplot: a title, axis labels, its series and horizontal reference lines
+    (``(y, legend label)``, drawn dashed)."""
 
     title: str
     xlabel: str
@@ -240,16 +273,11 @@ class Panel:
     step: bool = False
 
 
-_COLOURS: Final = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+_HLINE_STYLES: Final = ("--", ":", "-.")
 
 
 def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int = 2) -> None:
-    """Save ``panels`` as one PNG at ``path`` (matplotlib, Agg backend).
-
-    A series' ``marks`` draw dotted vertical lines labelled with the phase name
-    (on the first series of a panel only the labels are written, to avoid
-    clutter when two series share the phase times).
-    """
+    """Save ``panels`` as one PNG at ``path`` (matplotlib, Agg backend), ``columns`` wide."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,27 +288,25 @@ def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int
     fig, axes = plt.subplots(rows, cols, figsize=(7.0 * cols, 4.2 * rows), squeeze=False)
     for index, panel in enumerate(panels):
         ax = axes[index // cols][index % cols]
-        for number, series in enumerate(panel.series):
-            colour = _COLOURS[number % len(_COLOURS)]
+        for series in panel.series:
             if panel.step:
-                ax.plot(series.x, series.y, marker="o", ms=3, color=colour, label=series.label)
-            else:
-                ax.plot(series.x, series.y, lw=1.2, color=colour, label=series.label)
-            top = max(series.y) if series.y else 0.0
-            for at, label in series.marks:
-                ax.axvline(at, color=colour, ls=":", lw=0.8, alpha=0.7)
-                ax.annotate(
-                    label,
-                    (at, top),
-                    xytext=(2, -10 - 9 * (number % 2)),
-                    textcoords="offset points",
-                    fontsize=6.5,
-                    color=colour,
-                    rotation=0,
+                ax.plot(
+                    series.x, series.y, marker="o", ms=3, color=series.colour, label=series.label
                 )
-        for level, label in panel.hlines:
-            ax.axhline(level, color="grey", ls="--", lw=0.8)
-            ax.annotate(label, (0.0, level), xytext=(2, 2), textcoords="offset points", fontsize=7)
+            else:
+                ax.plot(series.x, series.y, lw=1.2, color=series.colour, label=series.label)
+            for number, (start, end) in enumerate(series.spans):
+                ax.axvspan(
+                    start,
+                    end,
+                    color=series.colour,
+                    alpha=0.12,
+                    lw=0,
+                    label=series.span_label if number == 0 and series.span_label else None,
+                )
+        for number, (level, label) in enumerate(panel.hlines):
+            style = _HLINE_STYLES[number % len(_HLINE_STYLES)]
+            ax.axhline(level, color="grey", ls=style, lw=0.9, label=label)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)

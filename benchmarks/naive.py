@@ -7,7 +7,8 @@ chunk as it arrives. Every one of those objects stays referenced by the
 handler until it returns, i.e. until the last byte of a possibly minutes-long
 answer has gone out. That is the memory profile the benchmarks compare against;
 it is a fair baseline, not a strawman: it streams, it pools upstream
-connections, and it passes headers and status through.
+connections (without a cap, like this proxy), and it passes headers and status
+through.
 
 Run: ``python -m benchmarks.naive --port 8789 --upstream http://127.0.0.1:8788``.
 """
@@ -75,7 +76,11 @@ def build_naive_app(upstream: str, *, max_body_bytes: int = 1 << 30) -> web.Appl
         return web.Response(text="ok\n")
 
     async def on_startup(app: web.Application) -> None:
-        app[_CLIENT] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        # No cap on upstream connections (aiohttp's default is 100), as in this proxy:
+        # with 500 held streams a cap would queue requests, not measure them.
+        app[_CLIENT] = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
 
     async def on_cleanup(app: web.Application) -> None:
         await app[_CLIENT].close()

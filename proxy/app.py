@@ -34,6 +34,7 @@ from .relay import (
     Upstream,
     error_response,
     forward_headers,
+    orderly_cancel_reason,
     relay,
 )
 from .sessions import SessionClosed, SessionRegistry, resolve_session_id
@@ -184,7 +185,19 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
     except ClientGone:
         _client_gone(state, ex)
         raise
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as exc:
+        reason = orderly_cancel_reason(exc)
+        if reason is not None:
+            if ex.phase in (Phase.STREAMING, Phase.COMMITTED):
+                raise  # the answer is out (cut in its commit): nothing left to tell the client
+            # An orderly stop (session shutdown, drain) before the relay answered, e.g.
+            # in prepare: the client gets a 503 in its protocol, not a dropped connection.
+            task.uncancel()
+            ex.status, ex.outcome, ex.error = 503, "cancelled", reason
+            resp = _reject(protocol, 503, reason, state, code="unavailable")
+            if ex.phase is Phase.READING:
+                resp.force_close()  # the rest of the body was never read
+            return resp
         if ex.phase is Phase.READING:
             log.warning("%s: client closed the connection before the body completed", ex.id)
         _client_gone(state, ex)
@@ -193,12 +206,13 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         del state.exchanges[ex.id]
         state.handlers.discard(task)
         state.metrics.in_flight.dec()
-        state.metrics.finished(ex)
         if ex.meta is not None and ex.phase is not Phase.COMMITTED:
             # Not committed inline (an early answer, an error, a client gone):
             # commit in the background so a cancelled handler still books it.
             state.spawn(_commit(state, ex.commit_record()))
         ex.close()
+        # After close: an exchange released only there is counted too.
+        state.metrics.finished(ex)
 
 
 def _client_gone(state: AppState, ex: Exchange) -> None:
@@ -325,7 +339,8 @@ def build_app(
     from .admin import add_admin_routes
 
     add_admin_routes(app)
-    app.router.add_route("GET", "/", handle_root)
+    # add_get also answers HEAD (add_route("GET") would not).
+    app.router.add_get("/", handle_root)
     app.router.add_route("*", "/v1/{tail:.*}", handle_exchange)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)

@@ -115,7 +115,8 @@ Instrumentation
 :class:`RequestRecord` per request (the latest :data:`MAX_RECORDS`): body size and
 digest, selected headers with credentials redacted to their first 7 characters,
 and the answer's progress (``received``, ``headers_sent``, ``events_sent``,
-``finished``, ``aborted_by_peer``, ``cut_by_emulator``, ``closed_at``). The
+``bytes_sent``, ``sent_digest`` of the answer bytes, ``finished``, ``aborted_by_peer``,
+``cut_by_emulator``, ``closed_at``). The
 AppRunner runs with ``handler_cancellation=True``, so a client that hangs up
 cancels the handler at once and the record says ``aborted_by_peer``. Every answer
 carries an ``x-emulator-request-id`` header with the record's id. In-process
@@ -552,7 +553,9 @@ class RequestRecord:
     are of the body after Content-Encoding decoding. ``headers`` holds selected
     request headers, ``authorization`` and ``x-api-key`` cut to 7 characters + "…".
     ``aborted_by_peer``: the client closed the connection before the answer ended;
-    ``cut_by_emulator``: ``cut_after`` aborted it.
+    ``cut_by_emulator``: ``cut_after`` aborted it. ``bytes_sent`` counts response body
+    bytes on the wire (after gzip); ``sent_digest`` (xxh3_128 hex) is of the body bytes
+    written before gzip, i.e. what a decoding client reads, set once the answer ends.
     """
 
     id: int
@@ -575,6 +578,7 @@ class RequestRecord:
     headers_sent_at: float | None = None
     events_sent: int = 0
     bytes_sent: int = 0
+    sent_digest: str | None = None
     holding: str | None = None
     finished: bool = False
     aborted_by_peer: bool = False
@@ -1437,7 +1441,7 @@ class _Cut(Exception):
 class _Wire:
     """Writes frames to one response: JSON escaping of streamed text, gzip, byte counts."""
 
-    __slots__ = ("_gzip", "_record", "_request", "_response", "_state")
+    __slots__ = ("_gzip", "_hasher", "_record", "_request", "_response", "_state")
 
     def __init__(
         self,
@@ -1452,14 +1456,21 @@ class _Wire:
         self._state = state
         self._record = record
         self._gzip = zlib.compressobj(6, zlib.DEFLATED, 16 + zlib.MAX_WBITS) if gzip else None
+        self._hasher = xxhash.xxh3_128()
+
+    def digest(self) -> str:
+        """xxh3_128 hex of the body bytes written so far, before gzip."""
+        return self._hasher.hexdigest()
 
     async def _send(self, data: bytes) -> None:
+        plain = data
         if self._gzip is not None:
             # A sync flush per write, so each event reaches the client when written.
             data = self._gzip.compress(data) + self._gzip.flush(zlib.Z_SYNC_FLUSH)
         if data:
             await self._response.write(data)
             self._record.bytes_sent += len(data)
+        self._hasher.update(plain)
 
     async def send_frame(self, frame: _Frame) -> None:
         if frame.split_utf8:
@@ -1571,6 +1582,8 @@ async def _deliver(
     except ConnectionError:
         # A write found the connection gone (aiohttp's ClientConnectionResetError is one).
         record.aborted_by_peer = not state.closing
+    finally:
+        record.sent_digest = wire.digest()
     return response
 
 

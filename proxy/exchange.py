@@ -16,11 +16,12 @@ outbound    raw itself, or the re-serialized body           :meth:`release` unle
 preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :meth:`close`
 ==========  ==============================================  ==========================
 
-``release()`` is the boundary: once the upstream has accepted the request (2xx
-headers and, for Responses, output started) no refold can follow, so the raw
-buffer, the parsed body and the preparer go. It is idempotent, counts how often
-it really ran (exactly once per exchange), and the relay also calls it in
-``finally`` on every early exit. Buffers live in small weak-referenceable
+``release()`` is the boundary: as soon as no refold can follow (the upstream
+accepted the request: 2xx headers and, for Responses, output started; or the
+fold levels are used up, before the last send) the raw buffer, the parsed body
+and the preparer go. It is idempotent, counts whether it really ran (exactly
+once per exchange), and :meth:`Exchange.close`, which the handler calls in
+``finally``, runs it on every early exit. Buffers live in small weak-referenceable
 holders (``bytes``, ``bytearray`` and ``dict`` cannot be weak-referenced) so
 tests can put a finalizer on them.
 """
@@ -251,6 +252,11 @@ class Exchange:
         return self._parsed
 
     @property
+    def can_refold(self) -> bool:
+        """Whether a refold is still possible: the body was read and not released yet."""
+        return self._preparer is not None and self.meta is not None
+
+    @property
     def outbound_holder(self) -> BodyHolder | None:
         """The holder of the body to send upstream, or ``None`` once dropped."""
         return self._outbound
@@ -271,12 +277,16 @@ class Exchange:
 
         Returns ``True`` when the outbound body changed and is smaller than
         before, i.e. a resend may succeed; ``False`` when nothing shrank (the
-        caller then relays the upstream's error unchanged).
+        caller then relays the upstream's error unchanged). ``refolds`` counts
+        only the refolds that shrank the body, so upstream requests = 1 +
+        ``refolds`` + ``retries``; ``fold_level`` counts every prepare run.
         """
         before = self.outbound_size
         changed = await self._prepare_at(self.fold_level + 1)
-        self.refolds += 1
-        return changed and self.outbound_size < before
+        shrank = changed and self.outbound_size < before
+        if shrank:
+            self.refolds += 1
+        return shrank
 
     async def _prepare_at(self, level: int) -> bool:
         preparer, meta = self._preparer, self.meta
@@ -371,14 +381,18 @@ class Exchange:
 
     # ---------------------------------------------------------------- releasing
 
-    def release(self) -> None:
+    def release(self, *, keep_outbound: bool = False) -> None:
         """Drop the raw buffer, the parsed body and the preparer; idempotent.
 
-        The outbound body survives only when ``keep_for_resend`` is set (a
-        fake-completion retry may still resend it); its digest and size stay
-        as scalars either way. ``releases`` is 1 once it has run.
+        Called as soon as no refold can follow: before the last send when the
+        fold levels are used up (``keep_outbound=True``: that send still needs
+        the outbound body), else at :meth:`accept`. The outbound body survives
+        only while ``keep_outbound`` or ``keep_for_resend`` is set (a
+        fake-completion retry may still resend it); a later call without them
+        drops it. Its digest and size stay as scalars either way. ``releases``
+        is 1 once the drop has run, and never more.
         """
-        if not self.keep_for_resend:
+        if not (self.keep_for_resend or keep_outbound):
             self._outbound = None
         if self.releases:
             return

@@ -146,19 +146,31 @@ class Upstream:
         await self.session.close()
 
 
+def _connection_listed(headers: CIMultiDictProxy[str]) -> frozenset[str]:
+    """Field names listed in ``Connection``: hop-by-hop too (RFC 9110 section 7.6.1)."""
+    return frozenset(
+        token.strip().lower()
+        for value in headers.getall("Connection", ())
+        for token in value.split(",")
+        if token.strip()
+    )
+
+
 def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
     """End-to-end request headers for the upstream (hop-by-hop and framing dropped)."""
+    drop = _REQUEST_DROP | _connection_listed(headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name.lower() not in _REQUEST_DROP:
+        if name.lower() not in drop:
             out.add(name, value)
     return out
 
 
 def _response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    drop = _RESPONSE_DROP | _connection_listed(headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name.lower() not in _RESPONSE_DROP:
+        if name.lower() not in drop:
             out.add(name, value)
     return out
 
@@ -207,6 +219,7 @@ class _Relay:
         "max_refolds",
         "max_retries",
         "request",
+        "retry_after",
         "tail",
         "target",
         "upstream",
@@ -229,6 +242,7 @@ class _Relay:
         self.headers = headers
         self.max_refolds = settings.max_refolds
         self.max_retries = settings.fake_completion_retries
+        self.retry_after = settings.retry_after
         self.client: web.StreamResponse | None = None
         self.framer: SSEFramer | None = None
         self.tail = bytearray()
@@ -240,6 +254,8 @@ class _Relay:
         ex = self.ex
         if ex.outbound_holder is not None:
             self.headers["Content-Length"] = str(ex.outbound_size)
+        # Sent from here on: the upload and the wait for headers are one phase.
+        ex.mark_sent()
         try:
             async with asyncio.timeout(self.upstream.header_timeout):
                 resp = await self.upstream.session.request(
@@ -258,11 +274,12 @@ class _Relay:
             raise _UpstreamFailure(
                 502, "upstream_unreachable", f"upstream unreachable: {type(exc).__name__}"
             ) from None
-        ex.mark_sent()
         return resp
 
     def _can_refold(self) -> bool:
-        return self.ex.meta is not None and self.ex.fold_level < self.max_refolds
+        # After release the preparer is gone: an overflow seen later (e.g. in a
+        # chat stream gated for a resend) goes to the client as it came.
+        return self.ex.can_refold and self.ex.fold_level < self.max_refolds
 
     # ---------------------------------------------------------------- main loop
 
@@ -284,13 +301,19 @@ class _Relay:
                 await self._fail_stream(reason, outcome="cancelled")
                 return self.client
             ex.status, ex.outcome, ex.error = 503, "cancelled", reason
-            return error_response(ex.protocol, 503, reason, code="unavailable")
+            # Like every 503 of the proxy: tell the client when to come back.
+            retry = {"Retry-After": str(self.retry_after)}
+            return error_response(ex.protocol, 503, reason, code="unavailable", headers=retry)
 
     async def _run(self) -> web.StreamResponse:
         ex = self.ex
         while True:
             if _client_gone(self.request):
                 raise ClientGone
+            if not self._can_refold():
+                # The release boundary comes before the last send: the parsed
+                # body must not sit in memory while the upstream reads and thinks.
+                ex.release(keep_outbound=True)
             try:
                 resp = await self._send()
             except _UpstreamFailure as failure:

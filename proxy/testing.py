@@ -35,7 +35,7 @@ from aiohttp import web
 from .app import STATE, AppState, build_app, running
 from .config import Settings, load_settings
 from .emulator import EmulatorServer, start_emulator
-from .plugins import Plugin, PluginHost
+from .plugins import Plugin, PluginHost, load_plugins
 
 __all__ = ["Harness", "ProxyProcess", "ProxyStartError", "proxy_process", "proxy_with_emulator"]
 
@@ -136,22 +136,23 @@ class Harness:
 @contextlib.asynccontextmanager
 async def proxy_with_emulator(
     *,
-    plugins: Sequence[Plugin] | None = None,
+    plugins: Sequence[Plugin | str] | None = None,
     plugin_timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     config: str | os.PathLike[str] | None = None,
     **settings: Any,
 ) -> AsyncIterator[Harness]:
-    """Run the emulator and a proxy using ``plugins`` (instances, in order).
+    """Run the emulator and a proxy using ``plugins``, in order.
 
+    Each item of ``plugins`` is a :class:`~proxy.plugins.Plugin` instance, or a
+    name loaded as ``context-proxy serve`` loads it (an entry-point name or
+    ``module:Class``, options from the ``plugin`` setting's table of that name).
+    ``plugins=None`` uses the settings' list: none by default here, or that of
+    ``config``, a TOML settings file read as ``serve --config`` reads it.
     ``settings`` override :class:`~proxy.config.Settings` fields (for example
-    ``max_body_bytes=1024``); the upstream URLs always point at the emulator and
-    the environment is ignored. ``plugins=None`` loads the plugins named in the
-    settings through the same loader as ``context-proxy serve`` (entry-point
-    names or ``module:Class``, options from the ``plugin`` table): none by
-    default here, or those of ``config``, a TOML settings file read as
-    ``serve --config`` reads it (the listening address is always an ephemeral
-    port of 127.0.0.1). ``plugin_timeout`` (seconds) defaults to the settings'.
+    ``max_body_bytes=1024``); the upstream URLs always point at the emulator,
+    the proxy always listens on an ephemeral port of 127.0.0.1, and the
+    environment is ignored. ``plugin_timeout`` (seconds) defaults to the settings'.
     ``clock`` (monotonic seconds) drives the session registry: pass a fake one
     to expire tombstones without sleeping.
 
@@ -175,7 +176,14 @@ async def proxy_with_emulator(
         resolved = load_settings(config, environ={}, overrides=overrides)
         host = None
         if plugins is not None:
-            host = PluginHost(plugins, timeout=resolved.plugin_timeout)
+            timeout = resolved.plugin_timeout
+            instances = [
+                item
+                if isinstance(item, Plugin)
+                else load_plugins([item], resolved.plugin, timeout=timeout).plugins[0]
+                for item in plugins
+            ]
+            host = PluginHost(instances, timeout=timeout)
         app = build_app(resolved, host=host, clock=clock)
         port = await stack.enter_async_context(running(app, "127.0.0.1", 0))
         yield Harness(f"http://127.0.0.1:{port}", emulator, app, resolved, _stack=stack)
@@ -232,6 +240,30 @@ class ProxyProcess:
     def returncode(self) -> int | None:
         """The exit status once the process has exited (and was waited for), else ``None``."""
         return self._proc.returncode
+
+    async def session_view(self, session_id: str, within: float = 5.0) -> dict[str, Any] | None:
+        """``GET /admin/sessions/{session_id}`` once the session has nothing in flight.
+
+        A client has its answer before the proxy runs the ``commit`` hooks, and
+        a child process offers nothing to wait on, so this polls (every 10 ms)
+        until the view shows no exchange in flight and the plugins' state. The
+        view is as :meth:`Harness.session_view` describes; ``None`` for an
+        unknown session.
+
+        Raises:
+            TimeoutError: the session was still busy after ``within`` seconds.
+            aiohttp.ClientResponseError: the admin route answered another error.
+        """
+        async with aiohttp.ClientSession() as http, asyncio.timeout(within):
+            while True:  # bounded by the timeout
+                async with http.get(f"{self.url}/admin/sessions/{session_id}") as resp:
+                    if resp.status == 404:
+                        return None
+                    resp.raise_for_status()
+                    view: dict[str, Any] = await resp.json()
+                if view["in_flight"] == 0 and view["plugins"] is not None:
+                    return view
+                await asyncio.sleep(0.01)
 
     async def stop(self, within: float = 30.0) -> int:
         """Send SIGTERM as a service manager would, wait for the exit, return the exit status.

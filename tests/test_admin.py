@@ -79,6 +79,15 @@ def sample(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, frozenset(labels.items())))
 
 
+def series(samples: Samples, name: str, *keys: str) -> dict[tuple[str, ...], float]:
+    """Every sample of ``name``, keyed by the values of the labels ``keys`` in that order."""
+    return {
+        tuple(dict(labels)[key] for key in keys): value
+        for (sample_name, labels), value in samples.items()
+        if sample_name == name
+    }
+
+
 async def metrics(http: aiohttp.ClientSession, h: Harness) -> tuple[str, Samples]:
     async with http.get(h.url + "/metrics") as resp:
         assert resp.status == 200
@@ -93,7 +102,7 @@ async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, str, Any
         return resp.status, text, json.loads(text)
 
 
-async def first_event_then_wait(resp: aiohttp.ClientResponse) -> bytes:
+async def read_first_event(resp: aiohttp.ClientResponse) -> bytes:
     """Read up to the end of the first SSE event (a blank line)."""
     raw = bytearray()
     async with asyncio.timeout(BOUND_S):
@@ -181,9 +190,9 @@ class Shrink(Plugin):
 async def test_admin_from_non_loopback_needs_the_token(
     http: aiohttp.ClientSession, http_other: aiohttp.ClientSession
 ) -> None:
-    async with proxy_with_emulator(
-        plugins=[], admin_allow=["127.0.0.1"], admin_token=TOKEN
-    ) as h:
+    """From 127.0.0.2 every admin route is 403 without the token (spoofed forwarding
+    headers do not help) and 200 with it; open endpoints answer anyone."""
+    async with proxy_with_emulator(plugins=[], admin_allow=["127.0.0.1"], admin_token=TOKEN) as h:
         spoofed = {
             "X-Forwarded-For": "127.0.0.1",
             "X-Real-IP": "127.0.0.1",
@@ -228,6 +237,7 @@ async def test_admin_from_non_loopback_needs_the_token(
 async def test_without_a_configured_token_non_loopback_is_always_refused(
     http_other: aiohttp.ClientSession,
 ) -> None:
+    """With no admin_token configured, no Authorization value opens the admin routes."""
     async with proxy_with_emulator(plugins=[], admin_allow=["127.0.0.1"]) as h:
         for auth in ("Bearer ", "Bearer None", "Bearer null"):
             headers = {"Authorization": auth, "X-Forwarded-For": "127.0.0.1"}
@@ -241,6 +251,8 @@ async def test_without_a_configured_token_non_loopback_is_always_refused(
 async def test_exchanges_and_sessions_views_show_state_never_a_body(
     http: aiohttp.ClientSession,
 ) -> None:
+    """/admin/exchanges, /admin/sessions[/{id}] and /metrics show phase, held bytes and
+    counts of in-flight exchanges, and never a body, a prompt or a key."""
     gate = Gate()
     async with proxy_with_emulator(plugins=[gate]) as h:
         secret = {"Authorization": f"Bearer {API_KEY}"}
@@ -260,7 +272,7 @@ async def test_exchanges_and_sessions_views_show_state_never_a_body(
         )
         try:
             assert held_resp.status == 200
-            await first_event_then_wait(held_resp)
+            await read_first_event(held_resp)
             async with asyncio.timeout(BOUND_S):
                 await gate.entered.wait()
 
@@ -299,7 +311,7 @@ async def test_exchanges_and_sessions_views_show_state_never_a_body(
             assert status == 200
             assert detail["id"] == "sess-view-1" and detail["requests"] == 1
             assert detail["plugins"] == {"gate": {"seen": True, "last_prompt": None}}
-            status, _, missing = await get_json(http, h.url + "/admin/sessions/no-such")
+            status, _, _ = await get_json(http, h.url + "/admin/sessions/no-such")
             assert status == 404
 
             for answer in (text, mtext, stext, dtext):
@@ -309,16 +321,21 @@ async def test_exchanges_and_sessions_views_show_state_never_a_body(
         finally:
             gate.proceed.set()
             h.emulator.release("view")
-            held_resp.release()
             async with asyncio.timeout(BOUND_S):
+                held_rest = await held_resp.read()
                 gated_resp = await gated
                 await gated_resp.read()
+        assert b"[DONE]" in held_rest
         assert gated_resp.status == 200
+        # Once the handlers (commit hooks included) are done, nothing is listed.
+        await h.settle()
         _, _, after = await get_json(http, h.url + "/admin/exchanges")
         assert after == {"exchanges": []}
 
 
 async def test_metrics_series_after_traffic(http: aiohttp.ClientSession) -> None:
+    """After a success, an upstream error, a refold, a client gone and a session shutdown,
+    /metrics counts exactly that traffic in the named series."""
     async with proxy_with_emulator(plugins=[Shrink()]) as h:
         session = {"x-session-id": "sess-metrics"}
         # A plain success.
@@ -336,12 +353,14 @@ async def test_metrics_series_after_traffic(http: aiohttp.ClientSession) -> None
         async with http.post(h.url + CHAT, json=big, headers=headers) as resp:
             assert resp.status == 200
             await resp.read()
-        # A client that hangs up mid-stream.
-        headers = {**session, "x-emulator": "hold=gone"}
-        resp = await http.post(h.url + RESPONSES, json={"model": "r", "input": "hi", "stream": True},
-                               headers=headers)
+        # A client that hangs up mid-stream. A Responses stream is relayed from its
+        # first output event on (until then a refold may still replace it), so the
+        # emulator holds it after the third event, output_item.added.
+        headers = {**session, "x-emulator": "hold=gone; stall_after=3"}
+        responses_body = {"model": "r", "input": "hi", "stream": True}
+        resp = await http.post(h.url + RESPONSES, json=responses_body, headers=headers)
         assert resp.status == 200
-        await first_event_then_wait(resp)
+        await read_first_event(resp)
         gone_id = max(r.id for r in h.emulator.stats)
         resp.close()
         await h.emulator.wait_aborted(gone_id)
@@ -350,13 +369,13 @@ async def test_metrics_series_after_traffic(http: aiohttp.ClientSession) -> None
             assert resp.status == 200
 
         text, samples = await metrics(http, h)
-    # Requests by protocol and status (and outcome).
-    requests = "context_proxy_requests_total"
-    assert sample(samples, requests, protocol=Protocol.CHAT, status="200", outcome="ok") == 2
-    assert (
-        sample(samples, requests, protocol=Protocol.MESSAGES, status="429", outcome="upstream_error") == 1
-    )
-    assert sample(samples, requests, protocol=Protocol.RESPONSES, status="200", outcome="client_gone") == 1
+    # Requests by protocol and status (and outcome), exactly the traffic sent.
+    requests = series(samples, "context_proxy_requests_total", "protocol", "status", "outcome")
+    assert requests == {
+        (Protocol.CHAT, "200", "ok"): 2,
+        (Protocol.MESSAGES, "429", "upstream_error"): 1,
+        (Protocol.RESPONSES, "200", "client_gone"): 1,
+    }
     assert sample(samples, "context_proxy_in_flight") == 0
     assert sample(samples, "context_proxy_releases_total") == 4
     assert sample(samples, "context_proxy_refolds_total") == 1
@@ -367,6 +386,8 @@ async def test_metrics_series_after_traffic(http: aiohttp.ClientSession) -> None
 
 
 async def test_readyz_flips_on_admin_shutdown(http: aiohttp.ClientSession) -> None:
+    """POST /admin/shutdown: /readyz 503 at once, /healthz still 200, new requests 503 with
+    Retry-After and Connection: close in their protocol's shape, nothing forwarded."""
     async with proxy_with_emulator(plugins=[]) as h:
         async with http.get(h.url + "/readyz") as resp:
             assert resp.status == 200

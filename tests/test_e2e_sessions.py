@@ -16,8 +16,8 @@ import json
 import re
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
@@ -40,6 +40,7 @@ SHUTDOWN_TIMEOUT_S = 0.5
 TOMBSTONE_TTL_S = 60.0
 
 Event = tuple[str | None, str]
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -135,9 +136,11 @@ class Streamed:
 
     @property
     def events(self) -> list[Event]:
+        """The SSE events of the body (empty for a JSON answer)."""
         return sse_events(self.raw)
 
     def json(self) -> Any:
+        """The body decoded as JSON."""
         return json.loads(self.raw)
 
 
@@ -172,7 +175,8 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
     raise TimeoutError(f"not {what} within {BOUND_S} s")
 
 
-async def bounded(aw: Any) -> Any:
+async def bounded(aw: Awaitable[T]) -> T:
+    """``await aw``, failing after BOUND_S seconds instead of hanging the test."""
     async with asyncio.timeout(BOUND_S):
         return await aw
 
@@ -236,6 +240,8 @@ class PrepareGate(Plugin):
 async def test_prepares_of_one_session_are_serialized_but_not_behind_a_stream(
     http: aiohttp.ClientSession,
 ) -> None:
+    """Two requests of one session: the second prepare waits for the first one's to end,
+    but not for the first one's stream, which the emulator holds open throughout."""
     gate = PrepareGate()
     async with proxy_with_emulator(plugins=[gate]) as h:
         session = {"x-session-id": "sess-lock"}
@@ -279,6 +285,8 @@ async def test_prepares_of_one_session_are_serialized_but_not_behind_a_stream(
 
 
 async def test_session_id_sources_in_order(http: aiohttp.ClientSession) -> None:
+    """Headers in the default order, then the body (prompt_cache_key, metadata.user_id),
+    then the opt-in bearer digest, as the commit hooks see them."""
     recorder = Recorder()
     async with proxy_with_emulator(plugins=[recorder], session_from_bearer=True) as h:
         cases: list[tuple[str, str, dict[str, str], dict[str, Any]]] = [
@@ -320,6 +328,7 @@ async def test_session_id_sources_in_order(http: aiohttp.ClientSession) -> None:
 async def test_configured_header_order_and_bearer_off_by_default(
     http: aiohttp.ClientSession,
 ) -> None:
+    """``session_headers`` reorders the headers; without the opt-in a bearer names no session."""
     recorder = Recorder()
     async with proxy_with_emulator(
         plugins=[recorder], session_headers=["session-id", "x-session-id"]
@@ -336,6 +345,7 @@ async def test_configured_header_order_and_bearer_off_by_default(
 async def test_require_session_rejects_in_protocol_shape(
     http: aiohttp.ClientSession, path: str
 ) -> None:
+    """``require_session``: no identity is a 400 in the client's protocol shape, never forwarded."""
     async with proxy_with_emulator(plugins=[], require_session=True) as h:
         got = await call(http, h.url + path, body_for(path, "m"))
         ok = await call(http, h.url + path, body_for(path, "m"), {"x-session-id": "s"})
@@ -356,6 +366,7 @@ async def test_require_session_rejects_in_protocol_shape(
 async def test_requests_without_identity_are_served_without_a_session(
     http: aiohttp.ClientSession,
 ) -> None:
+    """No identity and no requirement: served normally, no session entry is created."""
     recorder = Recorder()
     async with proxy_with_emulator(plugins=[recorder]) as h:
         got = await call(http, h.url + CHAT, body_for(CHAT, "m"))
@@ -371,6 +382,10 @@ async def test_requests_without_identity_are_served_without_a_session(
 async def test_shutdown_session_waits_cancels_tombstones_and_expires(
     http: aiohttp.ClientSession,
 ) -> None:
+    """DELETE /admin/sessions/{id} with two streams in flight: the one released within the
+    timeout finishes intact, the other is cut with an in-band error and its upstream
+    request aborted; late requests get 503 + Retry-After; plugins are told once; the
+    tombstone expires after its TTL on the injected clock."""
     clock = FakeClock()
     recorder = Recorder()
     sid = "sess-shut"
@@ -475,3 +490,75 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
     assert all(
         (r.status, r.outcome) == (503, "rejected") for r in recorder.records if r.model == "late"
     )
+
+
+class StuckPrepare(Plugin):
+    """A prepare hook that never returns for model ``stuck`` (until cancelled)."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.closed: list[str] = []
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        if ctx.meta.model == "stuck":
+            self.entered.set()
+            await asyncio.Event().wait()
+        return False
+
+    async def session_closed(self, session_id: str) -> None:
+        self.closed.append(session_id)
+
+
+async def test_shutdown_session_answers_stragglers_not_yet_streaming_with_503(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Stragglers cancelled before any answer byte (one in prepare, one held back before
+    its first output event) get a 503 "session closed" in their protocol, not a reset."""
+    stuck = StuckPrepare()
+    sid = "sess-strag"
+    # plugin_timeout outlasts the shutdown timeout: the shutdown, not the hook
+    # budget, ends the prepare.
+    async with proxy_with_emulator(
+        plugins=[stuck], session_shutdown_timeout=SHUTDOWN_TIMEOUT_S, plugin_timeout=30
+    ) as h:
+        session = {"x-session-id": sid}
+        # One straggler sits in prepare under the session lock; the other is a
+        # Responses stream the proxy holds back until its first output event,
+        # which the emulator never sends.
+        # (The gated one first: the other then keeps the session lock to itself.)
+        gated = asyncio.create_task(
+            call(
+                http,
+                h.url + RESPONSES,
+                body_for(RESPONSES, "gated"),
+                {**session, "x-emulator": "hold=strag; stall_after=1"},
+            )
+        )
+        in_prepare: asyncio.Task[Streamed] | None = None
+        try:
+            await h.emulator.wait_holding(1)
+            in_prepare = asyncio.create_task(
+                call(http, h.url + MESSAGES, body_for(MESSAGES, "stuck"), session)
+            )
+            await bounded(stuck.entered.wait())
+            async with asyncio.timeout(SHUTDOWN_TIMEOUT_S + BOUND_S):
+                async with http.delete(f"{h.url}/admin/sessions/{sid}") as resp:
+                    result = await resp.json()
+                answers = [await in_prepare, await gated]
+        finally:
+            gated.cancel()
+            if in_prepare is not None:
+                in_prepare.cancel()
+        aborted = await h.emulator.wait_aborted(1)
+    assert result == {"id": sid, "finished": 0, "cancelled": 2, "already_closed": False}
+    for answer in answers:
+        assert answer.status == 503, answer.raw
+        assert int(answer.headers["Retry-After"]) >= 0
+    anthropic_error, openai_error = (answer.json() for answer in answers)
+    assert anthropic_error["type"] == "error"
+    assert anthropic_error["error"]["message"] == "session closed"
+    assert openai_error["error"]["message"] == "session closed"
+    assert aborted.model == "gated"
+    assert stuck.closed == [sid]

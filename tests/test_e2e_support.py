@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -25,10 +26,10 @@ __all__ = [
     "COUNT_TOKENS_PATH",
     "RESPONSES_PATH",
     "SECRET",
+    "LogWaiter",
     "RawClient",
     "RawResponse",
     "exact_body",
-    "normalized",
     "sse_events",
     "stream_body",
     "wait_until",
@@ -81,26 +82,6 @@ def exact_body(path: str, size: int, *, filler: bytes = b"x") -> bytes:
     return head + filler * pad + tail
 
 
-# Parts of an emulated answer that differ between two runs of the same script:
-# ids carry the emulator's per-request counter, ``created``/``created_at`` the
-# wall-clock second.
-_VOLATILE: Final = (
-    (re.compile(rb"emu\d{6}"), b"emu000000"),
-    (re.compile(rb'"created(_at)?":\d+'), rb'"created\1":0'),
-)
-
-
-def normalized(raw: bytes) -> bytes:
-    """``raw`` with the emulator's per-request ids and timestamps zeroed (same length class).
-
-    Everything else, including line endings, comments and the split of the
-    bytes, is left as is, so two normalized answers compare byte for byte.
-    """
-    for pattern, replacement in _VOLATILE:
-        raw = pattern.sub(replacement, raw)
-    return raw
-
-
 def sse_events(raw: bytes) -> list[tuple[str | None, str]]:
     """(event name, data) of every SSE event in ``raw`` (WHATWG framing; comments skipped)."""
     events: list[tuple[str | None, str]] = []
@@ -139,6 +120,44 @@ async def _step(awaitable: Awaitable[_T]) -> _T:
     """One read or write step of :class:`RawClient`, bounded by ``_IO_TIMEOUT``."""
     async with asyncio.timeout(_IO_TIMEOUT):
         return await awaitable
+
+
+class LogWaiter(logging.Handler):
+    """A context manager that catches log records of ``logger`` whose message has ``needle``.
+
+    ``await wait(within)`` returns once one was emitted (event driven, no polling);
+    ``records`` lists the matching records. Attached to the logger itself, so
+    it sees records whatever the root level is.
+    """
+
+    def __init__(self, logger: str, needle: str, level: int = logging.WARNING) -> None:
+        super().__init__(level)
+        self._logger = logging.getLogger(logger)
+        self._needle = needle
+        self._seen = asyncio.Event()
+        self._saved_level = self._logger.level
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._needle in record.getMessage():
+            self.records.append(record)
+            self._seen.set()
+
+    async def wait(self, within: float) -> logging.LogRecord:
+        """The first matching record; ``TimeoutError`` after ``within`` seconds."""
+        async with asyncio.timeout(within):
+            await self._seen.wait()
+        return self.records[0]
+
+    def __enter__(self) -> LogWaiter:
+        self._logger.addHandler(self)
+        if self._logger.getEffectiveLevel() > self.level:
+            self._logger.setLevel(self.level)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._saved_level)
 
 
 class RawResponse:
@@ -188,9 +207,7 @@ class RawClient:
             reader, writer = await asyncio.open_connection(sock=sock, limit=rcvbuf)
         return cls(reader, writer, parts.netloc)
 
-    def send_head(
-        self, method: str, target: str, headers: Iterable[tuple[str, str]] = ()
-    ) -> None:
+    def send_head(self, method: str, target: str, headers: Iterable[tuple[str, str]] = ()) -> None:
         """Queue a request line and headers (a ``Host`` header is added)."""
         lines = [f"{method} {target} HTTP/1.1", f"Host: {self.host}"]
         lines.extend(f"{name}: {value}" for name, value in headers)

@@ -1,0 +1,187 @@
+"""``context-proxy bench concurrency``: N large requests at once, answers held open.
+
+For each variant of this proxy (see :mod:`benchmarks.memory`) and for the naive
+baseline, a fresh process takes ``--repeats`` batches of ``-n`` (default 8)
+concurrent streamed requests of ``--size`` MiB (default 16). All answers are
+held open by the emulator until the benchmark has sampled the process, then
+released. Figures are RSS growth over the idle process divided by N x B (the
+bytes of all bodies in flight): peak, mid-stream (all N held open) and after.
+The single-request targets apply to N x B unchanged.
+
+Outputs in ``--out``: ``concurrency.json``, ``concurrency.md``, ``concurrency.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import _report as rpt
+from ._harness import raise_nofile_limit
+from ._workload import BenchProtocol, Corpus, MiB, build_body
+from .memory import (
+    VARIANTS,
+    Case,
+    build_tables,
+    open_bench,
+    plot_memory,
+    run_json,
+    run_process,
+)
+
+__all__ = ["build_parser", "main"]
+
+_WARMUP_BYTES = 64 * 1024
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options of ``context-proxy bench concurrency``."""
+    parser = argparse.ArgumentParser(
+        prog="context-proxy bench concurrency",
+        description="N concurrent large requests, answers held open: RSS against N x B.",
+    )
+    parser.add_argument("-n", "--concurrency", type=int, default=8, help="requests at once [8]")
+    parser.add_argument("--size", type=float, default=16.0, help="MiB per request body [16]")
+    parser.add_argument(
+        "--protocol",
+        choices=[p.value for p in BenchProtocol],
+        default="chat",
+        help="[chat]",
+    )
+    parser.add_argument(
+        "--variants",
+        default="plain,plugin,retry",
+        help="variants of this proxy, comma-separated [plain,plugin,retry]",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="batches per process [3]")
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
+    parser.add_argument(
+        "--proxy-env",
+        type=lambda text: tuple(text.split("=", 1)),
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment variable for this proxy's process (repeatable)",
+    )
+    parser.add_argument("--proxy-module", default="proxy", help="`python -m MODULE serve`")
+    parser.add_argument("--interval", type=float, default=0.005, help="RSS sampling, s")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+async def _collect(
+    args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path
+) -> tuple[Case, float, datetime.datetime]:
+    started = time.monotonic()
+    started_wall = datetime.datetime.now(datetime.UTC)
+    variants = [VARIANTS[name] for name in args.variants]
+    protocol = BenchProtocol(args.protocol)
+    corpus = Corpus.load()
+    body = build_body(protocol, int(args.size * MiB), corpus)
+    warmup = build_body(protocol, _WARMUP_BYTES, corpus, seed=2)
+    n = args.concurrency
+    case = Case(args.size * n, protocol, n * len(body), label=f"{n} x {args.size:g} MiB")
+    bodies = [body] * args.repeats
+    async with open_bench(args, log_dir, max(100 * MiB, int(args.size * MiB * 2))) as bench:
+        with reporter.progress(len(variants) + 1, "concurrency") as progress:
+            for variant in variants:
+                progress.describe(f"{n} x {args.size:g} MiB ours/{variant.name}")
+                await bench.control.reset()
+                case.ours[variant.name] = await run_process(
+                    bench, "ours", variant, protocol, bodies, warmup, variant.hold, concurrency=n
+                )
+                progress.advance()
+            progress.describe(f"{n} x {args.size:g} MiB naive")
+            await bench.control.reset()
+            case.naive = await run_process(
+                bench, "naive", None, protocol, bodies, warmup, "delta", concurrency=n
+            )
+            progress.advance()
+    return case, time.monotonic() - started, started_wall
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``context-proxy bench concurrency`` (and ``python -m benchmarks.concurrency``).
+
+    Returns 0 when the run completed (targets missed are reported, not an error),
+    1 when a server failed, 2 for bad options.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        parser.error(f"--variants: choose from {', '.join(VARIANTS)}")
+    if args.concurrency < 1 or args.repeats < 1 or args.size <= 0:
+        parser.error("--concurrency and --repeats must be >= 1, --size > 0")
+    if any(len(pair) != 2 for pair in args.proxy_env):
+        parser.error("--proxy-env expects NAME=VALUE")
+    raise_nofile_limit()
+    reporter = rpt.Reporter(quiet=args.quiet)
+    out: Path = args.out
+    log_dir = out / "logs" / "concurrency"
+    if log_dir.exists():
+        shutil.rmtree(log_dir)
+    try:
+        case, wall, started = asyncio.run(_collect(args, reporter, log_dir))
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
+        return 1
+    variants = [VARIANTS[name] for name in args.variants]
+    tables = build_tables(
+        [case],
+        [],
+        variants,
+        args.repeats,
+        title=(
+            f"Concurrency: {args.concurrency} requests of {args.size:g} MiB at once, RSS growth "
+            f"over idle as a multiple of N x B (median [min, max] of {args.repeats} batches)"
+        ),
+    )
+    for table in tables:
+        reporter.print_table(table)
+    doc: dict[str, Any] = {
+        "benchmark": "concurrency",
+        "started_at": started.isoformat(),
+        "wall_s": wall,
+        "command": "context-proxy bench concurrency " + " ".join(argv),
+        "options": {
+            "concurrency": args.concurrency,
+            "size_mib": args.size,
+            "protocol": args.protocol,
+            "variants": args.variants,
+            "repeats": args.repeats,
+        },
+        "total_body_bytes": case.body_bytes,
+        "ours": {name: run_json(run) for name, run in case.ours.items()},
+        "naive": run_json(case.naive),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    rpt.write_json(out / "concurrency.json", doc)
+    rpt.write_markdown(
+        out / "concurrency.md",
+        tables,
+        f"Command: `context-proxy bench concurrency {' '.join(argv)}`, wall time {wall:.0f} s.",
+    )
+    plot_memory(
+        out / "concurrency.png",
+        [case],
+        [],
+        variants,
+        title=f"{args.concurrency} concurrent {args.size:g} MiB requests: RSS over time",
+    )
+    reporter.note(
+        f"wall time {wall:.0f} s; wrote {out / 'concurrency.json'}, {out / 'concurrency.md'}, "
+        f"{out / 'concurrency.png'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

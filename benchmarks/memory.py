@@ -1,0 +1,1008 @@
+"""``context-proxy bench memory``: request-memory lifetime of this proxy against a naive one.
+
+For every body size (MiB) and protocol, a fresh process of this proxy per
+*variant* and a fresh naive baseline process each take ``--repeats`` large
+streamed requests, one after the other, after a small warm-up request. Each
+answer is held open by the emulator (``x-emulator: hold=KEY``) until the
+benchmark has sampled it, then released. Growth figures are RSS minus the
+process's idle RSS before its first large request, divided by the body size B:
+
+* **peak**: the largest RSS from the request's first byte to its end (5 ms
+  samples, and the kernel's ``VmHWM``, reset before each request through
+  ``/proc/PID/clear_refs``);
+* **mid-stream**: median RSS over 100 ms while the answer is held open;
+* **after**: median RSS over 100 ms, 200 ms after the answer ended.
+
+Variants of this proxy (the naive baseline is the same in all):
+
+* ``plain``: default plugins (``fold``, which never reads the body at fold
+  level 0); held after the first text delta, i.e. while streaming.
+* ``plugin``: plus :class:`benchmarks.plugins.Marker`, which parses and rewrites
+  every body; held after the first text delta.
+* ``retry``: ``fake_completion_retries=1``; held *before* the first output
+  event, the window in which a resend may still need the body.
+
+``--sequential N`` adds N back-to-back requests of ``--sequential-size`` MiB to
+one process per proxy and shows RSS after each (the allocator's retention).
+Outputs in ``--out`` (default ``bench-results/``): ``memory.json`` (every
+figure), ``memory.md`` (the tables), ``memory.png`` (RSS over time); with
+``--publish`` also ``docs/bench-memory.{json,png,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import itertools
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from . import _report as rpt
+from ._harness import (
+    EmulatorControl,
+    RssSampler,
+    Service,
+    StreamCall,
+    admin_exchanges,
+    held_metrics,
+    median_rss,
+    raise_nofile_limit,
+    read_vm_hwm,
+    reset_vm_hwm,
+    start_emulator,
+    start_naive,
+    start_proxy,
+    wait_proxy_idle,
+)
+from ._workload import BenchProtocol, Corpus, MiB, build_body
+
+__all__ = [
+    "AFTER_LIMIT",
+    "VARIANTS",
+    "Bench",
+    "Case",
+    "ProcessRun",
+    "Results",
+    "Sample",
+    "Variant",
+    "build_tables",
+    "collect",
+    "main",
+    "measure_batch",
+    "open_bench",
+    "plot_memory",
+    "run_json",
+    "run_process",
+    "write_outputs",
+]
+
+MARKER_PLUGIN: Final = "benchmarks.plugins:Marker"
+#: RSS after a response may exceed the idle RSS by at most this many body sizes.
+AFTER_LIMIT: Final = 0.05
+#: Seconds between the end of an answer and the start of the "after" window.
+_SETTLE: Final = 0.2
+#: Seconds of sampling for a "median RSS" figure.
+_WINDOW: Final = 0.1
+#: Seconds one large request may take in total (a 64 MiB body through the naive
+#: proxy takes about 2 s on 2 cores; this only catches a hang).
+_REQUEST_TIMEOUT: Final = 600.0
+_WARMUP_BYTES: Final = 64 * 1024
+_PHASES_OPEN: Final = frozenset({"sent", "accepted", "streaming"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Variant:
+    """One configuration of this proxy, with the targets that apply to it.
+
+    ``hold`` is where the emulator holds the answer: ``delta`` (after the first
+    text delta: streaming) or ``head`` (before any output event). Limits are
+    multiples of the body size B.
+    """
+
+    name: str
+    plugins: tuple[str, ...]
+    retries: int
+    hold: str
+    peak_limit: float
+    mid_limit: float
+    description: str
+
+
+VARIANTS: Final = {
+    "plain": Variant(
+        "plain", ("fold",), 0, "delta", 1.1, 0.05, "default plugins, none reads the body"
+    ),
+    "plugin": Variant(
+        "plugin",
+        ("fold", MARKER_PLUGIN),
+        0,
+        "delta",
+        2.2,
+        0.05,
+        "Marker plugin parses and rewrites every body",
+    ),
+    "retry": Variant(
+        "retry",
+        ("fold",),
+        1,
+        "head",
+        1.1,
+        1.05,
+        "fake_completion_retries=1, sampled before output starts",
+    ),
+}
+
+
+@dataclasses.dataclass(slots=True)
+class Sample:
+    """One large request through one proxy process. RSS figures in bytes; times in
+    seconds on the process's sampler clock."""
+
+    body_bytes: int
+    idle_rss: int
+    before_rss: int = 0
+    peak_rss: int = 0
+    hwm_rss: int = 0
+    mid_rss: int = 0
+    after_rss: int = 0
+    upstream_bytes: int = 0
+    held_admin: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    held_metrics: dict[str, int] = dataclasses.field(default_factory=dict)
+    held_after: int = 0
+    complete: bool = False
+    error: str | None = None
+    t_start: float = math.nan
+    t_uploaded: float = math.nan
+    t_held: float = math.nan
+    t_release: float = math.nan
+    t_end: float = math.nan
+
+    def growth(self, rss: int) -> float:
+        """``(rss - idle_rss) / body_bytes`` (a multiple of B)."""
+        return (rss - self.idle_rss) / self.body_bytes
+
+    @property
+    def peak(self) -> float:
+        """Peak growth over idle, x B (the larger of the sampled peak and VmHWM)."""
+        return self.growth(max(self.peak_rss, self.hwm_rss))
+
+    @property
+    def mid(self) -> float:
+        """Mid-stream growth over idle, x B."""
+        return self.growth(self.mid_rss)
+
+    @property
+    def after(self) -> float:
+        """Growth over idle after the response, x B."""
+        return self.growth(self.after_rss)
+
+    @property
+    def held_mid(self) -> int:
+        """Bytes this proxy's own accounting said it held mid-stream (all exchanges)."""
+        return sum(int(ex["held_bytes"]["total"]) for ex in self.held_admin)
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field, plus the derived ratios."""
+        data = dataclasses.asdict(self)
+        data.update(
+            peak_growth_x_body=self.peak,
+            mid_growth_x_body=self.mid,
+            after_growth_x_body=self.after,
+            held_mid_bytes=self.held_mid,
+        )
+        return data
+
+
+@dataclasses.dataclass(slots=True)
+class ProcessRun:
+    """Every sample of one proxy process, and its RSS timeline."""
+
+    proxy: str
+    variant: str | None
+    protocol: str
+    samples: list[Sample]
+    pid: int
+    times: list[float]
+    rss: list[int]
+    marks: list[tuple[float, str]]
+
+
+@dataclasses.dataclass(slots=True)
+class Bench:
+    """What every case of one run shares: HTTP session, emulator, logs, options."""
+
+    session: aiohttp.ClientSession
+    emulator: Service
+    control: EmulatorControl
+    log_dir: Path
+    interval: float
+    proxy_env: dict[str, str]
+    proxy_module: str
+    max_body: int
+    keys: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
+
+    def key(self) -> str:
+        """A fresh hold key."""
+        return f"mem{next(self.keys)}"
+
+    def start(self, proxy: str, variant: Variant | None, name: str) -> Service:
+        """Start a fresh process of ``proxy`` (``ours`` or ``naive``)."""
+        if proxy == "naive":
+            return start_naive(self.emulator.url, self.log_dir, name=name)
+        assert variant is not None
+        return start_proxy(
+            self.emulator.url,
+            self.log_dir,
+            plugins=variant.plugins,
+            fake_completion_retries=variant.retries,
+            max_body_bytes=self.max_body,
+            env=self.proxy_env,
+            module=self.proxy_module,
+            name=name,
+        )
+
+
+@contextlib.asynccontextmanager
+async def open_bench(
+    args: argparse.Namespace, log_dir: Path, max_body: int
+) -> AsyncIterator[Bench]:
+    """An HTTP session and a running emulator for one benchmark run.
+
+    Reads ``interval``, ``proxy_env`` and ``proxy_module`` from ``args``;
+    ``max_body`` (bytes) becomes this proxy's ``max_body_bytes``. The client
+    pool is unbounded (500 held streams need 500 connections).
+    """
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        emulator = start_emulator(log_dir)
+        async with emulator:
+            await emulator.wait_ready(session)
+            yield Bench(
+                session=session,
+                emulator=emulator,
+                control=EmulatorControl(session, emulator.url),
+                log_dir=log_dir,
+                interval=args.interval,
+                proxy_env=dict(args.proxy_env),
+                proxy_module=args.proxy_module,
+                max_body=max_body,
+            )
+
+
+def _script(protocol: BenchProtocol, key: str, hold: str) -> str:
+    after = protocol.first_delta_event if hold == "delta" else 1
+    return f"hold={key}; stall_after={after}; chunks=8"
+
+
+async def _warm_up(bench: Bench, svc: Service, protocol: BenchProtocol, body: bytes) -> None:
+    # Imports, the upstream connection pool and first-use caches happen here, so
+    # the idle baseline is that of a proxy that has served a request.
+    call = StreamCall(bench.session, svc.url, protocol, body, script=None)
+    outcome = await call.result(60.0)
+    if not outcome.complete:
+        raise RuntimeError(f"{svc.name}: warm-up request failed: {outcome.error}")
+
+
+async def measure_batch(
+    bench: Bench,
+    svc: Service,
+    sampler: RssSampler,
+    protocol: BenchProtocol,
+    body: bytes,
+    count: int,
+    hold: str,
+    idle: int,
+    ours: bool,
+) -> Sample:
+    """Send ``count`` concurrent copies of ``body`` through ``svc``, hold their answers
+    open, sample, release, and measure what is left (one :class:`Sample`, whose
+    ``body_bytes`` is ``count * len(body)``).
+
+    Raises:
+        TimeoutError: the batch did not reach its hold or end within 10 minutes.
+    """
+    sample = Sample(body_bytes=count * len(body), idle_rss=idle)
+    sample.before_rss = await median_rss(sampler, _WINDOW)
+    key = bench.key()
+    script = _script(protocol, key, hold)
+    reset_vm_hwm(svc.pid)
+    sample.t_start = sampler.mark("send")
+    calls = [
+        StreamCall(bench.session, svc.url, protocol, body, script=script, clock=sampler.now)
+        for _ in range(count)
+    ]
+    try:
+        async with asyncio.timeout(_REQUEST_TIMEOUT):
+            await bench.control.wait_holding(key, count, within=_REQUEST_TIMEOUT)
+            if hold == "delta" or not ours:
+                for call in calls:
+                    await call.first_byte.wait()
+            else:
+                # Gated (retry armed): the clients see nothing yet; wait until this
+                # proxy has the upstream's headers for all, i.e. they sit in the gate.
+                while True:
+                    exchanges = await admin_exchanges(bench.session, svc.url)
+                    if sum(ex["phase"] in _PHASES_OPEN for ex in exchanges) >= count:
+                        break
+                    await asyncio.sleep(0.01)
+        sample.t_uploaded = max(call.outcome.upload_done for call in calls)
+        sample.t_held = sampler.mark("held")
+        sample.mid_rss = await median_rss(sampler, _WINDOW)
+        if ours:
+            sample.held_admin = await admin_exchanges(bench.session, svc.url)
+            sample.held_metrics = await held_metrics(bench.session, svc.url)
+        sample.upstream_bytes = await bench.control.body_bytes(key)
+        sample.t_release = sampler.mark("release")
+        await bench.control.release(key)
+        outcomes = [await call.result(_REQUEST_TIMEOUT) for call in calls]
+        failed = [o for o in outcomes if not o.complete]
+        sample.complete = not failed
+        sample.error = failed[0].error if failed else None
+        sample.t_end = sampler.mark("end")
+        if ours:
+            await wait_proxy_idle(bench.session, svc.url)
+            sample.held_after = sum((await held_metrics(bench.session, svc.url)).values())
+        await asyncio.sleep(_SETTLE)
+        sample.after_rss = await median_rss(sampler, _WINDOW)
+        sample.peak_rss = sampler.peak(sample.t_start, sampler.now())
+        sample.hwm_rss = read_vm_hwm(svc.pid)
+    finally:
+        if not all(call.task.done() for call in calls):
+            await bench.control.release(key)
+            for call in calls:
+                await call.cancel()
+    svc.check_alive()
+    return sample
+
+
+async def run_process(
+    bench: Bench,
+    proxy: str,
+    variant: Variant | None,
+    protocol: BenchProtocol,
+    bodies: Sequence[bytes],
+    warmup: bytes,
+    hold: str,
+    *,
+    concurrency: int = 1,
+) -> ProcessRun:
+    """Start a fresh ``proxy`` process, warm it up and send ``bodies`` one after another
+    (each as ``concurrency`` concurrent copies, see :func:`measure_batch`).
+
+    Raises:
+        ServiceError: the process did not start or died.
+        TimeoutError: a request hung past 10 minutes.
+    """
+    name = f"{proxy}-{variant.name if variant else 'baseline'}-{protocol.value}"
+    svc = bench.start(proxy, variant, name)
+    async with svc:
+        await svc.wait_ready(bench.session)
+        sampler = RssSampler(svc.pid, bench.interval).start()
+        try:
+            await _warm_up(bench, svc, protocol, warmup)
+            await asyncio.sleep(_SETTLE)
+            idle = await median_rss(sampler, _WINDOW)
+            sampler.mark("idle")
+            ours = proxy == "ours"
+            samples = [
+                await measure_batch(
+                    bench, svc, sampler, protocol, body, concurrency, hold, idle, ours
+                )
+                for body in bodies
+            ]
+        finally:
+            sampler.stop()
+    return ProcessRun(
+        proxy=proxy,
+        variant=variant.name if variant else None,
+        protocol=protocol.value,
+        samples=samples,
+        pid=svc.pid,
+        times=sampler.times,
+        rss=sampler.rss,
+        marks=sampler.marks,
+    )
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _sizes(text: str) -> list[float]:
+    try:
+        sizes = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB numbers like 1,16,64: {text!r}") from None
+    if not sizes or any(size <= 0 for size in sizes):
+        raise argparse.ArgumentTypeError("sizes must be positive MiB numbers")
+    return sizes
+
+
+def _choices(allowed: Sequence[str]) -> Any:
+    def parse(text: str) -> list[str]:
+        items = [part.strip() for part in text.split(",") if part.strip()]
+        bad = [item for item in items if item not in allowed]
+        if bad or not items:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)}: {text!r}")
+        return items
+
+    return parse
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options of ``context-proxy bench memory``."""
+    parser = argparse.ArgumentParser(
+        prog="context-proxy bench memory",
+        description="Request-memory lifetime of context-proxy against a naive proxy.",
+    )
+    parser.add_argument(
+        "--sizes", type=_sizes, default=[1.0, 16.0, 64.0], help="body sizes, MiB [1,16,64]"
+    )
+    parser.add_argument(
+        "--protocols",
+        type=_choices([p.value for p in BenchProtocol]),
+        default=[p.value for p in BenchProtocol],
+        help="chat,responses,messages [all]",
+    )
+    parser.add_argument(
+        "--variants",
+        type=_choices(list(VARIANTS)),
+        default=list(VARIANTS),
+        help="plain,plugin,retry [all]",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="requests per case [3]")
+    parser.add_argument(
+        "--sequential",
+        type=int,
+        default=20,
+        help="back-to-back requests for the RSS-after trend (0: skip) [20]",
+    )
+    parser.add_argument(
+        "--sequential-size", type=float, default=16.0, help="MiB per sequential request [16]"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="also write docs/bench-memory.png, .json and .md (for the README)",
+    )
+    parser.add_argument("--publish-dir", type=Path, default=Path("docs"), help="[docs]")
+    parser.add_argument(
+        "--proxy-env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment variable for this proxy's process (repeatable), "
+        "e.g. MALLOC_MMAP_THRESHOLD_=1048576",
+    )
+    parser.add_argument(
+        "--proxy-module",
+        default="proxy",
+        help="run this proxy as `python -m MODULE serve` (a locally patched build) [proxy]",
+    )
+    parser.add_argument(
+        "--interval", type=float, default=0.005, help="RSS sampling interval, s [0.005]"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclasses.dataclass(slots=True)
+class Case:
+    """One (size, protocol) pair with its processes' results; ``body_bytes`` is B (for a
+    concurrent batch, N x B). ``label`` names it in tables (default: size and protocol)."""
+
+    size_mib: float
+    protocol: BenchProtocol
+    body_bytes: int
+    ours: dict[str, ProcessRun] = dataclasses.field(default_factory=dict)
+    naive: ProcessRun | None = None
+    label: str = ""
+
+    @property
+    def title(self) -> str:
+        """``16 MiB chat (B = 16,784,604 bytes)`` or the label."""
+        name = self.label or f"{self.size_mib:g} MiB {self.protocol.value}"
+        return f"{name} (B = {self.body_bytes:,} bytes)"
+
+
+@dataclasses.dataclass(slots=True)
+class Results:
+    """Everything one run measured."""
+
+    cases: list[Case]
+    sequential: list[ProcessRun]
+    variants: list[Variant]
+    wall_s: float
+    started: datetime.datetime
+
+
+async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
+    """Run the benchmark described by ``args`` (from :func:`build_parser`).
+
+    Server logs go to ``log_dir``. Raises :class:`~benchmarks._harness.ServiceError`
+    when a server did not start or died (its log is named), ``TimeoutError`` when a
+    request hung.
+    """
+    started = time.monotonic()
+    started_wall = datetime.datetime.now(datetime.UTC)
+    protocols = [BenchProtocol(p) for p in args.protocols]
+    variants = [VARIANTS[v] for v in args.variants]
+    biggest = max([*args.sizes, args.sequential_size if args.sequential else 0.0])
+    seq_variants = [v for v in variants if v.name in ("plain", "plugin")]
+    steps = len(args.sizes) * len(protocols) * (len(variants) + 1)
+    steps += (len(seq_variants) + 1) if args.sequential else 0
+    corpus = Corpus.load()
+    cases: list[Case] = []
+    sequential: list[ProcessRun] = []
+    max_body = max(100 * MiB, int(biggest * MiB * 2))
+    async with open_bench(args, log_dir, max_body) as bench:
+        with reporter.progress(steps, "memory") as progress:
+            for size in args.sizes:
+                for protocol in protocols:
+                    body = build_body(protocol, int(size * MiB), corpus)
+                    warmup = build_body(protocol, _WARMUP_BYTES, corpus, seed=2)
+                    case = Case(size, protocol, len(body))
+                    cases.append(case)
+                    bodies = [body] * args.repeats
+                    for variant in variants:
+                        progress.describe(f"{size:g} MiB {protocol.value} ours/{variant.name}")
+                        await bench.control.reset()
+                        case.ours[variant.name] = await run_process(
+                            bench, "ours", variant, protocol, bodies, warmup, variant.hold
+                        )
+                        progress.advance()
+                    progress.describe(f"{size:g} MiB {protocol.value} naive")
+                    await bench.control.reset()
+                    case.naive = await run_process(
+                        bench, "naive", None, protocol, bodies, warmup, "delta"
+                    )
+                    progress.advance()
+                    del body, bodies
+            if args.sequential:
+                protocol = protocols[0]
+                body = build_body(protocol, int(args.sequential_size * MiB), corpus)
+                warmup = build_body(protocol, _WARMUP_BYTES, corpus, seed=2)
+                bodies = [body] * args.sequential
+                for seq_variant in [*seq_variants, None]:
+                    label = seq_variant.name if seq_variant else "naive"
+                    progress.describe(f"sequential {label}")
+                    await bench.control.reset()
+                    sequential.append(
+                        await run_process(
+                            bench,
+                            "ours" if seq_variant else "naive",
+                            seq_variant,
+                            protocol,
+                            bodies,
+                            warmup,
+                            "delta",
+                        )
+                    )
+                    progress.advance()
+    return Results(cases, sequential, variants, time.monotonic() - started, started_wall)
+
+
+def write_outputs(args: argparse.Namespace, results: Results, reporter: rpt.Reporter) -> list[Path]:
+    """Print the tables and write JSON, Markdown and PNG (and the published copies).
+
+    Returns the paths written.
+    """
+    cases, sequential, variants = results.cases, results.sequential, results.variants
+    doc = _document(args, cases, sequential, variants, results.wall_s, results.started)
+    tables = build_tables(cases, sequential, variants, args.repeats)
+    for table in tables:
+        reporter.print_table(table)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rpt.write_json(out / "memory.json", doc)
+    rpt.write_markdown(out / "memory.md", tables, _preamble(args, results.wall_s))
+    plot_memory(out / "memory.png", cases, sequential, variants)
+    paths = [out / "memory.json", out / "memory.md", out / "memory.png"]
+    if args.publish:
+        docs: Path = args.publish_dir
+        docs.mkdir(parents=True, exist_ok=True)
+        for src in list(paths):
+            target = docs / f"bench-memory{src.suffix}"
+            shutil.copyfile(src, target)
+            paths.append(target)
+    reporter.note(f"wall time {results.wall_s:.0f} s; wrote " + ", ".join(map(str, paths)))
+    return paths
+
+
+# --------------------------------------------------------------------------- results
+
+
+def _stats(samples: Sequence[Sample], attr: str) -> rpt.Stat:
+    return rpt.stat(getattr(s, attr) for s in samples if s.complete)
+
+
+def _ratio(ours: rpt.Stat, naive: rpt.Stat) -> float:
+    if math.isnan(ours.median) or math.isnan(naive.median) or naive.median <= 0:
+        return math.nan
+    return ours.median / naive.median
+
+
+def _held_text(samples: Sequence[Sample]) -> str:
+    if not samples:
+        return "n/a"
+    held = sorted(samples, key=lambda s: s.held_mid)[len(samples) // 2]
+    phases = sorted({str(ex["phase"]) for ex in held.held_admin})
+    kinds = {
+        kind: sum(int(ex["held_bytes"][kind]) for ex in held.held_admin)
+        for kind in ("raw", "parsed", "outbound")
+    }
+    detail = ", ".join(f"{k} {rpt.fmt_bytes(v)}" for k, v in kinds.items() if v)
+    where = "/".join(phases) or "-"
+    return f"{rpt.fmt_bytes(held.held_mid)} ({where}{': ' + detail if detail else ''})"
+
+
+_FIGURE_ATTR: Final = {"peak": "peak", "mid-stream": "mid", "after": "after"}
+
+
+def _checks(case: Case, variant: Variant) -> list[tuple[str, str, rpt.Stat, float]]:
+    run = case.ours[variant.name]
+    return [
+        ("peak", f"<= {variant.peak_limit:g}", _stats(run.samples, "peak"), variant.peak_limit),
+        ("mid-stream", f"<= {variant.mid_limit:g}", _stats(run.samples, "mid"), variant.mid_limit),
+        ("after", f"<= {AFTER_LIMIT:g}", _stats(run.samples, "after"), AFTER_LIMIT),
+    ]
+
+
+def build_tables(
+    cases: Sequence[Case],
+    sequential: Sequence[ProcessRun],
+    variants: Sequence[Variant],
+    repeats: int,
+    *,
+    title: str = "",
+) -> list[rpt.Table]:
+    """The summary of targets, the per-case table and (with ``sequential``) the trend table.
+
+    ``title`` replaces the per-case table's title.
+    """
+    main_table = rpt.Table(
+        title=title
+        or (
+            "Memory: RSS growth over the idle process, as a multiple of the body size B "
+            f"(median [min, max] of {repeats} requests)"
+        ),
+        columns=(
+            "variant",
+            "figure",
+            "ours x B",
+            "naive x B",
+            "ours ÷ naive",
+            "target x B",
+            "verdict",
+            "ours held (own accounting)",
+        ),
+    )
+    worst: dict[str, tuple[float, float, str]] = {}
+    for case in cases:
+        main_table.section(case.title)
+        naive = case.naive.samples if case.naive else []
+        for variant in variants:
+            run = case.ours[variant.name]
+            for figure, target, value, limit in _checks(case, variant):
+                naive_stat = _stats(naive, _FIGURE_ATTR[figure])
+                ok = rpt.verdict(value.median, limit)
+                main_table.add(
+                    variant.name,
+                    figure,
+                    rpt.fmt_ratio(value),
+                    rpt.fmt_ratio(naive_stat),
+                    rpt.fmt_ratio(_ratio(value, naive_stat)),
+                    target,
+                    ok,
+                    _held_text(run.samples) if figure == "mid-stream" else "",
+                )
+                key = f"{figure} ({variant.name})"
+                label = case.label or f"{case.size_mib:g} MiB {case.protocol.value}"
+                if key not in worst or value.median - limit > worst[key][0] - worst[key][1]:
+                    worst[key] = (value.median, limit, label)
+            failed = [s for s in run.samples if not s.complete]
+            if failed:
+                main_table.notes.append(
+                    f"{case.title} {variant.name}: "
+                    f"{len(failed)} request(s) failed: {failed[0].error}"
+                )
+    main_table.notes.extend(
+        [
+            "peak: max RSS during the request (5 ms samples and VmHWM); mid-stream: answer held "
+            "open by the upstream; after: 200 ms after the response ended. Growth is over the "
+            "idle RSS of the same process before its first large request.",
+            *(f"{v.name}: {v.description}." for v in variants),
+            "ours held (own accounting): GET /admin/exchanges mid-stream, total (phase: kinds).",
+        ]
+    )
+    tables = [main_table]
+    summary = rpt.Table(
+        title="Targets (worst case over sizes and protocols, median of the repeats)",
+        columns=("target", "limit x B", "worst x B", "where", "verdict"),
+    )
+    for key, (median, limit, label) in worst.items():
+        summary.add(key, f"{limit:g}", rpt.fmt_ratio(median), label, rpt.verdict(median, limit))
+    if sequential:
+        trend = _sequential_table(sequential)
+        tables.append(trend)
+        for seq in sequential:
+            if seq.proxy == "ours" and seq.samples:
+                last = seq.samples[-1].after
+                summary.add(
+                    f"after {len(seq.samples)} sequential ({seq.variant})",
+                    f"{AFTER_LIMIT:g}",
+                    rpt.fmt_ratio(last),
+                    f"{seq.samples[0].body_bytes / MiB:.0f} MiB {seq.protocol}",
+                    rpt.verdict(last, AFTER_LIMIT),
+                )
+    tables.insert(0, summary)
+    return tables
+
+
+def _sequential_table(runs: Sequence[ProcessRun]) -> rpt.Table:
+    count = max(len(run.samples) for run in runs)
+    picks = sorted({1, 2, 3, 5, 10, count} & set(range(1, count + 1)))
+    table = rpt.Table(
+        title="RSS after each of N back-to-back requests, growth over idle x B (trend)",
+        columns=("proxy", *(f"#{i}" for i in picks), "max", "target x B", "verdict"),
+    )
+    for run in runs:
+        afters = [s.after for s in run.samples]
+        label = f"ours/{run.variant}" if run.proxy == "ours" else "naive"
+        verdict = rpt.verdict(afters[-1], AFTER_LIMIT) if run.proxy == "ours" else "-"
+        table.add(
+            label,
+            *(rpt.fmt_ratio(afters[i - 1]) for i in picks),
+            rpt.fmt_ratio(max(afters)),
+            f"<= {AFTER_LIMIT:g}" if run.proxy == "ours" else "-",
+            verdict,
+        )
+    table.notes.append("verdict: RSS after the last request within 0.05 x B of the idle RSS.")
+    return table
+
+
+def run_json(run: ProcessRun | None) -> dict[str, Any] | None:
+    """A process run as JSON: its samples and the median/min/max of each figure."""
+    if run is None:
+        return None
+    return {
+        "proxy": run.proxy,
+        "variant": run.variant,
+        "protocol": run.protocol,
+        "samples": [s.to_json() for s in run.samples],
+        "summary": {name: _stats(run.samples, name).as_dict() for name in ("peak", "mid", "after")},
+    }
+
+
+def _document(
+    args: argparse.Namespace,
+    cases: Sequence[Case],
+    sequential: Sequence[ProcessRun],
+    variants: Sequence[Variant],
+    wall: float,
+    started: datetime.datetime,
+) -> dict[str, Any]:
+    case_docs = []
+    for case in cases:
+        naive = case.naive.samples if case.naive else []
+        ours_docs = {}
+        for variant in variants:
+            run = case.ours[variant.name]
+            entry = run_json(run) or {}
+            entry["targets"] = [
+                {
+                    "figure": figure,
+                    "limit_x_body": limit,
+                    "median_x_body": value.median,
+                    "pass": rpt.verdict(value.median, limit) == rpt.PASS,
+                }
+                for figure, _, value, limit in _checks(case, variant)
+            ]
+            entry["ratio_to_naive"] = {
+                name: _ratio(_stats(run.samples, name), _stats(naive, name))
+                for name in ("peak", "mid", "after")
+            }
+            ours_docs[variant.name] = entry
+        case_docs.append(
+            {
+                "size_mib": case.size_mib,
+                "protocol": case.protocol.value,
+                "body_bytes": case.body_bytes,
+                "ours": ours_docs,
+                "naive": run_json(case.naive),
+            }
+        )
+    return {
+        "benchmark": "memory",
+        "started_at": started.isoformat(),
+        "wall_s": wall,
+        "command": "context-proxy bench memory " + " ".join(sys.argv[1:]),
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+        },
+        "options": {
+            "sizes_mib": args.sizes,
+            "protocols": args.protocols,
+            "variants": {v.name: dataclasses.asdict(v) for v in variants},
+            "repeats": args.repeats,
+            "sequential": args.sequential,
+            "sequential_size_mib": args.sequential_size,
+            "interval_s": args.interval,
+            "proxy_env": dict(args.proxy_env),
+            "proxy_module": args.proxy_module,
+            "after_limit_x_body": AFTER_LIMIT,
+        },
+        "cases": case_docs,
+        "sequential": [run_json(run) for run in sequential],
+        "timelines": _timelines(cases, sequential, variants),
+    }
+
+
+def _timeline(run: ProcessRun, points: int = 1500) -> dict[str, Any]:
+    """The RSS timeline from the first large request on, x B over idle, thinned to ``points``."""
+    first = run.samples[0]
+    start = first.t_start
+    pairs = [(t, r) for t, r in zip(run.times, run.rss, strict=False) if t >= start - 0.05]
+    step = max(1, len(pairs) // points)
+    # Keep each stride's maximum so thinning never hides a peak.
+    thinned = [max(pairs[i : i + step], key=lambda p: p[1]) for i in range(0, len(pairs), step)]
+    return {
+        "proxy": run.proxy,
+        "variant": run.variant,
+        "protocol": run.protocol,
+        "body_bytes": first.body_bytes,
+        "t_s": [round(t - start, 4) for t, _ in thinned],
+        "growth_x_body": [round(first.growth(r), 4) for _, r in thinned],
+        "marks": [(round(t - start, 4), label) for t, label in run.marks if t >= start],
+    }
+
+
+def _timelines(
+    cases: Sequence[Case], sequential: Sequence[ProcessRun], variants: Sequence[Variant]
+) -> list[dict[str, Any]]:
+    if not cases:
+        return []
+    biggest = max(cases, key=lambda c: (c.body_bytes, -list(BenchProtocol).index(c.protocol)))
+    runs = [biggest.ours[v.name] for v in variants]
+    if biggest.naive:
+        runs.append(biggest.naive)
+    return [_timeline(run) for run in runs if run.samples]
+
+
+def plot_memory(
+    path: Path,
+    cases: Sequence[Case],
+    sequential: Sequence[ProcessRun],
+    variants: Sequence[Variant],
+    *,
+    title: str = "context-proxy vs a naive proxy: request memory over time",
+) -> None:
+    """Save the PNG: RSS over time of the largest case per variant against the naive
+    proxy, held-open windows shaded, and the sequential trend."""
+    panels: list[rpt.Panel] = []
+    if cases:
+        biggest = max(cases, key=lambda c: (c.body_bytes, -list(BenchProtocol).index(c.protocol)))
+        naive = _timeline(biggest.naive) if biggest.naive else None
+        for variant in variants:
+            ours = _timeline(biggest.ours[variant.name])
+            series = [_series(f"context-proxy ({variant.name})", ours, _COLOURS[variant.name])]
+            if naive:
+                series.append(_series("naive proxy", naive, _COLOURS["naive"]))
+            panels.append(
+                rpt.Panel(
+                    title=(
+                        f"{biggest.label or f'{biggest.size_mib:g} MiB'} "
+                        f"{biggest.protocol.value}, {variant.name}: {variant.description}"
+                    ),
+                    xlabel="seconds since the first large request",
+                    ylabel="RSS growth over idle (x body size)",
+                    series=series,
+                    hlines=[
+                        (variant.peak_limit, f"peak target {variant.peak_limit:g}"),
+                        (variant.mid_limit, f"mid-stream target {variant.mid_limit:g}"),
+                    ],
+                )
+            )
+    if sequential:
+        series = []
+        for run in sequential:
+            label = f"context-proxy ({run.variant})" if run.proxy == "ours" else "naive proxy"
+            xs = [float(i + 1) for i in range(len(run.samples))]
+            colour = _COLOURS[run.variant or "naive"]
+            series.append(rpt.Series(label, xs, [s.after for s in run.samples], colour=colour))
+        size = sequential[0].samples[0].body_bytes / MiB if sequential[0].samples else 0
+        panels.append(
+            rpt.Panel(
+                title=f"RSS after each of {len(sequential[0].samples)} requests of {size:.0f} MiB",
+                xlabel="request number",
+                ylabel="RSS growth over idle after the response (x B)",
+                series=series,
+                hlines=[(AFTER_LIMIT, f"target {AFTER_LIMIT:g}")],
+                step=True,
+            )
+        )
+    rpt.plot_series(path, title, panels)
+
+
+_COLOURS: Final = {
+    "plain": "#1f77b4",
+    "plugin": "#2ca02c",
+    "retry": "#9467bd",
+    "naive": "#d62728",
+}
+
+
+def _series(label: str, timeline: dict[str, Any], colour: str) -> rpt.Series:
+    marks: dict[str, list[float]] = {}
+    for at, name in timeline["marks"]:
+        marks.setdefault(name, []).append(at)
+    spans = list(zip(marks.get("held", []), marks.get("release", []), strict=False))
+    return rpt.Series(
+        label,
+        timeline["t_s"],
+        timeline["growth_x_body"],
+        colour=colour,
+        spans=spans,
+        span_label=f"answer held open ({label.split(' ')[0]})",
+    )
+
+
+def _preamble(args: argparse.Namespace, wall: float) -> str:
+    return (
+        f"Command: `context-proxy bench memory {' '.join(sys.argv[1:])}`, "
+        f"wall time {wall:.0f} s, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs."
+    )
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``context-proxy bench memory`` (and ``python -m benchmarks.memory``).
+
+    Returns 0 when the run completed (targets missed are reported, not an error),
+    1 when a server failed.
+    """
+    args = build_parser().parse_args(argv)
+    if args.repeats < 1:
+        build_parser().error("--repeats must be >= 1")
+    raise_nofile_limit()
+    reporter = rpt.Reporter(quiet=args.quiet)
+    log_dir = args.out / "logs" / "memory"
+    if log_dir.exists():
+        shutil.rmtree(log_dir)
+    try:
+        results = asyncio.run(collect(args, reporter, log_dir))
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
+        return 1
+    write_outputs(args, results, reporter)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,434 @@
+"""``context-proxy bench overhead``: added latency and memory per idle stream.
+
+Three targets answer the same small streamed requests (a ~2 KiB chat history,
+the emulator's default 3-delta answer): the emulator **direct**, **this proxy**
+(default settings) and the **naive** baseline, each its own process.
+
+* **Latency**: time to first byte of the answer body (TTFB) and to its end
+  (total), per request, from one keep-alive client session. Sequentially
+  (``--requests``, targets interleaved round-robin so drift hits all alike) and
+  with ``--concurrency`` workers (``--concurrent-requests`` per target, one
+  target at a time). *Added latency* = a proxy's median minus direct's median.
+  Target: this proxy's added median latency within 2 ms of the naive proxy's,
+  or better.
+* **Idle streams**: a fresh process of each proxy holds ``--streams`` (500)
+  answers open at once (emulator ``hold``, after the first text delta); the
+  RSS growth over the idle process divided by the stream count is the memory
+  each open idle stream costs.
+
+Outputs in ``--out``: ``overhead.json``, ``overhead.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import math
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+
+from . import _report as rpt
+from ._harness import (
+    EmulatorControl,
+    RssSampler,
+    Service,
+    StreamCall,
+    median_rss,
+    raise_nofile_limit,
+    start_emulator,
+    start_naive,
+    start_proxy,
+)
+from ._workload import BenchProtocol, Corpus, build_body
+
+__all__ = ["ADDED_LATENCY_SLACK", "build_parser", "main"]
+
+#: Seconds this proxy's median added latency may exceed the naive proxy's.
+ADDED_LATENCY_SLACK: Final = 0.002
+_SMALL_BYTES: Final = 2048
+_WARMUP: Final = 20
+_TARGETS: Final = ("direct", "ours", "naive")
+_REQUEST_TIMEOUT: Final = 60.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line options of ``context-proxy bench overhead``."""
+    parser = argparse.ArgumentParser(
+        prog="context-proxy bench overhead",
+        description="Added latency against the upstream direct, and memory per idle stream.",
+    )
+    parser.add_argument(
+        "--requests", type=int, default=300, help="sequential requests per target [300]"
+    )
+    parser.add_argument("--concurrency", type=int, default=50, help="concurrent workers [50]")
+    parser.add_argument(
+        "--concurrent-requests",
+        type=int,
+        default=1000,
+        help="requests per target in the concurrent run [1000]",
+    )
+    parser.add_argument("--streams", type=int, default=500, help="idle streams held open [500]")
+    parser.add_argument(
+        "--protocol", choices=[p.value for p in BenchProtocol], default="chat", help="[chat]"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+@dataclasses.dataclass(slots=True)
+class Timings:
+    """Per-request times of one target in one mode, seconds."""
+
+    ttfb: list[float] = dataclasses.field(default_factory=list)
+    total: list[float] = dataclasses.field(default_factory=list)
+    failures: int = 0
+    wall_s: float = 0.0
+
+    def summary(self) -> dict[str, float | int]:
+        """Median, p90 and max (seconds) of both figures, the failure count, requests/s."""
+        out: dict[str, float | int] = {"requests": len(self.total), "failures": self.failures}
+        for name, values in (("ttfb", self.ttfb), ("total", self.total)):
+            data = sorted(values)
+            out[f"{name}_median_s"] = statistics.median(data) if data else math.nan
+            out[f"{name}_p90_s"] = data[int(0.9 * (len(data) - 1))] if data else math.nan
+            out[f"{name}_max_s"] = data[-1] if data else math.nan
+        out["requests_per_s"] = len(self.total) / self.wall_s if self.wall_s else math.nan
+        return out
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, protocol: BenchProtocol, body: bytes, into: Timings
+) -> None:
+    started = time.perf_counter()
+    call = StreamCall(session, url, protocol, body, script=None, clock=time.perf_counter)
+    outcome = await call.result(_REQUEST_TIMEOUT)
+    if not outcome.complete:
+        into.failures += 1
+        return
+    into.ttfb.append(outcome.first_byte_at - started)
+    into.total.append(outcome.done_at - started)
+
+
+async def _sequential(
+    session: aiohttp.ClientSession,
+    urls: dict[str, str],
+    protocol: BenchProtocol,
+    body: bytes,
+    count: int,
+    steps: rpt.Steps,
+) -> dict[str, Timings]:
+    results = {name: Timings() for name in urls}
+    for _ in range(_WARMUP):
+        for name, url in urls.items():
+            await _one(session, url, protocol, body, Timings())
+    steps.describe("latency, sequential")
+    started = time.perf_counter()
+    for _ in range(count):
+        for name, url in urls.items():
+            await _one(session, url, protocol, body, results[name])
+    wall = time.perf_counter() - started
+    for timings in results.values():
+        timings.wall_s = wall / len(urls)
+    steps.advance()
+    return results
+
+
+async def _concurrent(
+    session: aiohttp.ClientSession,
+    urls: dict[str, str],
+    protocol: BenchProtocol,
+    body: bytes,
+    count: int,
+    workers: int,
+    steps: rpt.Steps,
+) -> dict[str, Timings]:
+    results: dict[str, Timings] = {}
+    for name, url in urls.items():
+        steps.describe(f"latency, {workers} concurrent: {name}")
+        timings = Timings()
+        tickets = iter(range(count))
+
+        async def worker(url: str = url, timings: Timings = timings) -> None:
+            for _ in tickets:
+                await _one(session, url, protocol, body, timings)
+
+        await asyncio.gather(*(worker() for _ in range(min(workers, _WARMUP))))
+        timings.ttfb.clear()
+        timings.total.clear()
+        tickets = iter(range(count))
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(workers)))
+        timings.wall_s = time.perf_counter() - started
+        results[name] = timings
+        steps.advance()
+    return results
+
+
+@dataclasses.dataclass(slots=True)
+class StreamFigures:
+    """Memory of one proxy process holding ``streams`` idle answers open (bytes)."""
+
+    proxy: str
+    streams: int
+    idle_rss: int = 0
+    held_rss: int = 0
+    after_rss: int = 0
+    opened: int = 0
+    failures: int = 0
+
+    @property
+    def per_stream(self) -> float:
+        """RSS growth per open stream, bytes."""
+        return (self.held_rss - self.idle_rss) / self.streams if self.streams else math.nan
+
+
+async def _idle_streams(
+    session: aiohttp.ClientSession,
+    svc: Service,
+    control: EmulatorControl,
+    protocol: BenchProtocol,
+    body: bytes,
+    count: int,
+) -> StreamFigures:
+    figures = StreamFigures(svc.name, count)
+    await svc.wait_ready(session)
+    sampler = RssSampler(svc.pid).start()
+    try:
+        await _one(session, svc.url, protocol, body, Timings())
+        await asyncio.sleep(0.2)
+        figures.idle_rss = await median_rss(sampler, 0.2)
+        key = f"idle-{svc.name}"
+        script = f"hold={key}; stall_after={protocol.first_delta_event}"
+        calls = [StreamCall(session, svc.url, protocol, body, script=script) for _ in range(count)]
+        try:
+            async with asyncio.timeout(120.0):
+                await control.wait_holding(key, count, within=120.0)
+                for call in calls:
+                    await call.first_byte.wait()
+            figures.opened = sum(1 for call in calls if call.outcome.received)
+            figures.held_rss = await median_rss(sampler, 0.2)
+            await control.release(key)
+            outcomes = [await call.result(_REQUEST_TIMEOUT) for call in calls]
+            figures.failures = sum(1 for o in outcomes if not o.complete)
+            await asyncio.sleep(0.2)
+            figures.after_rss = await median_rss(sampler, 0.2)
+        finally:
+            if not all(call.task.done() for call in calls):
+                await control.release(key)
+                for call in calls:
+                    await call.cancel()
+        svc.check_alive()
+    finally:
+        sampler.stop()
+    return figures
+
+
+@dataclasses.dataclass(slots=True)
+class Results:
+    """Everything one overhead run measured."""
+
+    sequential: dict[str, Timings]
+    concurrent: dict[str, Timings]
+    streams: list[StreamFigures]
+    wall_s: float
+    started: datetime.datetime
+
+
+async def _collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
+    started = time.monotonic()
+    started_wall = datetime.datetime.now(datetime.UTC)
+    protocol = BenchProtocol(args.protocol)
+    body = build_body(protocol, _SMALL_BYTES, Corpus.load())
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        emulator = start_emulator(log_dir)
+        async with emulator:
+            await emulator.wait_ready(session)
+            control = EmulatorControl(session, emulator.url)
+            with reporter.progress(1 + len(_TARGETS) + 2, "overhead") as steps:
+                ours = start_proxy(emulator.url, log_dir, name="proxy-latency")
+                naive = start_naive(emulator.url, log_dir, name="naive-latency")
+                async with ours, naive:
+                    await ours.wait_ready(session)
+                    await naive.wait_ready(session)
+                    urls = {"direct": emulator.url, "ours": ours.url, "naive": naive.url}
+                    sequential = await _sequential(
+                        session, urls, protocol, body, args.requests, steps
+                    )
+                    concurrent = await _concurrent(
+                        session,
+                        urls,
+                        protocol,
+                        body,
+                        args.concurrent_requests,
+                        args.concurrency,
+                        steps,
+                    )
+                streams = []
+                for name, start in (("ours", start_proxy), ("naive", start_naive)):
+                    steps.describe(f"{args.streams} idle streams: {name}")
+                    await control.reset()
+                    svc = start(emulator.url, log_dir, name=f"{name}-streams")
+                    async with svc:
+                        streams.append(
+                            await _idle_streams(session, svc, control, protocol, body, args.streams)
+                        )
+                    steps.advance()
+    return Results(sequential, concurrent, streams, time.monotonic() - started, started_wall)
+
+
+def _ms(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1000:.2f}"
+
+
+def _latency_table(results: Results, args: argparse.Namespace) -> rpt.Table:
+    table = rpt.Table(
+        title="Latency of small streamed requests: median ms (added over direct)",
+        columns=(
+            "mode",
+            "figure",
+            "direct",
+            "ours",
+            "naive",
+            "ours added ÷ naive added",
+            "ours ÷ direct",
+            "target",
+            "verdict",
+        ),
+    )
+    modes: Sequence[tuple[str, dict[str, Timings]]] = (
+        (f"sequential ({args.requests} each)", results.sequential),
+        (f"{args.concurrency} concurrent ({args.concurrent_requests} each)", results.concurrent),
+    )
+    for mode, timings in modes:
+        for figure in ("ttfb", "total"):
+            med = {name: timings[name].summary()[f"{figure}_median_s"] for name in _TARGETS}
+            added_ours = med["ours"] - med["direct"]
+            added_naive = med["naive"] - med["direct"]
+            ratio = added_ours / added_naive if added_naive > 0 else math.nan
+            table.add(
+                mode,
+                "TTFB" if figure == "ttfb" else "total",
+                _ms(med["direct"]),
+                f"{_ms(med['ours'])} (+{_ms(added_ours)})",
+                f"{_ms(med['naive'])} (+{_ms(added_naive)})",
+                rpt.fmt_ratio(ratio),
+                rpt.fmt_ratio(med["ours"] / med["direct"]),
+                f"<= naive +{ADDED_LATENCY_SLACK * 1000:g} ms",
+                rpt.verdict(added_ours, added_naive + ADDED_LATENCY_SLACK),
+            )
+    failures = {
+        f"{mode}/{name}": t.failures
+        for mode, group in (("seq", results.sequential), ("conc", results.concurrent))
+        for name, t in group.items()
+        if t.failures
+    }
+    if failures:
+        table.notes.append(f"failed requests (not timed): {failures}")
+    table.notes.append(
+        "TTFB: first byte of the answer body; total: end of the answer. One keep-alive "
+        "client session; p90 and throughput are in overhead.json."
+    )
+    return table
+
+
+def _streams_table(results: Results) -> rpt.Table:
+    table = rpt.Table(
+        title="Memory per open idle stream (answers held open by the upstream)",
+        columns=("proxy", "streams open", "idle RSS", "RSS with streams", "per stream", "÷ naive"),
+    )
+    naive = next((s for s in results.streams if s.proxy.startswith("naive")), None)
+    for figures in results.streams:
+        ratio = (
+            figures.per_stream / naive.per_stream if naive and naive.per_stream > 0 else math.nan
+        )
+        table.add(
+            "ours" if figures.proxy.startswith("ours") else "naive",
+            f"{figures.opened}/{figures.streams}",
+            rpt.fmt_bytes(figures.idle_rss),
+            rpt.fmt_bytes(figures.held_rss),
+            rpt.fmt_bytes(figures.per_stream),
+            rpt.fmt_ratio(ratio),
+        )
+    table.notes.append("per stream: (RSS with all streams open - idle RSS) / streams.")
+    return table
+
+
+def _document(results: Results, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    return {
+        "benchmark": "overhead",
+        "started_at": results.started.isoformat(),
+        "wall_s": results.wall_s,
+        "command": "context-proxy bench overhead " + " ".join(argv),
+        "options": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "concurrent_requests": args.concurrent_requests,
+            "streams": args.streams,
+            "protocol": args.protocol,
+            "added_latency_slack_s": ADDED_LATENCY_SLACK,
+        },
+        "sequential": {name: t.summary() for name, t in results.sequential.items()},
+        "concurrent": {name: t.summary() for name, t in results.concurrent.items()},
+        "idle_streams": [
+            {**dataclasses.asdict(s), "per_stream_bytes": s.per_stream} for s in results.streams
+        ],
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``context-proxy bench overhead`` (and ``python -m benchmarks.overhead``).
+
+    Returns 0 when the run completed (targets missed are reported, not an error),
+    1 when a server failed.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if min(args.requests, args.concurrency, args.concurrent_requests, args.streams) < 1:
+        parser.error("counts must be >= 1")
+    limits = raise_nofile_limit()
+    if limits[0] < 3 * args.streams + 200:
+        print(
+            f"warning: open-file limit {limits[0]} may be too low for {args.streams} streams",
+            file=sys.stderr,
+        )
+    reporter = rpt.Reporter(quiet=args.quiet)
+    out: Path = args.out
+    log_dir = out / "logs" / "overhead"
+    if log_dir.exists():
+        shutil.rmtree(log_dir)
+    try:
+        results = asyncio.run(_collect(args, reporter, log_dir))
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
+        return 1
+    tables = [_latency_table(results, args), _streams_table(results)]
+    for table in tables:
+        reporter.print_table(table)
+    out.mkdir(parents=True, exist_ok=True)
+    rpt.write_json(out / "overhead.json", _document(results, args, argv))
+    rpt.write_markdown(
+        out / "overhead.md",
+        tables,
+        f"Command: `context-proxy bench overhead {' '.join(argv)}`, "
+        f"wall time {results.wall_s:.0f} s.",
+    )
+    reporter.note(
+        f"wall time {results.wall_s:.0f} s; wrote {out / 'overhead.json'}, {out / 'overhead.md'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

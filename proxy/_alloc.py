@@ -1,0 +1,202 @@
+"""Give the memory of released request bodies back to the operating system (glibc malloc).
+
+Why this exists (measured with ``context-proxy bench memory --sequential``): after
+a large exchange is released, the proxy's RSS can stay up by a whole body size,
+although Python freed every buffer (tracemalloc agrees). Two glibc behaviours
+cause it (``mallopt(3)``, "M_MMAP_THRESHOLD" and "M_TRIM_THRESHOLD"):
+
+1. **Dynamic mmap threshold.** Blocks of at least ``M_MMAP_THRESHOLD`` bytes
+   (128 KiB at start) get their own ``mmap`` and go back to the kernel on
+   ``free``. But freeing such a block *raises* the threshold to its size (up to
+   32 MiB on 64-bit), so from the second large request on, body buffers below
+   32 MiB come from the heap, and a freed heap block is only returned when it
+   sits at the very top of the heap. The 16 MiB body of request 2 then stays
+   resident forever. Fix: set the threshold explicitly (:meth:`Allocator.tune`),
+   which turns the dynamic adjustment off.
+2. **Fragmented heap.** A plugin that reads the body makes the proxy parse it:
+   hundreds of thousands of strings and dicts below any mmap threshold, spread
+   over the heap. Freed, they leave free chunks between live ones; only
+   ``malloc_trim(0)`` hands those pages back (it ``madvise``\\ s every free page
+   of every arena, not just the top; glibc >= 2.8). Fix: :meth:`Allocator.released`
+   after an exchange let go of a large body.
+
+``malloc_trim`` walks every free chunk of every arena while holding its lock:
+a few milliseconds on a 100 MB heap, tens on a very fragmented 500 MB one, on
+the event loop's thread. So it runs only after at least ``trim_min_bytes`` were
+released, and then at most once per ``min_interval`` seconds (a release inside
+the interval schedules one deferred trim on the running event loop), except
+that a release of ``trim_now_bytes`` or more always trims at once: receiving,
+hashing and parsing a body that large costs more than the trim, and the memory
+it pins matters most.
+
+On a C library without these functions (musl, macOS, Windows) every method is
+a no-op that returns ``False``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import time
+from collections.abc import Callable
+from typing import Final, Protocol
+
+__all__ = ["DEFAULT_MMAP_THRESHOLD", "Allocator", "LibC", "load_libc"]
+
+log = logging.getLogger("context_proxy.alloc")
+
+#: ``mallopt`` parameter numbers, from glibc's ``<malloc.h>``.
+M_TRIM_THRESHOLD: Final = -1
+M_MMAP_THRESHOLD: Final = -3
+#: Blocks of this many bytes or more get their own mapping (freed at once).
+#: Large enough that aiohttp's read chunks (<= 256 KiB) stay on the fast heap.
+DEFAULT_MMAP_THRESHOLD: Final = 1 << 20
+
+
+class LibC(Protocol):
+    """The two glibc functions used (a ``ctypes.CDLL`` satisfies it; tests pass a fake)."""
+
+    def mallopt(self, param: int, value: int, /) -> int:
+        """Set a malloc parameter; returns 1 on success, 0 on error."""
+
+    def malloc_trim(self, pad: int, /) -> int:
+        """Return free memory to the OS; returns 1 if any was released, else 0."""
+
+
+def load_libc() -> LibC | None:
+    """The process's glibc, or ``None`` when the C library lacks ``malloc_trim``/``mallopt``."""
+    name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        libc = ctypes.CDLL(name)
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.malloc_trim.restype = ctypes.c_int
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    found: LibC = libc
+    return found
+
+
+class Allocator:
+    """Allocator hygiene for one process: call :meth:`tune` at start-up, :meth:`released`
+    whenever an exchange drops a buffer.
+
+    Build it with :meth:`for_process` (the running C library) or pass ``libc``.
+
+    Args:
+        libc: the C library; ``None`` disables everything.
+        trim_min_bytes: bytes released (summed since the last trim) before a trim
+            is worth its cost. Default 1 MiB: smaller bodies never stay resident
+            long enough to matter.
+        trim_now_bytes: bytes released at which a trim runs at once, whatever
+            the interval (default 8 MiB).
+        min_interval: seconds between two trims below ``trim_now_bytes`` (default 1.0).
+        clock: monotonic clock in seconds (injectable for tests).
+
+    Counters: ``trims`` (``malloc_trim`` calls made), ``pending`` (bytes released
+    since the last trim).
+    """
+
+    __slots__ = (
+        "_clock",
+        "_last",
+        "_libc",
+        "_scheduled",
+        "min_interval",
+        "pending",
+        "trim_min_bytes",
+        "trim_now_bytes",
+        "trims",
+    )
+
+    def __init__(
+        self,
+        libc: LibC | None,
+        *,
+        trim_min_bytes: int = 1 << 20,
+        trim_now_bytes: int = 8 << 20,
+        min_interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._libc = libc
+        self.trim_min_bytes = trim_min_bytes
+        self.trim_now_bytes = trim_now_bytes
+        self.min_interval = min_interval
+        self._clock = clock
+        self._last = -float("inf")
+        self._scheduled: asyncio.TimerHandle | None = None
+        self.pending = 0
+        self.trims = 0
+
+    @classmethod
+    def for_process(cls) -> Allocator:
+        """An allocator on this process's C library (:func:`load_libc`), default thresholds."""
+        return cls(load_libc())
+
+    @property
+    def available(self) -> bool:
+        """Whether the C library offers ``mallopt`` and ``malloc_trim``."""
+        return self._libc is not None
+
+    def tune(self, mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
+        """Fix glibc's mmap threshold at ``mmap_threshold`` bytes (turning off its dynamic
+        raise, see the module docstring). Call once, before serving. Returns success."""
+        libc = self._libc
+        if libc is None:
+            return False
+        ok = bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+        if not ok:
+            log.warning("mallopt(M_MMAP_THRESHOLD, %d) failed", mmap_threshold)
+        return ok
+
+    def released(self, nbytes: int) -> bool:
+        """An exchange just dropped ``nbytes`` bytes of buffers (raw, parsed, outbound).
+
+        Trims now when ``trim_now_bytes`` were released since the last trim, or
+        ``trim_min_bytes`` and the last trim is ``min_interval`` old; otherwise,
+        with ``trim_min_bytes`` released, schedules one trim for when the interval
+        ends (on the running event loop, if any). Returns whether it trimmed now.
+        """
+        if self._libc is None or nbytes <= 0:
+            return False
+        self.pending += nbytes
+        if self.pending < self.trim_min_bytes:
+            return False
+        wait = self._last + self.min_interval - self._clock()
+        if wait <= 0 or self.pending >= self.trim_now_bytes:
+            self.trim()
+            return True
+        if self._scheduled is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return False
+            self._scheduled = loop.call_later(wait, self._deferred)
+        return False
+
+    def _deferred(self) -> None:
+        self._scheduled = None
+        if self.pending >= self.trim_min_bytes:
+            self.trim()
+
+    def trim(self) -> bool:
+        """``malloc_trim(0)`` now, whatever the counters say; returns whether memory went back."""
+        libc = self._libc
+        if libc is None:
+            return False
+        self._last = self._clock()
+        self.pending = 0
+        self.trims += 1
+        if self._scheduled is not None:
+            self._scheduled.cancel()
+            self._scheduled = None
+        return bool(libc.malloc_trim(0))
+
+    def close(self) -> None:
+        """Cancel a scheduled trim (at shutdown; the loop is about to close)."""
+        if self._scheduled is not None:
+            self._scheduled.cancel()
+            self._scheduled = None

@@ -1,0 +1,1035 @@
+"""Exchange lifetime (issue 3): one owner per request, what it holds in each phase, when it lets go.
+
+Unit tests drive :class:`~proxy.exchange.Exchange` directly; the others run a
+real proxy on loopback in front of the emulator (in process, or in a child
+process where memory is measured) and watch the exchange through
+:class:`~tests.test_lifetime_support.TracedExchange`: its phases, its release
+calls and a ``weakref.finalize`` on every buffer holder.
+
+Memory is measured two ways, as the issue asks: tracemalloc (every allocation
+in this process, the proxy's and the test client's; the client uploads from a
+body allocated before the baseline, in memoryview slices, so it adds next to
+nothing) and RSS (psutil for the current value; the kernel's high-water mark
+``VmHWM``, reset through ``/proc/self/clear_refs``, for the peak).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import json
+import logging
+import re
+import sys
+import tracemalloc
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+import xxhash
+
+from proxy import body as body_module
+from proxy import wire
+from proxy.emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
+from proxy.exchange import SEND_SLICE_BYTES, Exchange, HeldBytes, Phase, Preparer, null_lock
+from proxy.plugins import BodyUnavailable, ExchangeRecord, Plugin, PluginHost, PrepareContext
+from proxy.protocols import Protocol
+from proxy.testing import proxy_with_emulator
+from proxy.wire import WireMetadata
+from tests.test_lifetime_support import (
+    CHAT,
+    MESSAGES,
+    MIB,
+    RESPONSES,
+    WAIT_S,
+    Mutator,
+    ProxyUnderTest,
+    RawConn,
+    Reader,
+    Recorder,
+    Spy,
+    SubprocessEmulator,
+    TracedExchange,
+    big_chat_body,
+    closed_port_url,
+    conversation,
+    encode,
+    install_spy,
+    never_reading_upstream,
+    proxy_at,
+    slices,
+)
+
+SCALARS = (str, int, float, bool, type(None))
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    return install_spy(monkeypatch)
+
+
+@pytest.fixture
+def traced() -> Iterator[None]:
+    """tracemalloc on for the test (one frame per trace keeps it cheap)."""
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start(1)
+    try:
+        yield
+    finally:
+        if started:
+            tracemalloc.stop()
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """No cyclic GC during the test: a buffer must be freed by reference counting alone.
+
+    A buffer that only a reference cycle keeps alive stays in memory until the
+    next full collection, which in a busy proxy can be many seconds away.
+    """
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@pytest.fixture(scope="module")
+def subprocess_emulator() -> Iterator[SubprocessEmulator]:
+    with SubprocessEmulator() as emulator:
+        yield emulator
+
+
+def traced_now() -> int:
+    """Bytes currently allocated and traced by tracemalloc."""
+    return tracemalloc.get_traced_memory()[0]
+
+
+def chat_text(raw: bytes) -> str:
+    """The assistant text carried by an OpenAI chat SSE stream."""
+    text = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text.append(choice["delta"].get("content") or "")
+    return "".join(text)
+
+
+# ------------------------------------------------------------------------------ unit: Exchange
+
+
+def exchange_for(
+    body: bytes, plugins: list[Plugin], *, keep_for_resend: bool = False
+) -> Exchange:
+    """An exchange that has read ``body`` (a chat request) and is ready to prepare."""
+    buffer = bytearray(body)
+    meta = wire.compute_wire_metadata(Protocol.CHAT, buffer, wire.digest_bytes(buffer))
+    ex = Exchange(protocol=Protocol.CHAT, method="POST", path=CHAT, keep_for_resend=keep_for_resend)
+    ex.attach_body(buffer, meta)
+    ex.bind_preparer(Preparer(PluginHost(plugins, timeout=5.0), null_lock, None))
+    return ex
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of full parses and serializations of request bodies (``parse``, ``encode``)."""
+    counts = {"parse": 0, "encode": 0}
+    decode_json, encode_body = wire._decode_json, wire.encode_body
+
+    def counting_decode(decoder: Any, data: Any, /) -> Any:
+        if decoder is wire._FULL_DECODER:
+            counts["parse"] += 1
+        return decode_json(decoder, data)
+
+    def counting_encode(obj: dict[str, Any]) -> bytes:
+        counts["encode"] += 1
+        return encode_body(obj)
+
+    monkeypatch.setattr(wire, "_decode_json", counting_decode)
+    monkeypatch.setattr(wire, "encode_body", counting_encode)
+    return counts
+
+
+async def test_untouched_body_is_held_once_and_never_parsed(counted: dict[str, int]) -> None:
+    body = encode(conversation(CHAT))
+    ex = exchange_for(body, [])
+    assert ex.phase is Phase.PARSED
+    assert ex.held_bytes() == HeldBytes(raw=len(body), parsed=0, outbound=0)
+    await ex.prepare()
+    assert ex.phase is Phase.PREPARED
+    # The raw buffer *is* the outbound body: counted once.
+    assert ex.outbound_holder is ex.raw_holder
+    assert ex.held_bytes() == HeldBytes(raw=len(body), parsed=0, outbound=0)
+    assert ex.outbound_digest == ex.meta.digest if ex.meta else False
+    ex.accept()
+    assert ex.releases == 1
+    assert ex.held_bytes() == HeldBytes(0, 0, 0)
+    assert counted == {"parse": 0, "encode": 0}
+
+
+async def test_reading_plugin_parses_once_and_changes_nothing(counted: dict[str, int]) -> None:
+    body = encode(conversation(CHAT))
+    ex = exchange_for(body, [Reader()])
+    await ex.prepare()
+    held = ex.held_bytes()
+    assert (held.raw, held.outbound) == (len(body), 0)
+    assert held.parsed == len(body)  # the estimate: the wire size it came from
+    ex.accept()
+    assert ex.held_bytes() == HeldBytes(0, 0, 0)
+    assert ex.parsed_holder is None and ex.raw_holder is None
+    assert counted == {"parse": 1, "encode": 0}
+
+
+async def test_changed_body_replaces_the_raw_buffer_and_is_serialized_once(
+    counted: dict[str, int],
+) -> None:
+    body = encode(conversation(CHAT))
+    ex = exchange_for(body, [Mutator()])
+    wire_digest = ex.meta.digest if ex.meta else ""
+    await ex.prepare()
+    outbound = ex.outbound_holder
+    assert outbound is not None and ex.raw_holder is None
+    # Held: the parsed body (kept for a refold) and the new outbound bytes, not the raw ones.
+    assert ex.held_bytes() == HeldBytes(raw=0, parsed=len(body), outbound=len(outbound))
+    assert ex.outbound_digest == xxhash.xxh3_128_hexdigest(bytes(outbound.data))
+    assert ex.outbound_digest != wire_digest
+    # The wire metadata still describes the bytes as received.
+    assert ex.meta is not None and ex.meta.digest == wire_digest
+    ex.accept()
+    assert ex.held_bytes() == HeldBytes(0, 0, 0)
+    assert counted == {"parse": 1, "encode": 1}
+
+
+async def test_outbound_is_kept_for_a_resend_only_until_streaming() -> None:
+    body = encode(conversation(CHAT))
+    ex = exchange_for(body, [Reader()], keep_for_resend=True)
+    await ex.prepare()
+    ex.accept()
+    # Released (raw, parsed, preparer) but the bytes a resend needs are still here.
+    assert ex.releases == 1
+    assert ex.held_bytes() == HeldBytes(raw=0, parsed=0, outbound=len(body))
+    assert not ex.can_refold
+    ex.mark_streaming()
+    assert ex.held_bytes() == HeldBytes(0, 0, 0)
+    assert ex.outbound_holder is None
+
+
+async def test_release_before_the_last_send_keeps_only_the_outbound() -> None:
+    body = encode(conversation(CHAT))
+    ex = exchange_for(body, [Reader()])
+    await ex.prepare()
+    ex.release(keep_outbound=True)
+    assert ex.held_bytes() == HeldBytes(raw=0, parsed=0, outbound=len(body))
+    assert ex.parsed_holder is None and not ex.can_refold
+    ex.accept()
+    assert ex.held_bytes() == HeldBytes(0, 0, 0)
+    assert ex.releases == 1
+
+
+async def test_release_runs_once_whatever_the_number_of_calls() -> None:
+    ex = exchange_for(encode(conversation(CHAT)), [Reader()])
+    await ex.prepare()
+    for _ in range(3):
+        ex.release()
+    ex.accept()
+    ex.close()
+    assert ex.releases == 1
+    assert ex.phase is Phase.CLOSED
+    with pytest.raises(RuntimeError, match="after release"):
+        await ex.refold()
+
+
+async def test_outbound_chunks_are_views_of_the_one_buffer() -> None:
+    body = encode(conversation(CHAT, turns=40, turn_bytes=30_000))
+    ex = exchange_for(body, [])
+    holder = ex.outbound_holder
+    assert holder is not None
+    pieces = [piece async for piece in ex.outbound_chunks()]
+    assert len(pieces) == -(-len(body) // SEND_SLICE_BYTES) > 1
+    for piece in pieces:
+        assert isinstance(piece, memoryview)
+        assert piece.obj is holder.data  # a view of the buffer, not a copy
+        assert len(piece) <= SEND_SLICE_BYTES
+    assert b"".join(pieces) == body
+    # A second pass (a resend) sends the same bytes again.
+    assert b"".join([piece async for piece in ex.outbound_chunks()]) == body
+
+
+async def test_fold_refolds_parse_once_and_serialize_per_change(counted: dict[str, int]) -> None:
+    from plugins.fold import FoldPlugin
+
+    ex = exchange_for(encode(conversation(CHAT)), [FoldPlugin()])
+    await ex.prepare()
+    assert counted == {"parse": 0, "encode": 0}  # fold wants nothing at level 0
+    sizes = [ex.outbound_size]
+    for _ in range(2):
+        assert await ex.refold()
+        sizes.append(ex.outbound_size)
+    # One full parse for both refolds (the second folds the already folded body).
+    assert counted == {"parse": 1, "encode": 2}
+    assert sizes[0] > sizes[1] > sizes[2]
+    assert (ex.refolds, ex.fold_level) == (2, 2)
+
+
+def test_commit_record_refuses_anything_but_scalars() -> None:
+    fields: dict[str, Any] = {field.name: 0 for field in dataclasses.fields(ExchangeRecord)}
+    ExchangeRecord(**fields)
+    for bad in ([1, 2], {"role": "user"}, bytearray(b"body"), memoryview(b"body")):
+        with pytest.raises(TypeError, match="must be a scalar"):
+            ExchangeRecord(**{**fields, "error": bad})
+
+
+# ------------------------------------------------------------------------------ phases
+
+
+async def test_phases_of_a_streamed_exchange_in_order(
+    spy: Spy, http: aiohttp.ClientSession
+) -> None:
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[recorder]) as h:
+        async with http.post(h.url + CHAT, data=encode(conversation(CHAT))) as resp:
+            assert resp.status == 200
+            assert chat_text(await resp.read()) == DEFAULT_TEXT
+        (record,) = await recorder.wait(1)
+        (ex,) = spy
+        await ex.trace.finished()
+    assert ex.trace.phases == [
+        Phase.READING,
+        Phase.PARSED,
+        Phase.PREPARED,
+        Phase.SENT,
+        Phase.ACCEPTED,
+        Phase.STREAMING,
+        Phase.COMMITTED,
+        Phase.CLOSED,
+    ]
+    assert ex.trace.phase_at_release is Phase.SENT  # released by accept, before ACCEPTED
+    assert ex.trace.held_at_release == HeldBytes(0, 0, 0)
+    assert record.status == 200 and record.outcome == "ok"
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def _peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # 5 resets the peak RSS (VmHWM) to the current RSS
+
+
+def _peak_rss() -> int:
+    status = Path("/proc/self/status").read_text()
+    match = re.search(r"VmHWM:\s+(\d+) kB", status)
+    assert match is not None
+    return int(match.group(1)) * 1024
+
+
+async def _held_stream(
+    http: aiohttp.ClientSession,
+    proxy_url: str,
+    emulator: SubprocessEmulator,
+    body: bytes,
+    key: str,
+    at_first_byte: Callable[[], Awaitable[None]],
+) -> bytes:
+    """POST ``body`` (a streaming chat request) with the answer held after its first event.
+
+    Runs ``at_first_byte`` once the client holds the first byte of the stream,
+    then releases the hold and returns the whole stream.
+    """
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Length": str(len(body)),
+        "x-emulator": f"hold={key}",
+    }
+    async with http.post(proxy_url + CHAT, data=slices(body), headers=headers) as resp:
+        assert resp.status == 200
+        first = await resp.content.readany()
+        assert first
+        await at_first_byte()
+        await emulator.release(http, key)
+        return first + await resp.read()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for peak RSS")
+async def test_64mb_request_peak_memory_within_1_1x_body(
+    subprocess_emulator: SubprocessEmulator, http: aiohttp.ClientSession
+) -> None:
+    # About 3 s: three 64 MB uploads through two loopback hops (warm-up, RSS, tracemalloc).
+    body = big_chat_body(64 * MIB)
+    size = len(body)
+    process = psutil.Process()
+    async with proxy_at(subprocess_emulator.url) as proxy:
+        seen: dict[str, Any] = {}
+
+        async def nothing() -> None:
+            return None
+
+        def look(what: str, measure: Callable[[], int]) -> Callable[[], Awaitable[None]]:
+            async def at_first_byte() -> None:
+                seen[what] = measure()
+                (ex,) = proxy.state.exchanges.values()
+                seen[what + " exchange"] = (ex.phase, ex.held_bytes(), ex.releases)
+
+            return at_first_byte
+
+        # Warm-up: connection pools, interned strings, allocator arenas.
+        await _held_stream(http, proxy.url, subprocess_emulator, body, "warm", nothing)
+
+        # RSS. The 64 MB buffer is one allocation above glibc's largest mmap
+        # threshold (32 MiB), so it is mapped on its own and unmapped when freed:
+        # RSS goes back down as soon as the exchange lets go.
+        rss_base = process.memory_info().rss
+        _peak_rss_reset()
+        answer = await _held_stream(
+            http, proxy.url, subprocess_emulator, body, "rss", look("rss", process.memory_info)
+        )
+        rss_peak = _peak_rss() - rss_base
+
+        # tracemalloc, on its own run (tracing costs memory RSS would count).
+        tracemalloc.start(1)
+        try:
+            traced_base = traced_now()
+            tracemalloc.reset_peak()
+            await _held_stream(
+                http, proxy.url, subprocess_emulator, body, "traced", look("traced", traced_now)
+            )
+            traced_peak = tracemalloc.get_traced_memory()[1] - traced_base
+        finally:
+            tracemalloc.stop()
+        records = await subprocess_emulator.records(http)
+
+    limit = 1.1 * size
+    assert traced_peak <= limit, f"tracemalloc peak {traced_peak / size:.3f} x the body"
+    assert rss_peak <= limit, f"RSS peak {rss_peak / size:.3f} x the body"
+    # Mid-stream (upstream held open) the exchange holds nothing any more.
+    for what in ("rss", "traced"):
+        phase, held, releases = seen[what + " exchange"]
+        assert (phase, held, releases) == (Phase.STREAMING, HeldBytes(0, 0, 0), 1)
+    assert seen["traced"] - traced_base <= 0.05 * size
+    assert seen["rss"].rss - rss_base <= 0.05 * size
+    # And the body went upstream byte for byte.
+    assert chat_text(answer) == DEFAULT_TEXT
+    assert {r["body_digest"] for r in records} == {xxhash.xxh3_128_hexdigest(body)}
+
+
+class GrabOnPrepare(Plugin):
+    """Changes the body; on the way, puts finalizers on the exchange's raw and parsed holders.
+
+    The context gives no exchange, so it is found in the proxy's table by its
+    metadata; only its id is kept.
+    """
+
+    name = "grab"
+
+    def __init__(self) -> None:
+        self.state: Any = None
+        self.exchange_id = ""
+        self.fired: list[str] = []
+        self.traced_in_prepare = 0
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        return True
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        (ex,) = [ex for ex in self.state.exchanges.values() if ex.meta is ctx.meta]
+        self.exchange_id = ex.id
+        weakref.finalize(ex.raw_holder, self.fired.append, "raw")
+        weakref.finalize(ex.parsed_holder, self.fired.append, "parsed")
+        self.traced_in_prepare = traced_now()
+        ctx.body["temperature"] = 0.5
+        return True
+
+
+@pytest.mark.parametrize("release_works", [True, False], ids=["release", "negative-control"])
+async def test_32mb_buffers_are_gone_when_the_first_byte_reaches_the_client(
+    release_works: bool,
+    subprocess_emulator: SubprocessEmulator,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    traced: None,
+) -> None:
+    if not release_works:
+        # The control: no release boundary at all. The measurement must see it.
+        def no_release(self: Exchange, *, keep_outbound: bool = False) -> None:
+            return None
+
+        def accept_phase_only(self: Exchange) -> None:
+            self.phase = Phase.ACCEPTED
+
+        monkeypatch.setattr(Exchange, "release", no_release)
+        monkeypatch.setattr(Exchange, "accept", accept_phase_only)
+    body = big_chat_body(32 * MIB)
+    size = len(body)
+    grab = GrabOnPrepare()
+    key = f"grab-{release_works}"
+    async with proxy_at(subprocess_emulator.url, [grab]) as proxy:
+        grab.state = proxy.state
+        base = traced_now()
+        seen: dict[str, Any] = {}
+
+        async def at_first_byte() -> None:
+            seen["traced"] = traced_now()
+            ex = proxy.state.exchanges[grab.exchange_id]
+            seen["releases"] = ex.releases
+            seen["fired"] = sorted(grab.fired)
+            records = await subprocess_emulator.records(http)
+            seen["upstream"] = [(r["holding"], r["finished"]) for r in records if key in r["script"]]
+
+        answer = await _held_stream(http, proxy.url, subprocess_emulator, body, key, at_first_byte)
+
+    # The upstream stream was still open when the first byte arrived, and then completed.
+    assert seen["upstream"] == [(key, False)]
+    assert chat_text(answer) == DEFAULT_TEXT
+    held_at_first_byte = seen["traced"] - base
+    if release_works:
+        assert seen["fired"] == ["parsed", "raw"]
+        assert seen["releases"] == 1
+        assert grab.traced_in_prepare - seen["traced"] >= size
+        assert held_at_first_byte <= 0.05 * size
+    else:
+        assert "parsed" not in seen["fired"]
+        assert seen["releases"] == 0
+        assert held_at_first_byte >= 0.9 * size, "the control shows the parsed body still held"
+
+
+# ------------------------------------------------------------------------------ early exits
+
+
+class Explodes(Plugin):
+    """Asks for the body and raises in prepare (a broken plugin)."""
+
+    name = "explodes"
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        return True
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        ctx.body["messages"].append({"role": "user", "content": "half done"})
+        raise RuntimeError("plugin bug")
+
+
+class Scene:
+    """One early-exit scenario's world: the body, an emulator, the proxy's plugins."""
+
+    def __init__(self, emulator: EmulatorServer, body: bytes) -> None:
+        self.emulator = emulator
+        self.body = body
+        self.recorder = Recorder()
+        self.first_write = asyncio.Event()
+
+    def plugins(self, extra: Plugin | None = None) -> list[Plugin]:
+        return [extra or Reader(), self.recorder]
+
+    async def post(
+        self, http: aiohttp.ClientSession, proxy: ProxyUnderTest, script: str = ""
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Length": str(len(self.body)), "Content-Type": "application/json"}
+        if script:
+            headers["x-emulator"] = script
+        async with http.post(proxy.url + CHAT, data=slices(self.body), headers=headers) as resp:
+            return resp.status, await resp.read()
+
+
+Expect = tuple[int | None, str | None]  # (status the client saw, record outcome)
+
+
+async def exit_refused(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    async with proxy_at(closed_port_url(), scene.plugins()) as proxy:
+        status, _ = await scene.post(http, proxy)
+    return status, "upstream_unreachable"
+
+
+async def exit_upstream_5xx(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    async with proxy_at(scene.emulator.url, scene.plugins()) as proxy:
+        status, body = await scene.post(http, proxy, "status=503")
+    assert b"Emulated 503 error" in body
+    return status, "upstream_error"
+
+
+async def exit_header_timeout(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    plugins = scene.plugins()
+    async with proxy_at(scene.emulator.url, plugins, upstream_header_timeout=0.3) as proxy:
+        status, _ = await scene.post(http, proxy, "stall_headers=30")
+        await scene.emulator.wait_closed(1)
+    return status, "upstream_timeout"
+
+
+async def exit_header_timeout_mid_upload(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    # The upstream never reads: the timeout strikes while the body is half sent.
+    with never_reading_upstream() as url:
+        async with proxy_at(url, scene.plugins(), upstream_header_timeout=0.5) as proxy:
+            status, _ = await scene.post(http, proxy)
+    return status, "upstream_timeout"
+
+
+async def exit_plugin_error(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    async with proxy_at(scene.emulator.url, scene.plugins(Explodes())) as proxy:
+        status, body = await scene.post(http, proxy)
+        assert chat_text(body) == DEFAULT_TEXT
+        assert proxy.state.host.failures == {"explodes": 1}
+    return status, "ok"
+
+
+async def exit_upstream_cut(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    async with proxy_at(scene.emulator.url, scene.plugins()) as proxy:
+        status, body = await scene.post(http, proxy, "cut_after=2")
+    assert b"upstream_stream_error" in body
+    return status, "stream_error"
+
+
+async def exit_client_gone_reading_body(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    async with proxy_at(scene.emulator.url, scene.plugins()) as proxy:
+        conn = await RawConn.open(proxy.url)
+        await conn.send_head(CHAT, len(scene.body), {})
+        await conn.send(scene.body[: len(scene.body) // 2])
+        # The body buffer is allocated at the first write into it: hang up after that.
+        async with asyncio.timeout(WAIT_S):
+            await scene.first_write.wait()
+        conn.abort()
+        await _the_exchange_ends(proxy)
+    assert scene.emulator.stats == []
+    return None, None
+
+
+async def exit_client_gone_waiting_for_headers(
+    scene: Scene, http: aiohttp.ClientSession
+) -> Expect:
+    async with proxy_at(scene.emulator.url, scene.plugins()) as proxy:
+        conn = await RawConn.open(proxy.url)
+        await conn.send_head(CHAT, len(scene.body), {"x-emulator": "stall_headers=30"})
+        await conn.send(scene.body)
+        await scene.emulator.wait_received(1)
+        conn.abort()
+        await scene.emulator.wait_aborted(1)
+        await _the_exchange_ends(proxy)
+        await scene.recorder.wait(1)
+    return None, "client_gone"
+
+
+async def exit_client_gone_mid_stream(scene: Scene, http: aiohttp.ClientSession) -> Expect:
+    async with proxy_at(scene.emulator.url, scene.plugins()) as proxy:
+        conn = await RawConn.open(proxy.url)
+        await conn.send_head(CHAT, len(scene.body), {"x-emulator": "hold=gone"})
+        await conn.send(scene.body)
+        assert await conn.status() == 200
+        await conn.read_until(b"data: ")
+        conn.abort()
+        await scene.emulator.wait_aborted(1)
+        await _the_exchange_ends(proxy)
+        await scene.recorder.wait(1)
+    return None, "client_gone"
+
+
+async def _the_exchange_ends(proxy: ProxyUnderTest) -> None:
+    tasks = set(proxy.state.handlers)
+    if tasks:
+        await asyncio.wait(tasks, timeout=WAIT_S)
+    assert not proxy.state.exchanges
+
+
+EARLY_EXITS = {
+    "upstream-refused": exit_refused,
+    "upstream-5xx": exit_upstream_5xx,
+    "header-timeout": exit_header_timeout,
+    "header-timeout-mid-upload": exit_header_timeout_mid_upload,
+    "plugin-error": exit_plugin_error,
+    "upstream-cut-mid-stream": exit_upstream_cut,
+    "client-gone-reading-body": exit_client_gone_reading_body,
+    "client-gone-waiting-for-headers": exit_client_gone_waiting_for_headers,
+    "client-gone-mid-stream": exit_client_gone_mid_stream,
+}
+EXPECTED_STATUS = {
+    "upstream-refused": 502,
+    "upstream-5xx": 503,
+    "header-timeout": 504,
+    "header-timeout-mid-upload": 504,
+    "plugin-error": 200,
+    "upstream-cut-mid-stream": 200,
+}
+
+
+@pytest.mark.parametrize("name", list(EARLY_EXITS))
+async def test_release_runs_exactly_once_on_every_early_exit(
+    name: str,
+    spy: Spy,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    traced: None,
+    no_gc: None,
+) -> None:
+    body = encode(conversation(CHAT, turns=16, turn_bytes=1 * MIB))  # 16 MB
+    async with await start_emulator() as emulator:
+        scene = Scene(emulator, body)
+        sink_write = body_module._Sink.write
+
+        def spying_write(sink: Any, data: bytes) -> None:
+            sink_write(sink, data)
+            scene.first_write.set()
+
+        monkeypatch.setattr(body_module._Sink, "write", spying_write)
+        base = traced_now()
+        status, outcome = await EARLY_EXITS[name](scene, http)
+        (ex,) = spy
+        await ex.trace.finished()
+        if emulator.stats:
+            await emulator.wait_closed(1)
+        left = traced_now() - base
+
+    assert status == EXPECTED_STATUS.get(name)
+    assert ex.releases == 1
+    assert ex.trace.release_calls >= 1
+    assert ex.phase is Phase.CLOSED
+    assert ex.held_bytes() == HeldBytes(0, 0, 0)
+    # Every buffer holder the exchange made has been freed ...
+    assert sorted(ex.trace.fired) == sorted(ex.trace.watched)
+    # ... and so has the memory behind it (a view into a buffer would keep it alive
+    # without its holder), without the help of the cyclic garbage collector.
+    assert left <= len(body) // 4, f"{left / len(body):.2f} x the body still allocated"
+    if outcome is None:
+        assert ex.meta is None  # the body never completed: nothing to book
+    else:
+        assert ex.trace.watched[:1] == ["raw"]
+        (record,) = scene.recorder.records
+        assert record.outcome == outcome
+        assert record.wire_digest == xxhash.xxh3_128_hexdigest(body)
+
+
+async def test_client_gone_while_reading_the_body_is_logged(
+    spy: Spy, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="context_proxy")
+    body = encode(conversation(CHAT))
+    async with await start_emulator() as emulator, proxy_at(emulator.url) as proxy:
+        conn = await RawConn.open(proxy.url)
+        await conn.send_head(CHAT, len(body) + 100, {})
+        await conn.send(body)
+        await spy.made(1)
+        conn.abort()
+        await spy[0].trace.finished()
+        assert not proxy.state.exchanges
+        assert emulator.stats == []
+    assert spy[0].releases == 1
+    assert any("before the body completed" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------------------ forwarding
+
+
+async def test_untouched_body_goes_upstream_byte_for_byte(
+    http: aiohttp.ClientSession, counted: dict[str, int]
+) -> None:
+    # Unusual but valid formatting: a re-serialization would change these bytes.
+    body = encode(conversation(CHAT), indent=3).replace(b'"role": "user"', b'"role" :"user"')
+    body = body.replace(b"careful", b"c\\u0061reful")
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[Reader(), recorder]) as h:
+        async with http.post(h.url + CHAT, data=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        (record,) = await recorder.wait(1)
+        (upstream,) = h.emulator.stats
+    assert upstream.body_digest == xxhash.xxh3_128_hexdigest(body)
+    assert upstream.body_bytes == len(body)
+    assert record.outbound_digest == record.wire_digest == upstream.body_digest
+    assert counted["encode"] == 0
+
+
+async def test_changed_body_is_serialized_once_and_sent_as_views(
+    http: aiohttp.ClientSession, counted: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[tuple[bool, bool, int]] = []
+    chunks = Exchange.outbound_chunks
+
+    async def watched_chunks(self: Exchange) -> AsyncIterator[memoryview]:
+        holder = self.outbound_holder
+        assert holder is not None
+        async for piece in chunks(self):
+            sent.append((isinstance(piece, memoryview), piece.obj is holder.data, len(piece)))
+            yield piece
+
+    monkeypatch.setattr(Exchange, "outbound_chunks", watched_chunks)
+    body = encode(conversation(CHAT, turns=12, turn_bytes=100_000))
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[Mutator(), recorder]) as h:
+        async with http.post(h.url + CHAT, data=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        (record,) = await recorder.wait(1)
+        (upstream,) = h.emulator.stats
+    assert counted["encode"] == 1
+    assert upstream.body_digest == record.outbound_digest != record.wire_digest
+    assert record.wire_digest == xxhash.xxh3_128_hexdigest(body)
+    assert len(sent) > 1
+    assert all(is_view and of_buffer for is_view, of_buffer, _ in sent)
+    assert max(size for _, _, size in sent) <= SEND_SLICE_BYTES
+    assert sum(size for _, _, size in sent) == record.outbound_bytes == upstream.body_bytes
+
+
+async def test_no_parse_of_the_body_once_the_answer_streams(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forbidden: list[str] = []
+
+    def parse_after_forwarding(decoder: Any, data: Any, /) -> Any:
+        forbidden.append(type(decoder).__name__)
+        raise AssertionError("a request body was parsed after it was forwarded")
+
+    reader, recorder = Reader(), Recorder()
+    async with proxy_with_emulator(plugins=[reader, recorder]) as h:
+        headers = {"x-emulator": "hold=parse"}
+        async with http.post(h.url + CHAT, data=encode(conversation(CHAT)), headers=headers) as resp:
+            first = await resp.content.readany()
+            # From here on, any JSON parse in proxy.wire fails loudly.
+            monkeypatch.setattr(wire, "_decode_json", parse_after_forwarding)
+            h.emulator.release("parse")
+            answer = first + await resp.read()
+        (record,) = await recorder.wait(1)
+    assert forbidden == []
+    assert reader.levels == [0]  # the one legitimate parse, before sending
+    assert chat_text(answer) == DEFAULT_TEXT
+    assert (record.status, record.outcome) == (200, "ok")
+
+
+# ------------------------------------------------------------------------------ digest, verdict
+
+
+class AddImage(Plugin):
+    """Adds an image to the last user message: the *outbound* body is no longer comparable."""
+
+    name = "add-image"
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        return True
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        last = ctx.body["messages"][-1]
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        last["content"] = [{"type": "text", "text": last["content"]}, image]
+        return True
+
+
+async def test_digest_and_verdict_describe_the_wire_bytes_as_received(
+    http: aiohttp.ClientSession,
+) -> None:
+    compact = conversation(CHAT, stream=False)
+    with_image = conversation(CHAT, stream=False)
+    with_image["messages"][1]["content"] = [
+        {"type": "text", "text": "see"},
+        {"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}},
+    ]
+    bodies = [encode(compact), encode(compact, indent=2), encode(with_image)]
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[AddImage(), recorder]) as h:
+        for body in bodies:
+            async with http.post(h.url + CHAT, data=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+        records = await recorder.wait(3)
+        upstream = h.emulator.stats
+    first, reformatted, image = records
+    # The plugin's change neither moved the digest nor flipped the verdict.
+    assert first.wire_digest == xxhash.xxh3_128_hexdigest(bodies[0])
+    assert first.comparable is True
+    assert first.outbound_digest == upstream[0].body_digest != first.wire_digest
+    # Same content, other whitespace: new digest, same verdict; same outbound bytes.
+    assert reformatted.wire_digest == xxhash.xxh3_128_hexdigest(bodies[1]) != first.wire_digest
+    assert reformatted.comparable is True
+    assert reformatted.outbound_digest == first.outbound_digest
+    assert image.comparable is False
+
+
+VERDICT_BODIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "chat": (
+        CHAT,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}
+            ],
+        },
+    ),
+    "responses": (
+        RESPONSES,
+        {"model": "m", "input": [{"role": "user", "content": "hi"}]},
+        {"model": "m", "input": [{"type": "reasoning", "summary": []}]},
+    ),
+    "messages": (
+        MESSAGES,
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+        {
+            "model": "m",
+            "max_tokens": 8,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+        },
+    ),
+}
+
+
+VERDICT_PROTOCOLS = {
+    "chat": Protocol.CHAT.value,
+    "responses": Protocol.RESPONSES.value,
+    "messages": Protocol.MESSAGES.value,
+}
+
+
+@pytest.mark.parametrize("protocol", list(VERDICT_BODIES))
+async def test_verdict_spot_check_through_the_proxy(
+    protocol: str, http: aiohttp.ClientSession
+) -> None:
+    path, plain, rich = VERDICT_BODIES[protocol]
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[recorder]) as h:
+        for body in (plain, rich):
+            async with http.post(h.url + path, data=encode(body)) as resp:
+                assert resp.status == 200
+                await resp.read()
+        records = await recorder.wait(2)
+    assert [r.comparable for r in records] == [True, False]
+    assert {r.protocol for r in records} == {VERDICT_PROTOCOLS[protocol]}
+
+
+# ------------------------------------------------------------------------------ plugin hooks
+
+
+class Hoarder(Plugin):
+    """Tries to keep the body past its hook: stores the context, reads it at commit."""
+
+    name = "hoarder"
+
+    def __init__(self) -> None:
+        self.ctx: PrepareContext | None = None
+        self.seen_in_prepare = 0
+        self.at_commit: list[object] = []
+        self.record: ExchangeRecord | None = None
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        return True
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        self.ctx = ctx
+        self.seen_in_prepare = len(ctx.body["messages"])
+        return False
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        self.record = record
+        assert self.ctx is not None
+        try:
+            self.at_commit.append(self.ctx.body)
+        except BodyUnavailable as exc:
+            self.at_commit.append(exc)
+
+
+async def test_commit_gets_scalars_and_a_kept_context_has_no_body(
+    spy: Spy, http: aiohttp.ClientSession
+) -> None:
+    hoarder = Hoarder()
+    # Chat streams carry usage only when asked (stream_options.include_usage).
+    body = encode({**conversation(CHAT), "stream_options": {"include_usage": True}})
+    async with proxy_with_emulator(plugins=[hoarder]) as h:
+        async with http.post(h.url + CHAT, data=body) as resp:
+            assert resp.status == 200
+            answer = await resp.read()
+        (ex,) = spy
+        await ex.trace.finished()
+        upstream = h.emulator.stats[0]
+    assert hoarder.seen_in_prepare == 14
+    (found,) = hoarder.at_commit
+    assert isinstance(found, BodyUnavailable)
+    # The stored context did not keep the parsed body alive.
+    assert "parsed" in ex.trace.fired
+    record = hoarder.record
+    assert record is not None
+    assert all(isinstance(value, SCALARS) for value in record.as_dict().values())
+    # The record's scalars: status, outcome, counts, usage, timings.
+    assert (record.status, record.outcome, record.refolds, record.retries) == (200, "ok", 0, 0)
+    assert record.input_tokens == upstream.body_bytes // 4  # the emulator's usage figure
+    assert record.output_tokens == 3
+    assert record.request_bytes == len(body) and record.message_count == 14
+    assert record.response_bytes == len(answer)
+    assert record.ttfb_s is not None and 0 < record.ttfb_s <= record.duration_s
+
+
+class Gate(Plugin):
+    """Each request's prepare (keyed by model name) waits for its own go-ahead."""
+
+    name = "gate"
+
+    def __init__(self) -> None:
+        self.entered: dict[str, asyncio.Event] = {}
+        self.go: dict[str, asyncio.Event] = {}
+        self.log: list[str] = []
+
+    def event(self, table: dict[str, asyncio.Event], model: str) -> asyncio.Event:
+        return table.setdefault(model, asyncio.Event())
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        model = ctx.meta.model or ""
+        self.log.append(f"enter {model}")
+        self.event(self.entered, model).set()
+        await self.event(self.go, model).wait()
+        self.log.append(f"leave {model}")
+        return False
+
+
+async def test_prepare_holds_the_session_lock_but_not_across_the_stream(
+    spy: Spy, http: aiohttp.ClientSession
+) -> None:
+    gate = Gate()
+    gate.event(gate.go, "c").set()
+
+    def post(model: str, session: str | None, script: str = "") -> asyncio.Task[bytes]:
+        headers = {"x-emulator": script} if script else {}
+        if session:
+            headers["x-session-id"] = session
+
+        async def run() -> bytes:
+            body = encode(conversation(CHAT, turns=2, turn_bytes=100, model=model))
+            async with http.post(h.url + CHAT, data=body, headers=headers) as resp:
+                assert resp.status == 200
+                return await resp.read()
+
+        return asyncio.create_task(run())
+
+    async with proxy_with_emulator(plugins=[gate]) as h:
+        a = post("a", "s1", "hold=a")
+        async with asyncio.timeout(WAIT_S):
+            await gate.event(gate.entered, "a").wait()
+        b = post("b", "s1")
+        c = post("c", None)
+        # No session, no lock: c runs to the end while a sits in prepare.
+        assert chat_text(await asyncio.wait_for(c, WAIT_S)) == DEFAULT_TEXT
+        # b has read its body; from PARSED on, the first thing its handler waits
+        # for is s1's lock, so once this test runs again b sits in that wait.
+        await spy.made(3)
+        for ex in spy:
+            await ex.trace.reached(Phase.PARSED)
+        assert "enter b" not in gate.log
+        gate.event(gate.go, "a").set()
+        # a's prepare is over: b takes the lock while a's answer is still to come ...
+        async with asyncio.timeout(WAIT_S):
+            await gate.event(gate.entered, "b").wait()
+        # ... and a streams (held upstream, request 2 after c's) while b is in prepare.
+        await h.emulator.wait_holding(2)
+        gate.event(gate.go, "b").set()
+        assert chat_text(await asyncio.wait_for(b, WAIT_S)) == DEFAULT_TEXT
+        assert not a.done() and h.emulator.record(2).holding == "a"
+        h.emulator.release("a")
+        assert chat_text(await asyncio.wait_for(a, WAIT_S)) == DEFAULT_TEXT
+    assert gate.log == ["enter a", "enter c", "leave c", "leave a", "enter b", "leave b"]
