@@ -107,7 +107,7 @@ async def _collect(
 
 
 def main(argv: list[str]) -> int:
-    """Entry point of ``context-proxy bench concurrency`` (and ``python -m benchmarks.concurrency``).
+    """Entry point of ``context-proxy bench concurrency`` and ``python -m benchmarks.concurrency``.
 
     Returns 0 when the run completed (targets missed are reported, not an error),
     1 when a server failed, 2 for bad options.

@@ -883,12 +883,18 @@ def _timeline(run: ProcessRun, points: int = 1500) -> dict[str, Any]:
     }
 
 
+def _plotted_case(cases: Sequence[Case]) -> Case:
+    """The case whose timeline is plotted: the largest size, its first protocol run."""
+    largest = max(case.size_mib for case in cases)
+    return next(case for case in cases if case.size_mib == largest)
+
+
 def _timelines(
     cases: Sequence[Case], sequential: Sequence[ProcessRun], variants: Sequence[Variant]
 ) -> list[dict[str, Any]]:
     if not cases:
         return []
-    biggest = max(cases, key=lambda c: (c.body_bytes, -list(BenchProtocol).index(c.protocol)))
+    biggest = _plotted_case(cases)
     runs = [biggest.ours[v.name] for v in variants]
     if biggest.naive:
         runs.append(biggest.naive)
@@ -907,7 +913,7 @@ def plot_memory(
     proxy, held-open windows shaded, and the sequential trend."""
     panels: list[rpt.Panel] = []
     if cases:
-        biggest = max(cases, key=lambda c: (c.body_bytes, -list(BenchProtocol).index(c.protocol)))
+        biggest = _plotted_case(cases)
         naive = _timeline(biggest.naive) if biggest.naive else None
         for variant in variants:
             ours = _timeline(biggest.ours[variant.name])

@@ -30,7 +30,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -129,7 +129,7 @@ async def _sequential(
 ) -> dict[str, Timings]:
     results = {name: Timings() for name in urls}
     for _ in range(_WARMUP):
-        for name, url in urls.items():
+        for url in urls.values():
             await _one(session, url, protocol, body, Timings())
     steps.describe("latency, sequential")
     started = time.perf_counter()
@@ -156,18 +156,19 @@ async def _concurrent(
     for name, url in urls.items():
         steps.describe(f"latency, {workers} concurrent: {name}")
         timings = Timings()
-        tickets = iter(range(count))
 
-        async def worker(url: str = url, timings: Timings = timings) -> None:
+        async def worker(tickets: Iterator[int], url: str = url, into: Timings = timings) -> None:
+            # Workers share one iterator: together they make exactly len(tickets) requests.
             for _ in tickets:
-                await _one(session, url, protocol, body, timings)
+                await _one(session, url, protocol, body, into)
 
-        await asyncio.gather(*(worker() for _ in range(min(workers, _WARMUP))))
+        warm = iter(range(_WARMUP))
+        await asyncio.gather(*(worker(warm) for _ in range(min(workers, _WARMUP))))
         timings.ttfb.clear()
         timings.total.clear()
-        tickets = iter(range(count))
+        timed = iter(range(count))
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(workers)))
+        await asyncio.gather(*(worker(timed) for _ in range(workers)))
         timings.wall_s = time.perf_counter() - started
         results[name] = timings
         steps.advance()

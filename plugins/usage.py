@@ -11,8 +11,10 @@ when the upstream reported none). This plugin adds them up twice:
   ``model``;
 * per session, for ``GET /admin/sessions/{id}``.
 
-The numbers are what the upstream reported, not normalized across protocols:
-OpenAI's input count includes its cached tokens, Anthropic's excludes them.
+``input_tokens`` always means the whole prompt, cached tokens included: the
+proxy's usage meter adds Anthropic's ``cache_read_input_tokens`` and
+``cache_creation_input_tokens`` to its ``input_tokens`` so the figure compares
+with OpenAI's ``prompt_tokens`` / ``input_tokens``, which already include them.
 
 Metrics design: each proxy app has its own ``CollectorRegistry`` (several apps
 live in one process in tests), so the plugin does not create global

@@ -373,11 +373,19 @@ class PluginHost:
         Raises:
             PluginError: naming the plugin whose ``startup`` raised.
         """
+        started: list[Plugin] = []
         for plugin in self.plugins:
             try:
                 await plugin.startup()
             except Exception as exc:
+                # Undo what already started (files, threads, connections), newest first.
+                for done in reversed(started):
+                    try:
+                        await done.shutdown()
+                    except Exception as undo_exc:
+                        self._failed(done, "shutdown", undo_exc)
                 raise PluginError(f"plugin {_plugin_name(plugin)}: startup failed: {exc}") from exc
+            started.append(plugin)
 
     async def shutdown(self) -> None:
         """Stop every plugin (flush); failures are logged, the others still run."""

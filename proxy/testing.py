@@ -13,7 +13,12 @@ front of it, both on ephemeral ports of 127.0.0.1, in the running event loop::
         assert counter.by_model == {"m": 1}
 
 Leaving the block drains the proxy (commit hooks finish, plugins shut down)
-and stops the emulator, so assertions after it see the final state.
+and stops the emulator, so assertions after it see the final state. Inside
+it, :meth:`Harness.settle` waits for the commits of answers already received.
+The pytest fixture ``context_proxy`` (:mod:`proxy.pytest_plugin`) wraps this.
+
+``proxy_process`` runs ``context-proxy serve`` as a child process instead, for
+what only a process shows: start-up errors, SIGTERM, state kept across a restart.
 """
 
 from __future__ import annotations

@@ -360,6 +360,24 @@ async def test_a_burst_of_one_session_costs_one_database_write(tmp_path: Path) -
     assert saved_rows(db) == {"burst": (xxhash.xxh3_128_hexdigest(bodies[-1]), 1, 0, 0, 100)}
 
 
+async def test_closing_a_session_writes_it_at_once(tmp_path: Path) -> None:
+    db = tmp_path / "ledger.db"
+    ledger = LedgerPlugin(path=str(db), debounce=NEVER)
+    body = compact(HISTORY_A)
+    async with proxy_with_emulator(plugins=[ledger]) as h, aiohttp.ClientSession() as http:
+        await post(http, h.url, CHAT, "closing", body)
+        await post(http, h.url, CHAT, "staying", body)
+        await h.settle()
+        assert saved_rows(db) == {}
+        async with http.delete(f"{h.url}/admin/sessions/closing") as resp:
+            assert resp.status == 200, await resp.text()
+        # Written before the DELETE answered, while the proxy runs on.
+        assert saved_rows(db) == {"closing": (xxhash.xxh3_128_hexdigest(body), 1, 0, 0, 1)}
+        assert ledger.writes == 1
+        assert ledger.session_state("staying")["saved"] is False
+    assert set(saved_rows(db)) == {"closing", "staying"}
+
+
 # -- usage: totals equal what the SDK saw ------------------------------------------------------
 
 Usage = tuple[int, int, int]  # (input tokens incl. cached, output tokens, cache-read tokens)

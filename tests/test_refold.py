@@ -35,7 +35,6 @@ from proxy.exchange import Exchange, HeldBytes, Phase
 from proxy.plugins import Plugin, PrepareContext
 from proxy.protocols import Protocol
 from proxy.testing import Harness, proxy_with_emulator
-from proxy.wire import WireMetadata
 from tests.test_lifetime_support import (
     CHAT,
     MESSAGES,
@@ -118,16 +117,18 @@ async def sdk_answer(h: Harness, shape: Shape, body: dict[str, Any], emulator_sc
     headers = {"x-emulator": emulator_script}
     text = ""
     if shape.path == MESSAGES:
-        async with anthropic.AsyncAnthropic(
-            base_url=h.url, api_key="test", max_retries=0, default_headers=headers
-        ) as claude:
-            async with claude.messages.stream(
+        async with (
+            anthropic.AsyncAnthropic(
+                base_url=h.url, api_key="test", max_retries=0, default_headers=headers
+            ) as claude,
+            claude.messages.stream(
                 model=body["model"],
                 max_tokens=body["max_tokens"],
                 system=body["system"],
                 messages=cast(Any, body["messages"]),
-            ) as stream:
-                return await stream.get_final_text()
+            ) as stream,
+        ):
+            return await stream.get_final_text()
     async with openai.AsyncOpenAI(
         base_url=h.openai_base_url, api_key="test", max_retries=0, default_headers=headers
     ) as client:

@@ -1,0 +1,251 @@
+"""The benchmarks: request generation, the benchmark plugin, the naive baseline, the
+report helpers, and a smoke run of ``bench memory`` with real processes.
+
+The smoke run starts the emulator, this proxy (three variants) and the naive
+proxy as processes on loopback, with 1 MiB bodies and one repeat; it takes about
+15 s on 2 cores. Its assertions are on what a reader of the output relies on:
+the files exist, the proxy forwarded the exact bytes, its own accounting says
+what it held, and the naive proxy costs more memory than this one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from benchmarks import _report as rpt
+from benchmarks import memory
+from benchmarks._workload import BenchProtocol, Corpus, MiB, build_body, marker_text
+from benchmarks.naive import build_naive_app
+from benchmarks.plugins import Marker
+from proxy import PrepareContext
+from proxy.emulator import EmulatorServer, start_emulator
+from proxy.protocols import Protocol
+from proxy.wire import compute_wire_metadata, digest_bytes
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    return Corpus.load()
+
+
+def _items(protocol: BenchProtocol, body: dict[str, Any]) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = body[
+        "input" if protocol is BenchProtocol.RESPONSES else "messages"
+    ]
+    return items
+
+
+# --------------------------------------------------------------------------- workload
+
+
+@pytest.mark.parametrize("protocol", list(BenchProtocol))
+def test_build_body_is_a_realistic_history_of_the_asked_size(
+    protocol: BenchProtocol, corpus: Corpus
+) -> None:
+    size = 2 * MiB
+    raw = build_body(protocol, size, corpus)
+    # At least the asked size, and over it by less than one tool result and a question.
+    assert size <= len(raw) < size + 64 * 1024
+    body = json.loads(raw)
+    assert raw.startswith(b'{"model":') and body["stream"] is True
+    items = _items(protocol, body)
+    assert len(items) > 100
+    assert items[-1]["role"] == "user"
+    # Varied text: no message body repeats (one repeated string would compress and
+    # parse unlike real traffic).
+    texts = [json.dumps(item, sort_keys=True) for item in items]
+    assert len(set(texts)) == len(texts)
+
+
+def test_build_body_is_deterministic_per_seed(corpus: Corpus) -> None:
+    one = build_body(BenchProtocol.CHAT, 256 * 1024, corpus, seed=5)
+    assert one == build_body(BenchProtocol.CHAT, 256 * 1024, corpus, seed=5)
+    assert one != build_body(BenchProtocol.CHAT, 256 * 1024, corpus, seed=6)
+
+
+# --------------------------------------------------------------------------- Marker plugin
+
+_PROTOCOL_OF = {
+    BenchProtocol.CHAT: Protocol.CHAT,
+    BenchProtocol.RESPONSES: Protocol.RESPONSES,
+    BenchProtocol.MESSAGES: Protocol.MESSAGES,
+}
+
+
+@pytest.mark.parametrize("protocol", list(BenchProtocol))
+async def test_marker_appends_to_the_last_user_message(
+    protocol: BenchProtocol, corpus: Corpus
+) -> None:
+    raw = build_body(protocol, 64 * 1024, corpus)
+    body = json.loads(raw)
+    before = json.dumps(_items(protocol, body)[-1])
+    meta = compute_wire_metadata(_PROTOCOL_OF[protocol], raw, digest_bytes(raw))
+    plugin = Marker()
+    assert plugin.wants_body(meta, 0)
+    ctx = PrepareContext(meta=meta, fold_level=0, session_id=None, path=protocol.path, body=body)
+    ctx._grant(True)
+    assert await plugin.prepare(ctx) is True
+    last = _items(protocol, body)[-1]
+    assert json.dumps(last) != before
+    assert marker_text() in json.dumps(last, ensure_ascii=False).replace("\\n", "\n")
+    # Only the last user message changed.
+    assert [json.dumps(i) for i in _items(protocol, body)[:-1]] == [
+        json.dumps(i) for i in _items(protocol, json.loads(raw))[:-1]
+    ]
+
+
+async def test_marker_leaves_a_body_without_user_message_alone() -> None:
+    raw = b'{"model":"m","messages":[{"role":"system","content":"x"}]}'
+    body = json.loads(raw)
+    meta = compute_wire_metadata(Protocol.CHAT, raw, digest_bytes(raw))
+    ctx = PrepareContext(
+        meta=meta, fold_level=0, session_id=None, path="/v1/chat/completions", body=body
+    )
+    ctx._grant(True)
+    assert await Marker().prepare(ctx) is False
+    assert body == json.loads(raw)
+
+
+# --------------------------------------------------------------------------- naive baseline
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[EmulatorServer]:
+    async with await start_emulator() as server:
+        yield server
+
+
+async def test_naive_proxy_streams_the_answer_and_forwards_the_parsed_body(
+    emulator: EmulatorServer, corpus: Corpus
+) -> None:
+    runner = web.AppRunner(build_naive_app(emulator.url))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    raw = build_body(BenchProtocol.MESSAGES, 200 * 1024, corpus)
+    try:
+        timeout = aiohttp.ClientTimeout(total=10)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(
+                f"http://127.0.0.1:{port}/v1/messages?beta=true",
+                data=raw,
+                headers={**BenchProtocol.MESSAGES.headers(), "x-emulator": "chunks=5"},
+            ) as resp,
+        ):
+            assert resp.status == 200
+            assert resp.content_type == "text/event-stream"
+            answer = await resp.read()
+    finally:
+        await runner.cleanup()
+    assert answer.count(b"event: content_block_delta") == 5
+    assert answer.rstrip().endswith(b'data: {"type":"message_stop"}')
+    record = emulator.stats[-1]
+    assert record.query == "beta=true"
+    # json.dumps re-serialized the body: different bytes, same JSON.
+    assert record.body_bytes > 0 and record.body_digest != digest_bytes(raw)
+
+
+# --------------------------------------------------------------------------- report helpers
+
+
+def test_report_formats_and_verdicts() -> None:
+    assert rpt.fmt_ratio(rpt.stat([1.0, 3.0, 2.0])) == "2.00 [1.00, 3.00]"
+    assert rpt.fmt_ratio(rpt.stat([0.5])) == "0.50"
+    assert rpt.fmt_ratio(rpt.stat([])) == "n/a"
+    assert rpt.verdict(1.1, 1.1) == rpt.PASS
+    assert rpt.verdict(1.11, 1.1) == rpt.MISS
+    assert rpt.verdict(float("nan"), 1.0) == rpt.MISS
+    assert rpt.fmt_bytes(3 * MiB) == "3.0 MiB"
+    assert rpt.fmt_bytes(-2048) == "-2.0 KiB"
+
+
+def test_table_markdown_has_sections_and_escapes_pipes() -> None:
+    table = rpt.Table("T", ("a", "b"))
+    table.section("group 1")
+    table.add("x|y", rpt.PASS)
+    table.notes.append("a note")
+    text = table.to_markdown()
+    assert "| **group 1** |  |" in text
+    assert "| x\\|y | PASS |" in text
+    assert text.rstrip().endswith("- a note")
+    with pytest.raises(ValueError, match="2 columns"):
+        table.add("only one")
+
+
+def test_write_json_turns_nan_into_null(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "x.json"
+    rpt.write_json(path, {"a": float("nan"), "b": [1.5, float("inf")]})
+    assert json.loads(path.read_text()) == {"a": None, "b": [1.5, None]}
+
+
+# --------------------------------------------------------------------------- smoke run
+
+
+@pytest.mark.timeout(90)
+def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
+    # About 15 s: 3 variants + the baseline, each a fresh process, 1 MiB bodies, plus
+    # 2 sequential requests per proxy. Every wait inside is bounded (10 min per request).
+    out = tmp_path / "results"
+    docs = tmp_path / "docs"
+    argv = [
+        "--sizes", "1",
+        "--repeats", "1",
+        "--protocols", "chat",
+        "--sequential", "2",
+        "--sequential-size", "1",
+        "--out", str(out),
+        "--publish", "--publish-dir", str(docs),
+        "--quiet",
+    ]  # fmt: skip
+    assert memory.main(argv) == 0
+
+    for name in ("memory.json", "memory.md", "memory.png"):
+        assert (out / name).stat().st_size > 0
+    for suffix in ("json", "md", "png"):
+        assert (docs / f"bench-memory.{suffix}").read_bytes() == (
+            out / f"memory.{suffix}"
+        ).read_bytes()
+    assert (out / "memory.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    table = (out / "memory.md").read_text()
+    assert "| target | limit x B | worst x B | where | verdict |" in table
+    assert "1 MiB chat (B = " in table
+
+    doc = json.loads((out / "memory.json").read_text())
+    (case,) = doc["cases"]
+    size = case["body_bytes"]
+    assert MiB <= size < MiB + 64 * 1024
+    ours = case["ours"]
+    naive = case["naive"]["samples"][0]
+    for variant in ("plain", "plugin", "retry"):
+        (sample,) = ours[variant]["samples"]
+        assert sample["complete"], sample["error"]
+        assert sample["held_after"] == 0
+        # Sane figures: the process grew while holding a body, and the naive
+        # proxy (raw + parsed + re-serialized, all kept) grew more.
+        assert sample["peak_growth_x_body"] > 0.5
+        assert naive["peak_growth_x_body"] > sample["peak_growth_x_body"]
+        assert {t["figure"] for t in ours[variant]["targets"]} == {"peak", "mid-stream", "after"}
+    plain = ours["plain"]["samples"][0]
+    plugin = ours["plugin"]["samples"][0]
+    retry = ours["retry"]["samples"][0]
+    # Untouched bodies are forwarded byte for byte; the Marker plugin's are longer.
+    assert plain["upstream_bytes"] == size
+    assert plugin["upstream_bytes"] > size
+    # The proxy's own accounting mid-stream: nothing once streaming; with retry
+    # armed and no output yet, exactly the outbound body.
+    assert plain["held_mid_bytes"] == 0
+    assert [ex["phase"] for ex in plain["held_admin"]] == ["streaming"]
+    assert retry["held_mid_bytes"] == size
+    assert retry["held_admin"][0]["held_bytes"]["outbound"] == size
+    assert naive["mid_growth_x_body"] > plain["mid_growth_x_body"]
+    assert [len(run["samples"]) for run in doc["sequential"]] == [2, 2, 2]
+    assert doc["timelines"] and all(t["t_s"] for t in doc["timelines"])
