@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 from typing import Any
 
 from aiohttp import web
@@ -34,7 +35,20 @@ def _allowed(request: web.Request, state: AppState) -> bool:
             return True
     peer = request.transport.get_extra_info("peername") if request.transport else None
     host = peer[0] if isinstance(peer, tuple) and peer else None
-    return host is not None and host in settings.admin_allow
+    if not isinstance(host, str):
+        return False
+    return _canonical(host) in {_canonical(allowed) for allowed in settings.admin_allow}
+
+
+def _canonical(address: str) -> str:
+    """``::ffff:127.0.0.1`` (a dual-stack listener's view of IPv4) → ``127.0.0.1``."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
 
 
 @web.middleware

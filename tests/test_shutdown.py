@@ -44,7 +44,7 @@ RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 BOUND_S = 5.0
 #: The in-process grace period: long enough for a released stream to finish.
-GRACE_S = 0.5
+GRACE_S = 1.0
 #: The subprocess grace period (the issue's command line).
 PROCESS_GRACE_S = 2.0
 #: How long after SIGTERM the process may take beyond its grace to exit 0.
