@@ -105,7 +105,7 @@ def verdict(value: float, limit: float) -> str:
 class Table:
     """A table of strings: ``title``, column headers, rows and footnotes.
 
-    A cell equal to :data:`PASS` or :data:`MISS` is coloured on the terminal.
+    A cell that is or ends with :data:`PASS` or :data:`MISS` is coloured on the terminal.
     ``section`` rows (a one-cell tuple) print as a separator line with a label.
     """
 
@@ -155,10 +155,11 @@ class Table:
 
 
 def _colour(cell: str) -> str:
-    if cell == PASS:
-        return "[green]PASS[/green]"
-    if cell == MISS:
-        return "[bold red]MISS[/bold red]"
+    head, _, word = cell.rpartition(" ")
+    if word == PASS and cell in (PASS, f"{head} {PASS}"):
+        return f"{escape(head)} [green]PASS[/green]".lstrip()
+    if word == MISS and cell in (MISS, f"{head} {MISS}"):
+        return f"{escape(head)} [bold red]MISS[/bold red]".lstrip()
     return escape(cell)
 
 

@@ -17,8 +17,9 @@ preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :me
 ==========  ==============================================  ==========================
 
 ``release()`` is the boundary: as soon as no refold can follow (the upstream
-accepted the request: 2xx headers and, for Responses, output started; or the
-fold levels are used up, before the last send) the raw buffer, the parsed body
+accepted the request: 2xx headers and, for Responses, output started; or it
+answered an error that no refold can cure; or the fold levels are used up,
+before the last send) the raw buffer, the parsed body
 and the preparer go. It is idempotent, counts whether it really ran (exactly
 once per exchange), and :meth:`Exchange.close`, which the handler calls in
 ``finally``, runs it on every early exit. Buffers live in small weak-referenceable
@@ -65,7 +66,12 @@ SEND_SLICE_BYTES: Final = 256 * 1024
 
 
 class Phase(enum.Enum):
-    """Where an exchange is in its life; phases only move forward."""
+    """Where an exchange is in its life.
+
+    Phases move forward in the order listed, with two loops back: a refold
+    goes from ``sent`` to ``prepared`` again, and a fake-completion resend
+    from ``accepted`` to ``sent``.
+    """
 
     READING = "reading"
     PARSED = "parsed"

@@ -216,7 +216,7 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
         ).read_bytes()
     assert (out / "memory.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     table = (out / "memory.md").read_text()
-    assert "| target | limit x B | worst x B | where | verdict |" in table
+    assert "| target | limit x B | 1 MiB |" in table
     assert "1 MiB chat (B = " in table
 
     doc = json.loads((out / "memory.json").read_text())

@@ -183,7 +183,8 @@ class Trace:
     buffer holders that got a finalizer (``raw``, ``parsed``, ``outbound``) and
     ``fired`` those whose finalizer ran (the holder was freed); ``release_calls``
     counts calls of ``release()`` and ``held_at_release`` is what the exchange
-    held right after the call that did the work.
+    held right after the call that did the work; ``raw_allocated`` is the
+    ``sys.getsizeof`` of the body buffer it was handed (bytes, with slack).
     """
 
     def __init__(self) -> None:
@@ -193,6 +194,7 @@ class Trace:
         self.release_calls = 0
         self.held_at_release: HeldBytes | None = None
         self.phase_at_release: Phase | None = None
+        self.raw_allocated = 0
         self.task = asyncio.current_task()
         self._waiters: list[tuple[Phase, asyncio.Future[None]]] = []
 
@@ -250,6 +252,7 @@ class TracedExchange(Exchange):
 
     def attach_body(self, buffer: bytearray, meta: WireMetadata) -> None:
         super().attach_body(buffer, meta)
+        self.trace.raw_allocated = sys.getsizeof(buffer)
         self.trace.watch("raw", self.raw_holder)
 
     def _parse_raw(self) -> None:
