@@ -283,6 +283,7 @@ def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = max(1, math.ceil(len(panels) / columns))
     cols = min(columns, max(1, len(panels)))
@@ -312,7 +313,9 @@ def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int
         ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper right")
+        if panel.step:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize=7, loc="best", framealpha=0.85)
     for index in range(len(panels), rows * cols):
         axes[index // cols][index % cols].set_visible(False)
     fig.suptitle(title, fontsize=11)

@@ -19,8 +19,8 @@ from typing import Any
 
 from aiohttp import web
 
-from .app import STATE, AppState
 from .sessions import SessionCloseError, SessionInfo
+from .state import STATE, AppState
 
 __all__ = ["add_admin_routes"]
 

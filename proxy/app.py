@@ -22,14 +22,13 @@ from typing import Final
 from aiohttp import web
 
 from . import protocols, wire
+from .admin import add_admin_routes
 from .body import BodyError, check_content_length, read_body
 from .config import Settings
 from .exchange import Exchange, Phase, Preparer, null_lock
-from .metrics import Metrics
 from .plugins import ExchangeRecord, PluginHost, load_plugins
 from .protocols import Protocol
 from .relay import (
-    SHUTDOWN_CANCEL,
     ClientGone,
     Upstream,
     error_response,
@@ -37,7 +36,8 @@ from .relay import (
     orderly_cancel_reason,
     relay,
 )
-from .sessions import SessionClosed, SessionRegistry, resolve_session_id
+from .sessions import SessionClosed, resolve_session_id
+from .state import STATE, AppState
 
 __all__ = ["STATE", "AppState", "build_app", "make_runner", "serve"]
 
@@ -47,90 +47,6 @@ _EXCHANGE_PROTOCOLS: Final = frozenset(
     {Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSAGES, Protocol.COUNT_TOKENS}
 )
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
-
-
-class AppState:
-    """Everything one proxy instance owns; stored on the app under :data:`STATE`.
-
-    Exchanges are listed in ``exchanges`` only while their handler runs (the
-    handler removes them in ``finally``), so nothing here outlives a request.
-    ``clock`` (monotonic seconds) is the session registry's, for tombstone TTLs
-    and idle times; tests inject one to expire tombstones without sleeping.
-    """
-
-    __slots__ = (
-        "background",
-        "draining",
-        "exchanges",
-        "handlers",
-        "host",
-        "metrics",
-        "registry",
-        "settings",
-        "stop",
-        "upstream",
-    )
-
-    def __init__(
-        self,
-        settings: Settings,
-        host: PluginHost,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.settings: Final = settings
-        self.host: Final = host
-        self.registry: Final = SessionRegistry(
-            idle_cap=settings.idle_session_cap,
-            tombstone_ttl=settings.tombstone_ttl,
-            tombstone_cap=settings.tombstone_cap,
-            clock=clock,
-            on_close=host.run_session_closed,
-        )
-        self.upstream: Upstream | None = None
-        self.exchanges: dict[str, Exchange] = {}
-        self.handlers: set[asyncio.Task[object]] = set()
-        self.background: set[asyncio.Task[None]] = set()
-        self.draining = False
-        self.stop = asyncio.Event()
-        self.metrics: Final = Metrics(self)  # last: it reads the state when registering
-
-    def spawn(self, coro: asyncio.Future[None] | object) -> None:
-        """Run ``coro`` in the background, kept referenced until it finishes."""
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def drain(self, grace: float) -> None:
-        """Stop admitting, give in-flight handlers ``grace`` seconds, then cancel them.
-
-        Cancelled streams end with an in-band protocol error event (the relay
-        recognises :data:`SHUTDOWN_CANCEL`). Then every session is closed, the
-        background commits finish and the plugins are flushed.
-        """
-        self.draining = True
-        pending = {t for t in self.handlers if not t.done()}
-        if pending:
-            log.info("draining %d in-flight request(s), grace %.1fs", len(pending), grace)
-            _, late = await asyncio.wait(pending, timeout=grace)
-            for task in late:
-                task.cancel(SHUTDOWN_CANCEL)
-            if late:
-                log.warning(
-                    "cancelled %d stream(s) still running after the grace period", len(late)
-                )
-                await asyncio.wait(late, timeout=5.0)
-        if self.background:
-            await asyncio.wait(set(self.background), timeout=10.0)
-        try:
-            await self.registry.close_all()
-        except ExceptionGroup as group:
-            for exc in group.exceptions:
-                log.error("closing a session failed at shutdown: %s", exc)
-        await self.host.shutdown()
-
-
-STATE: Final = web.AppKey("context_proxy_state", AppState)
 
 
 def _reject(
@@ -336,7 +252,6 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes)
     state = AppState(settings, host, clock=clock)
     app[STATE] = state
-    from .admin import add_admin_routes
 
     add_admin_routes(app)
     # add_get also answers HEAD (add_route("GET") would not).

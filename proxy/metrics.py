@@ -16,8 +16,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .app import AppState
     from .exchange import Exchange
+    from .state import AppState
 
 __all__ = ["Metrics"]
 

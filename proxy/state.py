@@ -1,0 +1,110 @@
+"""The state one proxy instance owns, and its drain at shutdown.
+
+Stored on the aiohttp application under :data:`STATE`; the handlers in
+:mod:`proxy.app` and the routes in :mod:`proxy.admin` read it from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, Final
+
+from aiohttp import web
+
+from .config import Settings
+from .exchange import Exchange
+from .metrics import Metrics
+from .plugins import PluginHost
+from .relay import SHUTDOWN_CANCEL, Upstream
+from .sessions import SessionRegistry
+
+__all__ = ["STATE", "AppState"]
+
+log = logging.getLogger("context_proxy")
+
+
+class AppState:
+    """Everything one proxy instance owns; stored on the app under :data:`STATE`.
+
+    Exchanges are listed in ``exchanges`` only while their handler runs (the
+    handler removes them in ``finally``), so nothing here outlives a request.
+    ``clock`` (monotonic seconds) is the session registry's, for tombstone TTLs
+    and idle times; tests inject one to expire tombstones without sleeping.
+    """
+
+    __slots__ = (
+        "background",
+        "draining",
+        "exchanges",
+        "handlers",
+        "host",
+        "metrics",
+        "registry",
+        "settings",
+        "stop",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        settings: Settings,
+        host: PluginHost,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings: Final = settings
+        self.host: Final = host
+        self.registry: Final = SessionRegistry(
+            idle_cap=settings.idle_session_cap,
+            tombstone_ttl=settings.tombstone_ttl,
+            tombstone_cap=settings.tombstone_cap,
+            clock=clock,
+            on_close=host.run_session_closed,
+        )
+        self.upstream: Upstream | None = None
+        self.exchanges: dict[str, Exchange] = {}
+        self.handlers: set[asyncio.Task[object]] = set()
+        self.background: set[asyncio.Task[None]] = set()
+        self.draining = False
+        self.stop = asyncio.Event()
+        self.metrics: Final = Metrics(self)  # last: it reads the state when registering
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background, kept referenced until it finishes."""
+        task = asyncio.create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def drain(self, grace: float) -> None:
+        """Stop admitting, give in-flight handlers ``grace`` seconds, then cancel them.
+
+        Cancelled streams end with an in-band protocol error event (the relay
+        recognises :data:`SHUTDOWN_CANCEL`). Then every session is closed, the
+        background commits finish and the plugins are flushed.
+        """
+        self.draining = True
+        pending = {t for t in self.handlers if not t.done()}
+        if pending:
+            log.info("draining %d in-flight request(s), grace %.1fs", len(pending), grace)
+            _, late = await asyncio.wait(pending, timeout=grace)
+            for task in late:
+                task.cancel(SHUTDOWN_CANCEL)
+            if late:
+                log.warning(
+                    "cancelled %d stream(s) still running after the grace period", len(late)
+                )
+                await asyncio.wait(late, timeout=5.0)
+        if self.background:
+            await asyncio.wait(set(self.background), timeout=10.0)
+        try:
+            await self.registry.close_all()
+        except ExceptionGroup as group:
+            for exc in group.exceptions:
+                log.error("closing a session failed at shutdown: %s", exc)
+        await self.host.shutdown()
+
+
+STATE: Final = web.AppKey("context_proxy_state", AppState)
