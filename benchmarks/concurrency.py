@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
         "benchmark": "concurrency",
         "started_at": started.isoformat(),
         "wall_s": wall,
-        "command": "context-proxy bench concurrency " + " ".join(argv),
+        "command": " ".join(["context-proxy bench concurrency", *argv]),
         "options": {
             "concurrency": args.concurrency,
             "size_mib": args.size,
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> int:
     rpt.write_markdown(
         out / "concurrency.md",
         tables,
-        f"Command: `context-proxy bench concurrency {' '.join(argv)}`, wall time {wall:.0f} s.",
+        f"Command: `{doc['command']}`, wall time {wall:.0f} s.",
     )
     plot_memory(
         out / "concurrency.png",

@@ -870,7 +870,7 @@ def _document(
         "benchmark": "memory",
         "started_at": started.isoformat(),
         "wall_s": wall,
-        "command": "context-proxy bench memory " + " ".join(args.argv),
+        "command": " ".join(["context-proxy bench memory", *args.argv]),
         "machine": {
             "python": platform.python_version(),
             "platform": platform.platform(),
@@ -1011,7 +1011,7 @@ def _series(label: str, timeline: dict[str, Any], colour: str) -> rpt.Series:
 
 def _preamble(args: argparse.Namespace, wall: float) -> str:
     return (
-        f"Command: `context-proxy bench memory {' '.join(args.argv)}`, "
+        f"Command: `{' '.join(['context-proxy bench memory', *args.argv])}`, "
         f"wall time {wall:.0f} s, Python {platform.python_version()}, "
         f"{os.cpu_count()} CPUs."
     )

@@ -371,7 +371,7 @@ def _document(results: Results, args: argparse.Namespace, argv: Sequence[str]) -
         "benchmark": "overhead",
         "started_at": results.started.isoformat(),
         "wall_s": results.wall_s,
-        "command": "context-proxy bench overhead " + " ".join(argv),
+        "command": " ".join(["context-proxy bench overhead", *argv]),
         "options": {
             "requests": args.requests,
             "concurrency": args.concurrency,
@@ -422,7 +422,7 @@ def main(argv: list[str]) -> int:
     rpt.write_markdown(
         out / "overhead.md",
         tables,
-        f"Command: `context-proxy bench overhead {' '.join(argv)}`, "
+        f"Command: `{' '.join(['context-proxy bench overhead', *argv])}`, "
         f"wall time {results.wall_s:.0f} s.",
     )
     reporter.note(

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Final
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from . import protocols, wire
 from .admin import add_admin_routes
@@ -49,6 +50,30 @@ _EXCHANGE_PROTOCOLS: Final = frozenset(
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 
+class _NoRequestBytes(logging.Filter):
+    """Keeps request bytes out of the server's log of requests it could not parse.
+
+    aiohttp logs such a request with the parser's exception, whose text quotes
+    the offending bytes: the rest of a body sent past a too-small
+    ``Content-Length``, or a malformed header line with its value (an API key).
+    The record keeps the peer and the error class, never the bytes, and is a
+    warning: the client sent garbage, the server did not fail.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: malformed request ({type(exc).__name__})"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_server_log: Final = logging.getLogger("context_proxy.server")
+_server_log.addFilter(_NoRequestBytes())
+
+
 def _reject(
     protocol: Protocol, status: int, message: str, state: AppState, *, code: str | None = None
 ) -> web.Response:
@@ -75,6 +100,7 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         path=request.path,
         query=request.query_string,
         keep_for_resend=settings.fake_completion_retries > 0,
+        on_release=state.allocator.released,
     )
     task = asyncio.current_task()
     assert task is not None
@@ -100,7 +126,11 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         return _reject(protocol, 503, "session closed", state, code="session_closed")
     except ClientGone:
         _client_gone(state, ex)
-        raise
+        # Raised, an ordinary hang-up would be logged by aiohttp as a server error with
+        # a traceback. The connection is closing: this answer is dropped without a word.
+        gone = web.Response(status=499, reason="Client Closed Request")
+        gone.force_close()
+        return gone
     except asyncio.CancelledError as exc:
         reason = orderly_cancel_reason(exc)
         if reason is not None:
@@ -158,6 +188,7 @@ async def _run_exchange(
 ) -> web.StreamResponse:
     settings = state.settings
     body_hint: str | None = None
+    opaque = False
     if request.method in _BODY_METHODS or request.body_exists:
         codings = request.headers.getall("Content-Encoding", [])
         encoding = ", ".join(codings) if codings else None
@@ -170,7 +201,24 @@ async def _run_exchange(
             idle_timeout=settings.body_idle_timeout,
             chunk_bytes=settings.body_chunk_bytes,
         )
-        meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
+        try:
+            meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
+        except wire.WireError:
+            if ex.protocol.is_exchange:
+                raise
+            # A passthrough body need not be JSON (a multipart file upload): it goes
+            # upstream verbatim, described by its size and digest only, unprepared.
+            meta = wire.WireMetadata(
+                protocol=ex.protocol.value,
+                model=None,
+                stream=False,
+                message_count=0,
+                byte_length=len(result.buffer),
+                digest=result.digest,
+                comparable=False,
+                session_hint=None,
+            )
+            opaque = True
         ex.attach_body(result.buffer, meta)
         del result
         body_hint = meta.session_hint
@@ -185,7 +233,7 @@ async def _run_exchange(
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
     assert state.upstream is not None
     with state.registry.track(sid, task):
-        if ex.meta is not None:
+        if ex.meta is not None and not opaque:
             ex.bind_preparer(
                 Preparer(
                     state.host,
@@ -200,17 +248,63 @@ async def _run_exchange(
             request,
             ex,
             state.upstream,
-            target=state.upstream.url(upstream_name, request.path, request.query_string),
+            # The target as the client sent it: decoding would turn %3F into a query,
+            # %2F into a path separator, %0D%0A into nothing.
+            target=state.upstream.url(
+                upstream_name, request.rel_url.raw_path, request.rel_url.raw_query_string
+            ),
             headers=forward_headers(request.headers),
             settings=settings,
         )
         if response.prepared:
             # The client has every byte once write_eof returns: commit now, inside
             # the tracked span, so a session shutdown waits for the bookkeeping.
-            await response.write_eof()
+            # A connection already closed (the client left after the last byte, or
+            # the relay cut a broken body) has nothing more to receive.
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
             if ex.meta is not None:
                 await _commit(state, ex.commit_record())
         return response
+
+
+async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse or go on.
+
+    RFC 9110 section 10.1.1: a server that answers without reading the content
+    should send that final status instead of 100 (Continue), so the client does
+    not upload for nothing. A draining proxy (503), a declared length over the
+    limit (413) or an unknown Content-Encoding (415) are refused here, before
+    the upload; anything else gets 100 (Continue). An expectation other than
+    ``100-continue`` is 417.
+    """
+    state = request.app[STATE]
+    route = protocols.route(request.method, request.path, request.headers)
+    if route is None:
+        return None  # the handler answers 404 without reading the body
+    refusal: web.Response | None = None
+    if state.draining:
+        refusal = _reject(route.protocol, 503, "proxy is shutting down", state)
+    elif request.headers.get("Expect", "").strip().lower() != "100-continue":
+        refusal = error_response(route.protocol, 417, "only Expect: 100-continue is supported")
+    else:
+        codings = request.headers.getall("Content-Encoding", [])
+        try:
+            check_content_length(
+                request.content_length,
+                ", ".join(codings) if codings else None,
+                state.settings.max_body_bytes,
+            )
+        except BodyError as exc:
+            refusal = _reject(route.protocol, exc.status, exc.message, state, code=exc.kind)
+    if refusal is not None:
+        refusal.force_close()  # the body was never read
+        return refusal
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        # Interim bytes are not part of the response aiohttp is about to write.
+        request.writer.output_size = 0
+    return None
 
 
 async def handle_root(request: web.Request) -> web.Response:
@@ -256,7 +350,7 @@ def build_app(
     add_admin_routes(app)
     # add_get also answers HEAD (add_route("GET") would not).
     app.router.add_get("/", handle_root)
-    app.router.add_route("*", "/v1/{tail:.*}", handle_exchange)
+    app.router.add_route("*", "/v1/{tail:.*}", handle_exchange, expect_handler=_expect_continue)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app
@@ -270,6 +364,7 @@ def make_runner(app: web.Application) -> web.AppRunner:
         auto_decompress=False,
         access_log=None,
         shutdown_timeout=1.0,
+        logger=_server_log,
     )
 
 
@@ -282,7 +377,13 @@ async def running(app: web.Application, host: str, port: int) -> AsyncIterator[i
     runner = make_runner(app)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        # Start-up already ran (plugins, the upstream pool): undo it before reporting.
+        await app[STATE].drain(0)
+        await runner.cleanup()
+        raise
     bound = port
     for address in runner.addresses:
         bound = int(address[1])
@@ -298,6 +399,8 @@ async def serve(settings: Settings) -> None:
     """Run the proxy until SIGTERM/SIGINT or ``POST /admin/shutdown``, then drain and exit."""
     app = build_app(settings)
     state = app[STATE]
+    # Process-wide, so only here (not in build_app: tests embed apps in their runner).
+    state.allocator.tune()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)

@@ -120,7 +120,14 @@ def demo(port: int, once: bool) -> None:
         pass
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(
+    # --help goes to the benchmark itself (context-proxy bench memory --help).
+    context_settings={
+        "ignore_unknown_options": True,
+        "allow_extra_args": True,
+        "help_option_names": [],
+    }
+)
 @click.argument("kind", type=click.Choice(["memory", "overhead", "concurrency"]))
 @click.pass_context
 def bench(ctx: click.Context, kind: str) -> None:

@@ -159,6 +159,9 @@ class Exchange:
         query: the raw query string ('' when none), forwarded unchanged.
         keep_for_resend: keep the outbound body after release while a
             fake-completion retry may still resend it.
+        on_release: called with the number of bytes each drop let go (the
+            app hands them to :class:`proxy._alloc.Allocator` so freed pages
+            go back to the OS).
     """
 
     __slots__ = (
@@ -172,6 +175,7 @@ class Exchange:
         "keep_for_resend",
         "meta",
         "method",
+        "on_release",
         "outbound_digest",
         "outbound_size",
         "outcome",
@@ -199,6 +203,7 @@ class Exchange:
         path: str,
         query: str = "",
         keep_for_resend: bool = False,
+        on_release: Callable[[int], object] | None = None,
     ) -> None:
         self.id: Final = f"ex-{next(_ids)}"
         self.protocol: Final = protocol
@@ -206,6 +211,7 @@ class Exchange:
         self.path: Final = path
         self.query: Final = query
         self.keep_for_resend = keep_for_resend
+        self.on_release = on_release
         self.phase = Phase.READING
         self.started: Final = time.monotonic()
         self.started_wall: Final = time.time()
@@ -335,8 +341,10 @@ class Exchange:
         not raw + parsed + outbound (the parsed object stays for refolds).
         """
         assert self._parsed is not None
+        before = self._held_total()
         self._drop_raw()
         self._outbound = None
+        self._freed(before)
         data = wire.encode_body(self._parsed.body)
         self._outbound = BodyHolder(data)
         self.outbound_size = len(data)
@@ -398,27 +406,42 @@ class Exchange:
         drops it. Its digest and size stay as scalars either way. ``releases``
         is 1 once the drop has run, and never more.
         """
+        before = self._held_total()
         if not (self.keep_for_resend or keep_outbound):
             self._outbound = None
-        if self.releases:
-            return
-        self.releases = 1
-        self._preparer = None
-        self._parsed = None
-        self._drop_raw()
+        if not self.releases:
+            self.releases = 1
+            self._preparer = None
+            self._parsed = None
+            self._drop_raw()
+        self._freed(before)
 
     def drop_outbound(self) -> None:
         """No resend can follow any more: let the outbound body go."""
+        before = self._held_total()
         self.keep_for_resend = False
         self._outbound = None
         self._drop_raw()
+        self._freed(before)
 
     def close(self) -> None:
         """Final cleanup in the handler's ``finally``: nothing is held afterwards."""
         self.keep_for_resend = False
         self.release()
+        before = self._held_total()
         self._outbound = None
+        self._freed(before)
         self.phase = Phase.CLOSED
+
+    def _held_total(self) -> int:
+        return self.held_bytes().total if self.on_release is not None else 0
+
+    def _freed(self, before: int) -> None:
+        """Tell ``on_release`` how many bytes the last drop let go (if any)."""
+        if self.on_release is not None:
+            freed = before - self.held_bytes().total
+            if freed > 0:
+                self.on_release(freed)
 
     def held_bytes(self) -> HeldBytes:
         """What this exchange holds now, by kind (the raw buffer counts once even

@@ -51,6 +51,10 @@ HEAD_HOLD_CAP: Final = 4 << 20
 PARTIAL_EVENT_CAP: Final = 1 << 20
 #: Bytes of a non-streaming JSON answer kept to read its usage.
 USAGE_JSON_CAP: Final = 1 << 20
+#: Seconds to wait for the upstream's end of body once the final SSE event was relayed.
+#: A healthy upstream ends it within a round trip (the connection then stays pooled);
+#: one that keeps it open must not keep the client's complete answer from ending.
+TERMINAL_EOF_GRACE: Final = 0.5
 
 # RFC 9110 section 7.6.1 plus the de-facto ones; never forwarded in either direction.
 HOP_BY_HOP: Final = frozenset(
@@ -366,7 +370,11 @@ class _Relay:
             return "done"
         is_sse = resp.content_type == "text/event-stream"
         defer_accept = is_sse and ex.protocol is Protocol.RESPONSES and self._can_refold()
-        gated = is_sse and (defer_accept or ex.retries < self.max_retries)
+        # Only the exchange protocols have a known stream grammar (output, final event);
+        # a passthrough stream (e.g. a stored response replayed) is relayed as it comes.
+        gated = (
+            is_sse and ex.protocol.is_exchange and (defer_accept or ex.retries < self.max_retries)
+        )
         if not defer_accept:
             ex.accept()
         if is_sse:
@@ -417,8 +425,11 @@ class _Relay:
         tail += chunk
         ready = len(tail) - pending
         if ready > 0:
+            # The unfinished event moves to a fresh buffer rather than cutting the sent
+            # bytes out of this one: a failed send keeps the view alive (in the error's
+            # traceback), and a bytearray with a live view cannot be resized.
+            self.tail = tail[ready:]
             await self._write(memoryview(tail)[:ready])
-            del tail[:ready]
 
     async def _pump(self, resp: aiohttp.ClientResponse, *, gated: bool) -> str:
         """Relay the body; while ``gated``, hold the head back (refold/resend possible)."""
@@ -427,6 +438,9 @@ class _Relay:
         held = bytearray()
         json_head = bytearray() if framer is None else None
         saw_output = saw_terminal = overflow = False
+        # The client's SDK stops at the final event of a known stream: stop there too, so
+        # an upstream that holds the body open or cuts it afterwards cannot spoil the answer.
+        ends_at_terminal = ex.protocol.is_exchange
         try:
             async for chunk in resp.content.iter_any():
                 if framer is not None:
@@ -449,6 +463,8 @@ class _Relay:
                         json_head = None
                 if not gated:
                     await self._forward(chunk)
+                    if saw_terminal and ends_at_terminal:
+                        break
                     continue
                 held += chunk
                 if (
@@ -464,6 +480,8 @@ class _Relay:
                     gated = False
                     await self._open_gate(resp, held)
                     held = bytearray()
+                if saw_terminal and ends_at_terminal:
+                    break
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
             if gated:
                 await self._open_gate(resp, held)
@@ -474,6 +492,8 @@ class _Relay:
                 log.info("%s: empty completion; resending (retry %d)", ex.id, ex.retries + 1)
                 return "retry"
             await self._open_gate(resp, held)
+        if saw_terminal and not resp.content.at_eof():
+            await self._after_terminal(resp)
         if framer is not None:
             for event in framer.close():
                 # A final event ended by a lone CR only completes at EOF.
@@ -483,13 +503,35 @@ class _Relay:
             if self.tail:
                 await self._write(self.tail)
                 self.tail.clear()
-            if not saw_terminal and resp.status < 400:
+            if not saw_terminal and resp.status < 400 and ex.protocol.is_exchange:
                 await self._fail_stream("upstream stream ended without its final event")
                 return "done"
         elif json_head is not None:
             self.usage.feed_json(bytes(json_head))
         ex.usage = (self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens)
         return "done"
+
+    async def _after_terminal(self, resp: aiohttp.ClientResponse) -> None:
+        """Relay what follows the final event until the upstream's end of body.
+
+        Waits at most :data:`TERMINAL_EOF_GRACE` seconds; a silence or a cut there
+        is not a failure of the answer, which is complete. The upstream connection
+        is closed (not pooled) when the body did not end.
+        """
+        framer = self.framer
+        try:
+            async with asyncio.timeout(TERMINAL_EOF_GRACE):
+                while chunk := await resp.content.readany():
+                    if framer is not None:
+                        for event in framer.feed(chunk):
+                            self.usage.feed_event(event)
+                    await self._forward(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            log.info(
+                "%s: upstream did not end its body after the final event (%s); closed it",
+                self.ex.id,
+                type(exc).__name__,
+            )
 
     async def _open_gate(self, resp: aiohttp.ClientResponse, held: bytearray) -> None:
         """No refold or resend any more: release, send headers and the held head."""
@@ -500,13 +542,25 @@ class _Relay:
             await self._forward(bytes(held))
 
     async def _fail_stream(self, message: str, *, outcome: str = "stream_error") -> None:
-        """End a broken stream with the protocol's in-band error event."""
+        """End a broken stream with the protocol's in-band error event.
+
+        A body that is not an event stream cannot carry one: its connection is
+        closed instead, so the client sees a truncated body, never a spliced one.
+        """
         ex = self.ex
         ex.outcome, ex.error = outcome, message
         ex.usage = (self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens)
         log.warning("%s %s: %s", ex.id, ex.protocol, message)
         framer = self.framer
-        if framer is not None and framer.mid_event and not self.tail:
+        if framer is None:
+            # Not an event stream (a JSON body, a file): an event appended to it would
+            # corrupt it. Cut the connection instead; the client sees a truncated body,
+            # which SDKs treat as a connection error (and retry).
+            transport = self.request.transport
+            if transport is not None:
+                transport.close()
+            return
+        if framer.mid_event and not self.tail:
             # Part of the event already went out: end it so the error parses on its own.
             await self._write(b"\n\n")
         self.tail.clear()

@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
+from ._alloc import Allocator
 from .config import Settings
 from .exchange import Exchange
 from .metrics import Metrics
@@ -36,6 +37,7 @@ class AppState:
     """
 
     __slots__ = (
+        "allocator",
         "background",
         "draining",
         "exchanges",
@@ -70,6 +72,8 @@ class AppState:
         self.background: set[asyncio.Task[None]] = set()
         self.draining = False
         self.stop = asyncio.Event()
+        #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
+        self.allocator: Final = Allocator.for_process()
         self.metrics: Final = Metrics(self)  # last: it reads the state when registering
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -105,6 +109,7 @@ class AppState:
             for exc in group.exceptions:
                 log.error("closing a session failed at shutdown: %s", exc)
         await self.host.shutdown()
+        self.allocator.close()
 
 
 STATE: Final = web.AppKey("context_proxy_state", AppState)
