@@ -56,8 +56,8 @@ class _NoRequestBytes(logging.Filter):
     aiohttp logs such a request with the parser's exception, whose text quotes
     the offending bytes: the rest of a body sent past a too-small
     ``Content-Length``, or a malformed header line with its value (an API key).
-    The record keeps the peer and the error class, never the bytes, and is a
-    warning: the client sent garbage, the server did not fail.
+    The record keeps the peer and the error class, never the bytes, and is at
+    most a warning: the client sent garbage, the server did not fail.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -66,7 +66,8 @@ class _NoRequestBytes(logging.Filter):
             record.msg = f"{record.getMessage()}: malformed request ({type(exc).__name__})"
             record.args = ()
             record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            if record.levelno > logging.WARNING:
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
 
 

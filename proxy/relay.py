@@ -446,7 +446,9 @@ class _Relay:
                 if framer is not None:
                     for event in framer.feed(chunk):
                         self.usage.feed_event(event)
-                        if protocols.is_output_event(ex.protocol, event):
+                        # Only the first output event matters (gate, resend); skipping the
+                        # check afterwards saves a JSON decode per chat chunk.
+                        if not saw_output and protocols.is_output_event(ex.protocol, event):
                             saw_output = True
                         elif protocols.is_terminal_event(ex.protocol, event):
                             saw_terminal = True
