@@ -180,6 +180,25 @@ async def _commit(state: AppState, record: ExchangeRecord) -> None:
         )
 
 
+_BUSY: Final = "too many request bodies are being read at once; retry later"
+
+
+def _over_reading_budget(state: AppState, declared: int) -> bool:
+    """Whether admitting ``declared`` more body bytes would pass ``max_reading_bytes``.
+
+    One body is always admitted (the limit per body is ``max_body_bytes``).
+    """
+    reading = state.reading_bytes
+    return reading > 0 and reading + declared > state.settings.max_reading_bytes
+
+
+def _busy(ex: Exchange, state: AppState) -> web.Response:
+    ex.status, ex.outcome, ex.error = 503, "rejected", "busy"
+    resp = _reject(ex.protocol, 503, _BUSY, state, code="busy")
+    resp.force_close()  # the body was never read
+    return resp
+
+
 async def _run_exchange(
     request: web.Request,
     state: AppState,
@@ -194,14 +213,23 @@ async def _run_exchange(
         codings = request.headers.getall("Content-Encoding", [])
         encoding = ", ".join(codings) if codings else None
         check_content_length(request.content_length, encoding, settings.max_body_bytes)
-        result = await read_body(
-            request.content,
-            content_length=request.content_length,
-            content_encoding=encoding,
-            limit=settings.max_body_bytes,
-            idle_timeout=settings.body_idle_timeout,
-            chunk_bytes=settings.body_chunk_bytes,
-        )
+        declared = request.content_length or 0
+        if _over_reading_budget(state, declared):
+            return _busy(ex, state)
+        state.reading_bytes += declared
+        ex.reading_bytes = declared
+        try:
+            result = await read_body(
+                request.content,
+                content_length=request.content_length,
+                content_encoding=encoding,
+                limit=settings.max_body_bytes,
+                idle_timeout=settings.body_idle_timeout,
+                chunk_bytes=settings.body_chunk_bytes,
+            )
+        finally:
+            state.reading_bytes -= declared
+            ex.reading_bytes = 0
         try:
             meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
         except wire.WireError:
@@ -298,6 +326,9 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
             )
         except BodyError as exc:
             refusal = _reject(route.protocol, exc.status, exc.message, state, code=exc.kind)
+        else:
+            if _over_reading_budget(state, request.content_length or 0):
+                refusal = _reject(route.protocol, 503, _BUSY, state, code="busy")
     if refusal is not None:
         refusal.force_close()  # the body was never read
         return refusal

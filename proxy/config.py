@@ -46,6 +46,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_body_bytes: _Bytes = 100 * MiB
     body_idle_timeout: _Seconds = 30.0
     body_chunk_bytes: Annotated[int, msgspec.Meta(ge=4096, le=16 * MiB)] = 256 * 1024
+    # Admission: declared body bytes being read at once (a body's buffer is sized
+    # from its Content-Length on its first byte, so a slow or stalled upload can
+    # pin its whole declared size); over it → 503 with Retry-After.
+    max_reading_bytes: _Bytes = 1024 * MiB
 
     # Upstream: no total timeout, it would cut a long stream.
     upstream_connect_timeout: _Seconds = 10.0

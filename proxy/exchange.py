@@ -183,6 +183,7 @@ class Exchange:
         "phase",
         "protocol",
         "query",
+        "reading_bytes",
         "refolds",
         "releases",
         "response_bytes",
@@ -212,6 +213,9 @@ class Exchange:
         self.query: Final = query
         self.keep_for_resend = keep_for_resend
         self.on_release = on_release
+        #: While reading: the body bytes admitted for this request (its declared
+        #: length), counted as ``raw`` by :meth:`held_bytes` until the body arrives.
+        self.reading_bytes = 0
         self.phase = Phase.READING
         self.started: Final = time.monotonic()
         self.started_wall: Final = time.time()
@@ -446,7 +450,7 @@ class Exchange:
     def held_bytes(self) -> HeldBytes:
         """What this exchange holds now, by kind (the raw buffer counts once even
         when it is also the outbound body)."""
-        raw = len(self._raw) if self._raw is not None else 0
+        raw = len(self._raw) if self._raw is not None else self.reading_bytes
         parsed = self._parsed.estimate if self._parsed is not None else 0
         out = self._outbound
         outbound = len(out) if out is not None and out is not self._raw else 0

@@ -44,6 +44,7 @@ class AppState:
         "handlers",
         "host",
         "metrics",
+        "reading_bytes",
         "registry",
         "settings",
         "stop",
@@ -71,6 +72,8 @@ class AppState:
         self.handlers: set[asyncio.Task[object]] = set()
         self.background: set[asyncio.Task[None]] = set()
         self.draining = False
+        #: Declared Content-Length of the bodies being read right now, bytes.
+        self.reading_bytes = 0
         self.stop = asyncio.Event()
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
