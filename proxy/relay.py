@@ -160,23 +160,23 @@ def _connection_listed(headers: CIMultiDictProxy[str]) -> frozenset[str]:
     )
 
 
-def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    """End-to-end request headers for the upstream (hop-by-hop and framing dropped)."""
-    drop = _REQUEST_DROP | _connection_listed(headers)
+def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """``headers`` without ``drop`` and without the fields ``Connection`` names."""
+    dropped = drop | _connection_listed(headers)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
-        if name.lower() not in drop:
+        if name.lower() not in dropped:
             out.add(name, value)
     return out
+
+
+def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
+    """End-to-end request headers for the upstream (hop-by-hop and framing dropped)."""
+    return _end_to_end(headers, _REQUEST_DROP)
 
 
 def _response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    drop = _RESPONSE_DROP | _connection_listed(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in drop:
-            out.add(name, value)
-    return out
+    return _end_to_end(headers, _RESPONSE_DROP)
 
 
 def error_response(
