@@ -21,6 +21,7 @@ from typing import Final
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
 
 from . import protocols, wire
 from .admin import add_admin_routes
@@ -339,6 +340,24 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The router's own 404/405 as JSON too (OpenAI shape; Anthropic under /v1/messages)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405):
+            raise
+        protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+        allow = exc.headers.get("Allow")
+        return error_response(
+            protocol,
+            exc.status,
+            f"{exc.reason}: {request.method} {request.path}",
+            headers={"Allow": allow} if allow else None,
+        )
+
+
 async def handle_root(request: web.Request) -> web.Response:
     """``HEAD /`` and ``GET /``: answer at once (Claude Code preconnects with HEAD)."""
     return web.Response(text="context-proxy\n")
@@ -381,6 +400,7 @@ def build_app(
 
     add_admin_routes(app)
     # add_get also answers HEAD (add_route("GET") would not).
+    app.middlewares.append(_json_errors)
     app.router.add_get("/", handle_root)
     app.router.add_route("*", "/v1/{tail:.*}", handle_exchange, expect_handler=_expect_continue)
     app.on_startup.append(_on_startup)
@@ -437,6 +457,8 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)
     async with running(app, settings.host, settings.port) as port:
+        plugins = ", ".join(p.name or type(p).__name__ for p in state.host.plugins)
+        log.info("plugins enabled: %s", plugins or "none")
         log.info(
             "context-proxy listening on http://%s:%d (openai → %s, anthropic → %s)",
             settings.host,

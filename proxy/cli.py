@@ -120,20 +120,34 @@ def demo(port: int, once: bool) -> None:
         pass
 
 
+_BENCHMARKS = ("memory", "overhead", "concurrency")
+
+
 @main.command(
-    # --help goes to the benchmark itself (context-proxy bench memory --help).
+    # --help after the kind goes to the benchmark itself (context-proxy bench memory --help).
     context_settings={
         "ignore_unknown_options": True,
         "allow_extra_args": True,
         "help_option_names": [],
     }
 )
-@click.argument("kind", type=click.Choice(["memory", "overhead", "concurrency"]))
+@click.argument("kind", required=False)
 @click.pass_context
-def bench(ctx: click.Context, kind: str) -> None:
-    """Run a benchmark against the naive baseline proxy (extra args go to the benchmark)."""
+def bench(ctx: click.Context, kind: str | None) -> None:
+    """Run a benchmark against the naive baseline proxy: memory | overhead | concurrency.
+
+    Arguments after KIND go to the benchmark; `context-proxy bench KIND --help`
+    lists them. Needs the `bench` extra.
+    """
     import importlib
 
+    if kind not in _BENCHMARKS:
+        click.echo(ctx.get_help())
+        if kind not in (None, "--help", "-h"):
+            raise click.BadParameter(
+                f"{kind!r} is not one of {', '.join(_BENCHMARKS)}", param_hint="KIND"
+            )
+        return
     try:
         module = importlib.import_module(f"benchmarks.{kind}")
     except ImportError as exc:

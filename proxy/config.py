@@ -107,13 +107,35 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config: {path}: {exc}") from None
 
 
+_DEFAULTS = Settings()
+_BOOLEANS = {
+    "1": True,
+    "true": True,
+    "yes": True,
+    "on": True,
+    "0": False,
+    "false": False,
+    "no": False,
+    "off": False,
+}
+
+
 def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     """Settings from ``CONTEXT_PROXY_*`` variables.
 
     Values are strings; scalars are converted by msgspec (``strict=False``).
-    List settings take a comma-separated string; ``plugin`` takes JSON.
+    List settings take a comma-separated string; ``plugin`` takes JSON;
+    booleans take true/false, 1/0, yes/no or on/off.
+
+    Raises:
+        ConfigError: a ``CONTEXT_PROXY_*`` variable names no setting (a typo
+            would otherwise be ignored silently), or ``plugin`` is not JSON.
     """
     layer: dict[str, Any] = {}
+    known = {ENV_PREFIX + name.upper() for name in Settings.__struct_fields__}
+    for key in environ:
+        if key.startswith(ENV_PREFIX) and key not in known:
+            raise ConfigError(f"unknown setting: environment variable {key}")
     for name in Settings.__struct_fields__:
         raw = environ.get(ENV_PREFIX + name.upper())
         if raw is None:
@@ -127,6 +149,8 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
             layer[name] = [item.strip() for item in raw.split(",") if item.strip()]
         elif name == "admin_token" and raw == "":
             layer[name] = None
+        elif isinstance(getattr(_DEFAULTS, name), bool):
+            layer[name] = _BOOLEANS.get(raw.strip().lower(), raw)
         else:
             layer[name] = raw
     return layer

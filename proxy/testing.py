@@ -17,6 +17,9 @@ and stops the emulator, so assertions after it see the final state. Inside
 it, :meth:`Harness.settle` waits for the commits of answers already received.
 The pytest fixture ``context_proxy`` (:mod:`proxy.pytest_plugin`) wraps this.
 
+``make_record`` builds the :class:`~proxy.plugins.ExchangeRecord` a ``commit``
+hook receives, for unit tests that call the hooks directly, without a proxy.
+
 ``proxy_process`` runs ``context-proxy serve`` as a child process instead, for
 what only a process shows: start-up errors, SIGTERM, state kept across a restart.
 """
@@ -40,9 +43,17 @@ from aiohttp import web
 from .app import STATE, AppState, build_app, running
 from .config import Settings, load_settings
 from .emulator import EmulatorServer, start_emulator
-from .plugins import Plugin, PluginHost, load_plugins
+from .plugins import ExchangeRecord, Plugin, PluginHost, Scalar, load_plugins
+from .protocols import Protocol
 
-__all__ = ["Harness", "ProxyProcess", "ProxyStartError", "proxy_process", "proxy_with_emulator"]
+__all__ = [
+    "Harness",
+    "ProxyProcess",
+    "ProxyStartError",
+    "make_record",
+    "proxy_process",
+    "proxy_with_emulator",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -388,3 +399,54 @@ async def proxy_process(
         if proc.returncode is None:
             await child.stop()
         await reader
+
+
+# -- records for unit tests of commit hooks ------------------------------------------------
+
+
+def make_record(**overrides: Scalar) -> ExchangeRecord:
+    """A valid :class:`~proxy.plugins.ExchangeRecord`: plausible defaults, any field overridable.
+
+    For plugin authors' unit tests that feed ``commit`` hooks directly: each test
+    names only the fields that matter to it, e.g. ``make_record(model="m2",
+    session_id="s2")``. The defaults describe a finished, streamed OpenAI chat
+    exchange ``x1`` of session ``s1``: protocol ``openai-chat`` on
+    ``/v1/chat/completions``, model ``gpt-test``, status 200, outcome ``ok``, a
+    comparable history of 3 messages with wire digest ``"a" * 32``, 1000 bytes
+    sent upstream unchanged, 500 bytes answered, 250 input and 40 output tokens,
+    no cache reads, fold level 0 with no refolds or retries, started at Unix time
+    1_700_000_000.0, first byte after 0.2 s, done after 1.5 s, no error.
+
+    Raises:
+        TypeError: an override names a field the record does not have, or its
+            value is not a scalar (see :class:`~proxy.plugins.ExchangeRecord`).
+    """
+    fields: dict[str, Any] = {
+        "exchange_id": "x1",
+        "session_id": "s1",
+        "protocol": Protocol.CHAT.value,
+        "path": "/v1/chat/completions",
+        "model": "gpt-test",
+        "stream": True,
+        "wire_digest": "a" * 32,
+        "comparable": True,
+        "message_count": 3,
+        "request_bytes": 1000,
+        "outbound_bytes": 1000,
+        "outbound_digest": None,
+        "status": 200,
+        "outcome": "ok",
+        "fold_level": 0,
+        "refolds": 0,
+        "retries": 0,
+        "input_tokens": 250,
+        "output_tokens": 40,
+        "cache_read_tokens": None,
+        "response_bytes": 500,
+        "started_at": 1_700_000_000.0,
+        "ttfb_s": 0.2,
+        "duration_s": 1.5,
+        "error": None,
+    }
+    fields.update(overrides)
+    return ExchangeRecord(**fields)

@@ -1,0 +1,85 @@
+"""Settings layers and the command line, as a user meets them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import pytest
+from click.testing import CliRunner
+
+from proxy.cli import main
+from proxy.config import ConfigError, load_settings
+from proxy.testing import proxy_with_emulator
+
+
+def test_layers_apply_in_order_defaults_toml_env_flags(tmp_path: Path) -> None:
+    config = tmp_path / "proxy.toml"
+    config.write_text('port = 9001\nmax_refolds = 3\nplugins = ["fold", "ledger"]\n')
+    env = {"CONTEXT_PROXY_MAX_REFOLDS": "4", "CONTEXT_PROXY_PLUGINS": "ledger"}
+    settings = load_settings(config, environ=env, overrides={"plugins": ["usage"], "host": None})
+    assert settings.port == 9001  # TOML over the default
+    assert settings.max_refolds == 4  # environment over TOML
+    assert settings.plugins == ["usage"]  # flags over everything
+    assert settings.host == "127.0.0.1"  # an unset flag leaves the lower layers alone
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [("true", True), ("1", True), ("yes", True), ("ON", True), ("false", False), ("0", False)],
+)
+def test_environment_booleans_read_as_people_write_them(raw: str, expected: bool) -> None:
+    settings = load_settings(environ={"CONTEXT_PROXY_REQUIRE_SESSION": raw})
+    assert settings.require_session is expected
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"CONTEXT_PROXY_PROT": "1"}, "unknown setting: environment variable CONTEXT_PROXY_PROT"),
+        ({"CONTEXT_PROXY_REQUIRE_SESSION": "maybe"}, "require_session: Expected `bool`"),
+        ({"CONTEXT_PROXY_PORT": "99999"}, "port: Expected `int` <= 65535"),
+        ({"CONTEXT_PROXY_PLUGIN": "{not json"}, "plugin (env CONTEXT_PROXY_PLUGIN)"),
+    ],
+)
+def test_a_bad_environment_variable_is_one_line_naming_it(
+    environ: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(environ=environ)
+    text = str(info.value)
+    assert text.startswith(message)
+    assert "\n" not in text
+
+
+def test_unknown_toml_key_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "proxy.toml"
+    config.write_text("prot = 1\n")
+    result = CliRunner().invoke(main, ["plugins", "--config", str(config)], env={})
+    assert result.exit_code == 1
+    assert result.output.strip() == "Error: bad setting: unknown setting: prot"
+
+
+def test_bench_help_lists_the_benchmarks_and_rejects_unknown_ones() -> None:
+    runner = CliRunner()
+    shown = runner.invoke(main, ["bench", "--help"])
+    assert shown.exit_code == 0
+    assert "memory | overhead | concurrency" in " ".join(shown.output.split())  # click wraps
+    wrong = runner.invoke(main, ["bench", "speed"])
+    assert wrong.exit_code == 2
+    assert "'speed' is not one of memory, overhead, concurrency" in wrong.output
+
+
+async def test_the_proxys_own_404_and_405_are_json() -> None:
+    async with proxy_with_emulator() as h, aiohttp.ClientSession() as session:
+        async with session.get(f"{h.url}/nowhere") as resp:
+            assert resp.status == 404
+            assert resp.content_type == "application/json"
+            error = (await resp.json())["error"]
+            assert error["type"] == "not_found_error"
+            assert "/nowhere" in error["message"]
+        async with session.post(f"{h.url}/healthz") as resp:
+            assert resp.status == 405
+            assert resp.content_type == "application/json"
+            assert set(resp.headers["Allow"].split(",")) == {"GET", "HEAD"}
+        assert h.emulator.stats == []
