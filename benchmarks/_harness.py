@@ -14,6 +14,7 @@ process per case makes ``VmHWM`` the peak of that case.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -21,6 +22,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -28,13 +30,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import aiohttp
 import psutil  # type: ignore[import-untyped]  # no stubs; types-psutil is not a dependency
 
+from ._report import Reporter
 from ._workload import BenchProtocol
 
 __all__ = [
@@ -49,9 +52,11 @@ __all__ = [
     "free_port",
     "held_metrics",
     "median_rss",
+    "open_client_and_emulator",
     "raise_nofile_limit",
     "read_vm_hwm",
     "reset_vm_hwm",
+    "run_collect",
     "start_emulator",
     "start_naive",
     "start_proxy",
@@ -64,6 +69,8 @@ _START_TIMEOUT: Final = 30.0
 #: Seconds a server gets to exit after SIGTERM before it is killed.
 _STOP_TIMEOUT: Final = 10.0
 _ENV_PREFIX: Final = "CONTEXT_PROXY_"
+
+_T = TypeVar("_T")
 
 
 class ServiceError(RuntimeError):
@@ -566,3 +573,52 @@ async def wait_proxy_idle(
             if not await admin_exchanges(session, url):
                 return
             await asyncio.sleep(0.01)
+
+
+# --------------------------------------------------------------------------- a whole run
+
+
+@contextlib.asynccontextmanager
+async def open_client_and_emulator(
+    log_dir: Path,
+) -> AsyncIterator[tuple[aiohttp.ClientSession, Service]]:
+    """A client session and a ready emulator process (its log in ``log_dir``) for one run.
+
+    The session's connection pool is unbounded (500 held streams need 500
+    connections) and only connecting is timed (10 s): a large request may take
+    minutes, and each benchmark bounds its own requests. Leaving the block stops
+    the emulator, then closes the session.
+
+    Raises:
+        ServiceError: the emulator did not start.
+    """
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        emulator = start_emulator(log_dir)
+        async with emulator:
+            await emulator.wait_ready(session)
+            yield session, emulator
+
+
+def run_collect(
+    collect: Callable[[argparse.Namespace, Reporter, Path], Coroutine[Any, Any, _T]],
+    args: argparse.Namespace,
+    reporter: Reporter,
+    log_dir: Path,
+) -> _T | None:
+    """Run ``collect(args, reporter, log_dir)`` in a new event loop; its result, or ``None``.
+
+    ``log_dir`` (the servers' log files) is emptied first, so the logs left
+    behind are this run's. ``None`` means a server failed or a wait timed out
+    (``RuntimeError``, which includes :class:`ServiceError`, ``OSError`` or
+    ``TimeoutError``); the reason has been printed through ``reporter`` and the
+    benchmark's exit status is 1.
+    """
+    if log_dir.exists():
+        shutil.rmtree(log_dir)
+    try:
+        return asyncio.run(collect(args, reporter, log_dir))
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
+        return None

@@ -14,16 +14,14 @@ Outputs in ``--out``: ``concurrency.json``, ``concurrency.md``, ``concurrency.pn
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from . import _report as rpt
-from ._harness import raise_nofile_limit
+from ._harness import raise_nofile_limit, run_collect
 from ._workload import BenchProtocol, Corpus, MiB, build_body
 from .memory import (
     VARIANTS,
@@ -125,14 +123,10 @@ def main(argv: list[str]) -> int:
     raise_nofile_limit()
     reporter = rpt.Reporter(quiet=args.quiet)
     out: Path = args.out
-    log_dir = out / "logs" / "concurrency"
-    if log_dir.exists():
-        shutil.rmtree(log_dir)
-    try:
-        case, wall, started = asyncio.run(_collect(args, reporter, log_dir))
-    except (RuntimeError, OSError, TimeoutError) as exc:
-        reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
+    collected = run_collect(_collect, args, reporter, out / "logs" / "concurrency")
+    if collected is None:
         return 1
+    case, wall, started = collected
     variants = [VARIANTS[name] for name in args.variants]
     tables = build_tables(
         [case],

@@ -58,10 +58,11 @@ from ._harness import (
     admin_exchanges,
     held_metrics,
     median_rss,
+    open_client_and_emulator,
     raise_nofile_limit,
     read_vm_hwm,
     reset_vm_hwm,
-    start_emulator,
+    run_collect,
     start_naive,
     start_proxy,
     wait_proxy_idle,
@@ -264,22 +265,17 @@ async def open_bench(
     ``max_body`` (bytes) becomes this proxy's ``max_body_bytes``. The client
     pool is unbounded (500 held streams need 500 connections).
     """
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        emulator = start_emulator(log_dir)
-        async with emulator:
-            await emulator.wait_ready(session)
-            yield Bench(
-                session=session,
-                emulator=emulator,
-                control=EmulatorControl(session, emulator.url),
-                log_dir=log_dir,
-                interval=args.interval,
-                proxy_env=dict(args.proxy_env),
-                proxy_module=args.proxy_module,
-                max_body=max_body,
-            )
+    async with open_client_and_emulator(log_dir) as (session, emulator):
+        yield Bench(
+            session=session,
+            emulator=emulator,
+            control=EmulatorControl(session, emulator.url),
+            log_dir=log_dir,
+            interval=args.interval,
+            proxy_env=dict(args.proxy_env),
+            proxy_module=args.proxy_module,
+            max_body=max_body,
+        )
 
 
 def _script(protocol: BenchProtocol, key: str, hold: str) -> str:
@@ -1029,13 +1025,8 @@ def main(argv: list[str]) -> int:
         build_parser().error("--repeats must be >= 1")
     raise_nofile_limit()
     reporter = rpt.Reporter(quiet=args.quiet)
-    log_dir = args.out / "logs" / "memory"
-    if log_dir.exists():
-        shutil.rmtree(log_dir)
-    try:
-        results = asyncio.run(collect(args, reporter, log_dir))
-    except (RuntimeError, OSError, TimeoutError) as exc:
-        reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
+    results = run_collect(collect, args, reporter, args.out / "logs" / "memory")
+    if results is None:
         return 1
     write_outputs(args, results, reporter)
     return 0

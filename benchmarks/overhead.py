@@ -26,7 +26,6 @@ import asyncio
 import dataclasses
 import datetime
 import math
-import shutil
 import statistics
 import sys
 import time
@@ -43,8 +42,9 @@ from ._harness import (
     Service,
     StreamCall,
     median_rss,
+    open_client_and_emulator,
     raise_nofile_limit,
-    start_emulator,
+    run_collect,
     start_naive,
     start_proxy,
 )
@@ -250,42 +250,35 @@ async def _collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Pa
     started_wall = datetime.datetime.now(datetime.UTC)
     protocol = BenchProtocol(args.protocol)
     body = build_body(protocol, _SMALL_BYTES, Corpus.load())
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        emulator = start_emulator(log_dir)
-        async with emulator:
-            await emulator.wait_ready(session)
-            control = EmulatorControl(session, emulator.url)
-            with reporter.progress(1 + len(_TARGETS) + 2, "overhead") as steps:
-                ours = start_proxy(emulator.url, log_dir, name="proxy-latency")
-                naive = start_naive(emulator.url, log_dir, name="naive-latency")
-                async with ours, naive:
-                    await ours.wait_ready(session)
-                    await naive.wait_ready(session)
-                    urls = {"direct": emulator.url, "ours": ours.url, "naive": naive.url}
-                    sequential = await _sequential(
-                        session, urls, protocol, body, args.requests, steps
+    async with open_client_and_emulator(log_dir) as (session, emulator):
+        control = EmulatorControl(session, emulator.url)
+        with reporter.progress(1 + len(_TARGETS) + 2, "overhead") as steps:
+            ours = start_proxy(emulator.url, log_dir, name="proxy-latency")
+            naive = start_naive(emulator.url, log_dir, name="naive-latency")
+            async with ours, naive:
+                await ours.wait_ready(session)
+                await naive.wait_ready(session)
+                urls = {"direct": emulator.url, "ours": ours.url, "naive": naive.url}
+                sequential = await _sequential(session, urls, protocol, body, args.requests, steps)
+                concurrent = await _concurrent(
+                    session,
+                    urls,
+                    protocol,
+                    body,
+                    args.concurrent_requests,
+                    args.concurrency,
+                    steps,
+                )
+            streams = []
+            for name, start in (("ours", start_proxy), ("naive", start_naive)):
+                steps.describe(f"{args.streams} idle streams: {name}")
+                await control.reset()
+                svc = start(emulator.url, log_dir, name=f"{name}-streams")
+                async with svc:
+                    streams.append(
+                        await _idle_streams(session, svc, control, protocol, body, args.streams)
                     )
-                    concurrent = await _concurrent(
-                        session,
-                        urls,
-                        protocol,
-                        body,
-                        args.concurrent_requests,
-                        args.concurrency,
-                        steps,
-                    )
-                streams = []
-                for name, start in (("ours", start_proxy), ("naive", start_naive)):
-                    steps.describe(f"{args.streams} idle streams: {name}")
-                    await control.reset()
-                    svc = start(emulator.url, log_dir, name=f"{name}-streams")
-                    async with svc:
-                        streams.append(
-                            await _idle_streams(session, svc, control, protocol, body, args.streams)
-                        )
-                    steps.advance()
+                steps.advance()
     return Results(sequential, concurrent, streams, time.monotonic() - started, started_wall)
 
 
@@ -406,13 +399,8 @@ def main(argv: list[str]) -> int:
         )
     reporter = rpt.Reporter(quiet=args.quiet)
     out: Path = args.out
-    log_dir = out / "logs" / "overhead"
-    if log_dir.exists():
-        shutil.rmtree(log_dir)
-    try:
-        results = asyncio.run(_collect(args, reporter, log_dir))
-    except (RuntimeError, OSError, TimeoutError) as exc:
-        reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
+    results = run_collect(_collect, args, reporter, out / "logs" / "overhead")
+    if results is None:
         return 1
     tables = [_latency_table(results, args), _streams_table(results)]
     for table in tables:

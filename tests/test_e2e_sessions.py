@@ -5,7 +5,7 @@ process (``proxy.testing.proxy_with_emulator``) and talks plain HTTP to the
 proxy with aiohttp. Ordering uses asyncio events set by test plugins and the
 emulator's own wait helpers (``hold=KEY`` keeps an upstream stream open until
 the test releases it). Tombstone expiry uses an injected clock, never a sleep.
-SSE is parsed by a minimal reader here, not by the proxy's framer.
+SSE is parsed by the minimal reader of ``test_e2e_support``, not by the proxy's framer.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import re
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -29,6 +28,7 @@ from proxy.plugins import ExchangeRecord, PrepareContext
 from proxy.sessions import bearer_session_id
 from proxy.testing import proxy_with_emulator
 from proxy.wire import WireMetadata
+from tests.test_e2e_support import Event, request_body, sse_events, streamed_text, wait_until
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
@@ -39,7 +39,6 @@ BOUND_S = 5.0
 SHUTDOWN_TIMEOUT_S = 0.5
 TOMBSTONE_TTL_S = 60.0
 
-Event = tuple[str | None, str]
 T = TypeVar("T")
 
 
@@ -57,61 +56,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
-
-
-def body_for(path: str, model: str, **extra: Any) -> dict[str, Any]:
-    """A minimal streaming request body for ``path``."""
-    body: dict[str, Any]
-    if path == RESPONSES:
-        body = {"model": model, "input": "hi", "stream": True}
-    elif path == MESSAGES:
-        body = {
-            "model": model,
-            "max_tokens": 16,
-            "messages": [{"role": "user", "content": "hi"}],
-            "stream": True,
-        }
-    else:
-        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    body.update(extra)
-    return body
-
-
-def sse_events(raw: bytes) -> list[Event]:
-    """Minimal SSE reader (WHATWG rules for event/data/comments/blank lines)."""
-    events: list[Event] = []
-    name: str | None = None
-    data: list[str] = []
-    for line in re.split(r"\r\n|\n|\r", raw.decode()):
-        if line == "":
-            if data:
-                events.append((name, "\n".join(data)))
-            name, data = None, []
-        elif not line.startswith(":"):
-            key, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if key == "event":
-                name = value
-            elif key == "data":
-                data.append(value)
-    return events
-
-
-def streamed_text(path: str, events: list[Event]) -> str:
-    """The answer text a client reassembles from the deltas of ``events``."""
-    out: list[str] = []
-    for _, data in events:
-        if data == "[DONE]":
-            continue
-        obj = json.loads(data)
-        if path == CHAT:
-            for choice in obj.get("choices", ()):
-                out.append(choice["delta"].get("content") or "")
-        elif path == RESPONSES and obj.get("type") == "response.output_text.delta":
-            out.append(obj["delta"])
-        elif path == MESSAGES and obj.get("type") == "content_block_delta":
-            out.append(obj["delta"]["text"])
-    return "".join(out)
 
 
 def ends_cleanly(path: str, events: list[Event]) -> bool:
@@ -161,18 +105,6 @@ async def call(
             if first_event is not None and line in (b"\n", b"\r\n"):
                 first_event.set()
         return Streamed(resp.status, resp.headers, bytes(raw))
-
-
-async def until(predicate: Callable[[], bool], what: str) -> None:
-    """Wait (bounded: BOUND_S) for proxy state that no event reports, checking every 5 ms."""
-    deadline = time.monotonic() + BOUND_S
-    for _ in range(int(BOUND_S / 0.005) + 1):
-        if predicate():
-            return
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.005)
-    raise TimeoutError(f"not {what} within {BOUND_S} s")
 
 
 async def bounded(aw: Awaitable[T]) -> T:
@@ -246,12 +178,17 @@ async def test_prepares_of_one_session_are_serialized_but_not_behind_a_stream(
     async with proxy_with_emulator(plugins=[gate]) as h:
         session = {"x-session-id": "sess-lock"}
         a = asyncio.create_task(
-            call(http, h.url + CHAT, body_for(CHAT, "a"), {**session, "x-emulator": "hold=hold-a"})
+            call(
+                http,
+                h.url + CHAT,
+                request_body(CHAT, "a"),
+                {**session, "x-emulator": "hold=hold-a"},
+            )
         )
         b: asyncio.Task[Streamed] | None = None
         try:
             await bounded(gate.entered["a"].wait())
-            b = asyncio.create_task(call(http, h.url + CHAT, body_for(CHAT, "b"), session))
+            b = asyncio.create_task(call(http, h.url + CHAT, request_body(CHAT, "b"), session))
             await bounded(gate.asked["b"].wait())
             # b is at its prepare while a is inside its own: b must queue on the lock.
             assert not gate.entered["b"].is_set()
@@ -311,7 +248,7 @@ async def test_session_id_sources_in_order(http: aiohttp.ClientSession) -> None:
             ("m6", CHAT, {"Authorization": "Bearer sk-secret-token"}, {}),
         ]
         for model, path, headers, extra in cases:
-            got = await call(http, h.url + path, body_for(path, model, **extra), headers)
+            got = await call(http, h.url + path, request_body(path, model, **extra), headers)
             assert got.status == 200, (model, got.raw[:200])
     by_model = {r.model: r.session_id for r in recorder.records}
     assert by_model == {
@@ -334,9 +271,9 @@ async def test_configured_header_order_and_bearer_off_by_default(
         plugins=[recorder], session_headers=["session-id", "x-session-id"]
     ) as h:
         both = {"x-session-id": "later", "session-id": "first"}
-        assert (await call(http, h.url + CHAT, body_for(CHAT, "m1"), both)).status == 200
+        assert (await call(http, h.url + CHAT, request_body(CHAT, "m1"), both)).status == 200
         bearer = {"Authorization": "Bearer sk-not-a-session"}
-        assert (await call(http, h.url + CHAT, body_for(CHAT, "m2"), bearer)).status == 200
+        assert (await call(http, h.url + CHAT, request_body(CHAT, "m2"), bearer)).status == 200
     by_model = {r.model: r.session_id for r in recorder.records}
     assert by_model == {"m1": "first", "m2": None}
 
@@ -347,8 +284,8 @@ async def test_require_session_rejects_in_protocol_shape(
 ) -> None:
     """``require_session``: no identity is a 400 in the client's protocol shape, never forwarded."""
     async with proxy_with_emulator(plugins=[], require_session=True) as h:
-        got = await call(http, h.url + path, body_for(path, "m"))
-        ok = await call(http, h.url + path, body_for(path, "m"), {"x-session-id": "s"})
+        got = await call(http, h.url + path, request_body(path, "m"))
+        ok = await call(http, h.url + path, request_body(path, "m"), {"x-session-id": "s"})
         forwarded = len(h.emulator.stats)
     assert got.status == 400
     payload = got.json()
@@ -369,7 +306,7 @@ async def test_requests_without_identity_are_served_without_a_session(
     """No identity and no requirement: served normally, no session entry is created."""
     recorder = Recorder()
     async with proxy_with_emulator(plugins=[recorder]) as h:
-        got = await call(http, h.url + CHAT, body_for(CHAT, "m"))
+        got = await call(http, h.url + CHAT, request_body(CHAT, "m"))
         sessions = h.state.registry.session_count
     assert got.status == 200 and streamed_text(CHAT, got.events) == DEFAULT_TEXT
     assert [r.session_id for r in recorder.records] == [None]
@@ -402,7 +339,7 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
             call(
                 http,
                 h.url + CHAT,
-                body_for(CHAT, "a"),
+                request_body(CHAT, "a"),
                 {**session, "x-emulator": "hold=shut-a"},
                 first_event=started_a,
             )
@@ -411,7 +348,7 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
             call(
                 http,
                 h.url + MESSAGES,
-                body_for(MESSAGES, "b"),
+                request_body(MESSAGES, "b"),
                 {**session, "x-emulator": "hold=shut-b"},
                 first_event=started_b,
             )
@@ -424,11 +361,11 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
 
             t0 = time.monotonic()
             delete = asyncio.create_task(http.delete(f"{h.url}/admin/sessions/{sid}"))
-            await until(lambda: h.state.registry.is_tombstoned(sid), "tombstoned")
+            await wait_until(lambda: h.state.registry.is_tombstoned(sid), "tombstoned", BOUND_S)
 
             # Late requests are refused in their own protocol's shape, with Retry-After.
-            late_chat = await call(http, h.url + CHAT, body_for(CHAT, "late"), session)
-            late_msg = await call(http, h.url + MESSAGES, body_for(MESSAGES, "late"), session)
+            late_chat = await call(http, h.url + CHAT, request_body(CHAT, "late"), session)
+            late_msg = await call(http, h.url + MESSAGES, request_body(MESSAGES, "late"), session)
             assert late_chat.status == 503 and late_msg.status == 503
             for late in (late_chat, late_msg):
                 assert int(late.headers["Retry-After"]) >= 0
@@ -477,11 +414,11 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
 
         # The tombstone outlives the shutdown by its TTL, then expires.
         clock.advance(TOMBSTONE_TTL_S - 1)
-        still = await call(http, h.url + CHAT, body_for(CHAT, "late"), session)
+        still = await call(http, h.url + CHAT, request_body(CHAT, "late"), session)
         assert still.status == 503
         assert int(still.headers["Retry-After"]) >= 0
         clock.advance(2)
-        fresh = await call(http, h.url + CHAT, body_for(CHAT, "fresh"), session)
+        fresh = await call(http, h.url + CHAT, request_body(CHAT, "fresh"), session)
         assert fresh.status == 200 and streamed_text(CHAT, fresh.events) == DEFAULT_TEXT
         assert not h.state.registry.is_tombstoned(sid)
     outcomes = {r.model: r.outcome for r in recorder.records if r.model != "late"}
@@ -532,7 +469,7 @@ async def test_shutdown_session_answers_stragglers_not_yet_streaming_with_503(
             call(
                 http,
                 h.url + RESPONSES,
-                body_for(RESPONSES, "gated"),
+                request_body(RESPONSES, "gated"),
                 {**session, "x-emulator": "hold=strag; stall_after=1"},
             )
         )
@@ -540,7 +477,7 @@ async def test_shutdown_session_answers_stragglers_not_yet_streaming_with_503(
         try:
             await h.emulator.wait_holding(1)
             in_prepare = asyncio.create_task(
-                call(http, h.url + MESSAGES, body_for(MESSAGES, "stuck"), session)
+                call(http, h.url + MESSAGES, request_body(MESSAGES, "stuck"), session)
             )
             await bounded(stuck.entered.wait())
             async with asyncio.timeout(SHUTDOWN_TIMEOUT_S + BOUND_S):

@@ -1,5 +1,10 @@
 """Helpers shared by the end-to-end tests (``test_e2e_*.py``); this module holds no tests.
 
+The request-body builders and the SSE reader here serve ``test_e2e_sessions.py``,
+``test_shutdown.py`` and ``test_emulator.py`` too. The reader is independent of
+the proxy's own framer (``proxy/sse.py``) on purpose, so a test of that framer,
+or of the emulator that feeds it, never checks the code under test against itself.
+
 Everything talks to real sockets on 127.0.0.1: :class:`RawClient` is a
 hand-written HTTP/1.1 client over an asyncio stream, for the cases an HTTP
 library hides (hop-by-hop headers, a body cut off mid-way, a connection reset
@@ -26,12 +31,15 @@ __all__ = [
     "COUNT_TOKENS_PATH",
     "RESPONSES_PATH",
     "SECRET",
+    "Event",
     "LogWaiter",
     "RawClient",
     "RawResponse",
     "exact_body",
+    "request_body",
     "sse_events",
     "stream_body",
+    "streamed_text",
     "wait_until",
 ]
 
@@ -44,23 +52,49 @@ COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 #: log line means the key leaked.
 SECRET: Final = "sk-e2e-SECRET-4f9c2a7d1b8e6f305a1c9d7e2b4f6a8c"
 
+#: One SSE event as :func:`sse_events` reads it: (``event:`` name or ``None``, joined ``data:``).
+Event = tuple[str | None, str]
+
 _T = TypeVar("_T")
 
 _IO_TIMEOUT: Final = 10.0  # seconds; any single raw read/write step taking longer is a failure
 
 
-def stream_body(path: str, *, stream: bool = True, model: str = "e2e-model") -> bytes:
-    """A small valid JSON request body (bytes) for ``path`` in that protocol's shape."""
+def request_body(
+    path: str,
+    model: str = "e2e-model",
+    *,
+    stream: bool = True,
+    content: str = "hi",
+    **extra: Any,
+) -> dict[str, Any]:
+    """A small valid JSON-ready request for ``path`` in that protocol's shape.
+
+    One user turn of ``content`` (``input`` for Responses; ``messages`` with
+    ``max_tokens`` 16 for Anthropic); ``"stream": true`` when ``stream``, except
+    for count_tokens, which has no stream; then ``extra`` top-level fields, in
+    that key order.
+    """
     body: dict[str, Any]
     if path == RESPONSES_PATH:
-        body = {"model": model, "input": "hi"}
+        body = {"model": model, "input": content}
     elif path in (ANTHROPIC_PATH, COUNT_TOKENS_PATH):
-        body = {"model": model, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+        body = {
+            "model": model,
+            "max_tokens": 16,
+            "messages": [{"role": "user", "content": content}],
+        }
     else:
-        body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": model, "messages": [{"role": "user", "content": content}]}
     if stream and path != COUNT_TOKENS_PATH:
         body["stream"] = True
-    return json.dumps(body, separators=(",", ":")).encode()
+    body.update(extra)
+    return body
+
+
+def stream_body(path: str, *, stream: bool = True, model: str = "e2e-model") -> bytes:
+    """:func:`request_body` as compact JSON bytes (no spaces after separators)."""
+    return json.dumps(request_body(path, model, stream=stream), separators=(",", ":")).encode()
 
 
 def exact_body(path: str, size: int, *, filler: bytes = b"x") -> bytes:
@@ -82,9 +116,9 @@ def exact_body(path: str, size: int, *, filler: bytes = b"x") -> bytes:
     return head + filler * pad + tail
 
 
-def sse_events(raw: bytes) -> list[tuple[str | None, str]]:
+def sse_events(raw: bytes) -> list[Event]:
     """(event name, data) of every SSE event in ``raw`` (WHATWG framing; comments skipped)."""
-    events: list[tuple[str | None, str]] = []
+    events: list[Event] = []
     name: str | None = None
     data: list[str] = []
     for line in re.split(r"\r\n|\n|\r", raw.decode()):
@@ -102,17 +136,43 @@ def sse_events(raw: bytes) -> list[tuple[str | None, str]]:
     return events
 
 
+def streamed_text(path: str, events: list[Event]) -> str:
+    """The answer text a client reassembles from the deltas of ``events`` (from ``path``).
+
+    Chat: every choice's ``delta.content``; Responses: ``response.output_text.delta``;
+    Anthropic: ``content_block_delta``. Other events and ``[DONE]`` add nothing.
+
+    Raises:
+        json.JSONDecodeError: an event's data (other than ``[DONE]``) is not JSON.
+    """
+    out: list[str] = []
+    for _, data in events:
+        if data == "[DONE]":
+            continue
+        obj = json.loads(data)
+        if path == CHAT_PATH:
+            for choice in obj.get("choices", ()):
+                out.append(choice["delta"].get("content") or "")
+        elif path == RESPONSES_PATH and obj.get("type") == "response.output_text.delta":
+            out.append(obj["delta"])
+        elif path == ANTHROPIC_PATH and obj.get("type") == "content_block_delta":
+            out.append(obj["delta"]["text"])
+    return "".join(out)
+
+
 async def wait_until(condition: Callable[[], bool], what: str, within: float = 2.0) -> None:
     """Poll ``condition`` every 5 ms until true; ``TimeoutError`` after ``within`` seconds.
 
     Only for proxy-internal state that has no event to wait on (e.g. the
     exchange table); the emulator's ``wait_*`` helpers are event driven.
     """
-    async with asyncio.timeout(within):
-        for _ in range(int(within / 0.005) + 1):
-            if condition():
-                return
-            await asyncio.sleep(0.005)
+    # Either bound ends the wait with the same message naming what never happened.
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within):
+            for _ in range(int(within / 0.005) + 1):
+                if condition():
+                    return
+                await asyncio.sleep(0.005)
     raise TimeoutError(f"not {what} within {within} s")
 
 

@@ -1,7 +1,7 @@
 """The local upstream emulator (proxy/emulator.py): real SDKs, every script key, instrumentation.
 
 Everything runs on loopback against a real emulator on an ephemeral port. SSE is
-parsed here by a small independent reader, not by the proxy's framer.
+parsed by the small independent reader of ``test_e2e_support``, not by the proxy's framer.
 """
 
 from __future__ import annotations
@@ -39,17 +39,16 @@ from proxy.emulator import (
     script_help,
     start_emulator,
 )
+from tests.test_e2e_support import Event, request_body, sse_events
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 SECRET = "sk-test-SECRET-never-logged-0123456789"
-USER = [{"role": "user", "content": "hi"}]
 OAI_USER: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": "hi"}]
 ANT_USER: list[MessageParam] = [{"role": "user", "content": "hi"}]
 BETA_USER: list[BetaMessageParam] = [{"role": "user", "content": "hi"}]
 
-Event = tuple[str | None, str]
 TEN_SECONDS = aiohttp.ClientTimeout(total=10)
 
 
@@ -66,36 +65,9 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 def body_for(path: str, *, stream: bool = False, **extra: Any) -> dict[str, Any]:
-    if path == RESPONSES:
-        body: dict[str, Any] = {"model": "gpt-test", "input": "hi"}
-    elif path == MESSAGES:
-        body = {"model": "claude-test", "max_tokens": 16, "messages": USER}
-    else:
-        body = {"model": "gpt-test", "messages": USER}
-    if stream:
-        body["stream"] = True
-    body.update(extra)
-    return body
-
-
-def sse_events(raw: bytes) -> list[Event]:
-    """Minimal SSE reader (WHATWG rules for event/data/comments/blank lines)."""
-    events: list[Event] = []
-    name: str | None = None
-    data: list[str] = []
-    for line in re.split(r"\r\n|\n|\r", raw.decode()):
-        if line == "":
-            if data:
-                events.append((name, "\n".join(data)))
-            name, data = None, []
-        elif not line.startswith(":"):
-            key, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if key == "event":
-                name = value
-            elif key == "data":
-                data.append(value)
-    return events
+    """``request_body`` as these tests send it: not streamed, model ``claude-test``/``gpt-test``."""
+    model = "claude-test" if path == MESSAGES else "gpt-test"
+    return request_body(path, model, stream=stream, **extra)
 
 
 def delta_texts(path: str, events: list[Event]) -> list[str]:

@@ -11,41 +11,8 @@ from typing import Any
 import pytest
 
 from plugins.jsonlog import JsonLogPlugin
-from proxy import ExchangeRecord
 from proxy.plugins import PluginError, load_plugins
-
-
-def make_record(**overrides: Any) -> ExchangeRecord:
-    """An ``ok`` Responses exchange; keyword arguments replace fields."""
-    fields: dict[str, Any] = {
-        "exchange_id": "x1",
-        "session_id": "s1",
-        "protocol": "openai_responses",
-        "path": "/v1/responses",
-        "model": "gpt-test",
-        "stream": True,
-        "wire_digest": "a" * 32,
-        "comparable": True,
-        "message_count": 3,
-        "request_bytes": 1000,
-        "outbound_bytes": 1000,
-        "outbound_digest": None,
-        "status": 200,
-        "outcome": "ok",
-        "fold_level": 0,
-        "refolds": 0,
-        "retries": 0,
-        "input_tokens": 250,
-        "output_tokens": 40,
-        "cache_read_tokens": None,
-        "response_bytes": 500,
-        "started_at": 1_700_000_000.0,
-        "ttfb_s": 0.2,
-        "duration_s": 1.5,
-        "error": None,
-    }
-    fields.update(overrides)
-    return ExchangeRecord(**fields)
+from proxy.testing import make_record
 
 
 def lines_of(path: Path) -> list[dict[str, Any]]:

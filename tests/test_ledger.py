@@ -11,44 +11,12 @@ import pytest
 
 from plugins.ledger import GateOutcome, LedgerError, LedgerPlugin, hash_gate
 from proxy import ExchangeRecord
+from proxy.testing import make_record
 
 DIGEST_A = "a" * 32
 DIGEST_B = "b" * 32
 DIGEST_C = "c" * 32
 NEVER = 3600.0  # a debounce that never fires during a test: flushes are explicit
-
-
-def make_record(**overrides: Any) -> ExchangeRecord:
-    """An ``ok`` chat exchange of session ``s1``; keyword arguments replace fields."""
-    fields: dict[str, Any] = {
-        "exchange_id": "x1",
-        "session_id": "s1",
-        "protocol": "openai_chat",
-        "path": "/v1/chat/completions",
-        "model": "gpt-test",
-        "stream": True,
-        "wire_digest": DIGEST_A,
-        "comparable": True,
-        "message_count": 3,
-        "request_bytes": 1000,
-        "outbound_bytes": 1000,
-        "outbound_digest": None,
-        "status": 200,
-        "outcome": "ok",
-        "fold_level": 0,
-        "refolds": 0,
-        "retries": 0,
-        "input_tokens": 250,
-        "output_tokens": 40,
-        "cache_read_tokens": None,
-        "response_bytes": 500,
-        "started_at": 1_700_000_000.0,
-        "ttfb_s": 0.2,
-        "duration_s": 1.5,
-        "error": None,
-    }
-    fields.update(overrides)
-    return ExchangeRecord(**fields)
 
 
 def saved_rows(path: Path) -> dict[str, tuple[Any, ...]]:

@@ -59,6 +59,7 @@ from tests.test_lifetime_support import (
     closed_port_url,
     conversation,
     encode,
+    install_codec_counts,
     install_spy,
     never_reading_upstream,
     proxy_at,
@@ -147,21 +148,7 @@ def exchange_for(body: bytes, plugins: list[Plugin], *, keep_for_resend: bool = 
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of full parses and serializations of request bodies (``parse``, ``encode``)."""
-    counts = {"parse": 0, "encode": 0}
-    decode_json, encode_body = wire._decode_json, wire.encode_body
-
-    def counting_decode(decoder: Any, data: Any, /) -> Any:
-        if decoder is wire._FULL_DECODER:
-            counts["parse"] += 1
-        return decode_json(decoder, data)
-
-    def counting_encode(obj: dict[str, Any]) -> bytes:
-        counts["encode"] += 1
-        return encode_body(obj)
-
-    monkeypatch.setattr(wire, "_decode_json", counting_decode)
-    monkeypatch.setattr(wire, "encode_body", counting_encode)
-    return counts
+    return install_codec_counts(monkeypatch)
 
 
 async def test_untouched_body_is_held_once_and_never_parsed(counted: dict[str, int]) -> None:

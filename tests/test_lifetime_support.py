@@ -4,6 +4,7 @@ This module holds no tests. What it gives:
 
 * request bodies shaped like a coding agent's history (:func:`conversation`)
   and large chat bodies built without a JSON encoder (:func:`big_chat_body`);
+* :func:`install_codec_counts`: counts full parses and serializations of bodies;
 * :func:`install_spy`: replaces the app's :class:`~proxy.exchange.Exchange`
   with :class:`TracedExchange`, which records its phases, its release calls
   and puts a ``weakref.finalize`` on every buffer holder it creates, so a test
@@ -38,6 +39,7 @@ import pytest
 from aiohttp import web
 
 from proxy import app as app_module
+from proxy import wire
 from proxy.app import STATE, AppState, build_app, running
 from proxy.config import load_settings
 from proxy.exchange import Exchange, HeldBytes, Phase
@@ -64,6 +66,7 @@ __all__ = [
     "conversation",
     "encode",
     "fixed_upstream",
+    "install_codec_counts",
     "install_spy",
     "never_reading_upstream",
     "proxy_at",
@@ -303,6 +306,31 @@ def install_spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
 
     monkeypatch.setattr(app_module, "Exchange", Recorded)
     return spy
+
+
+def install_codec_counts(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Count full parses and serializations of request bodies from now on.
+
+    Returns ``{"parse": n, "encode": n}``, updated in place: ``parse`` counts
+    decodes with :mod:`proxy.wire`'s full decoder (the structural decode that
+    computes wire metadata is not one), ``encode`` counts calls of
+    ``wire.encode_body``. ``monkeypatch`` undoes it at the end of the test.
+    """
+    counts = {"parse": 0, "encode": 0}
+    decode_json, encode_body = wire._decode_json, wire.encode_body
+
+    def counting_decode(decoder: Any, data: Any, /) -> Any:
+        if decoder is wire._FULL_DECODER:
+            counts["parse"] += 1
+        return decode_json(decoder, data)
+
+    def counting_encode(obj: dict[str, Any]) -> bytes:
+        counts["encode"] += 1
+        return encode_body(obj)
+
+    monkeypatch.setattr(wire, "_decode_json", counting_decode)
+    monkeypatch.setattr(wire, "encode_body", counting_encode)
+    return counts
 
 
 # ------------------------------------------------------------------------------ plugins

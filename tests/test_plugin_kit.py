@@ -15,7 +15,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import aiohttp
 import anthropic
@@ -29,8 +29,9 @@ from proxy import ExchangeRecord, Plugin
 from proxy.cli import main as cli_main
 from proxy.emulator import start_emulator
 from proxy.plugins import PluginError
+from proxy.protocols import Protocol
 from proxy.pytest_plugin import ProxyFactory
-from proxy.testing import proxy_process
+from proxy.testing import make_record, proxy_process
 
 ROOT: Final = Path(__file__).resolve().parent.parent
 EXAMPLE: Final = ROOT / "examples" / "count_per_model"
@@ -69,6 +70,18 @@ class Lifecycle(Plugin):
 
     async def shutdown(self) -> None:
         self.stopped += 1
+
+
+class Keep(Plugin):
+    """Keeps every commit record."""
+
+    name = "keep"
+
+    def __init__(self) -> None:
+        self.records: list[ExchangeRecord] = []
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        self.records.append(record)
 
 
 class RefusesToStart(Plugin):
@@ -267,6 +280,43 @@ async def test_jsonlog_records_failed_exchanges_too(
     (line,) = [json.loads(x) for x in log.read_text(encoding="utf-8").splitlines()]
     assert (line["status"], line["outcome"], line["session_id"]) == (503, "upstream_error", "s-err")
     assert line["input_tokens"] is None
+
+
+# -- make_record: records for unit tests of commit hooks -------------------------------------
+
+
+def test_make_record_fills_every_field_and_any_can_be_overridden() -> None:
+    default = make_record()
+    assert set(default.as_dict()) == RECORD_FIELDS
+    for name in sorted(RECORD_FIELDS):  # 25 fields
+        changed = make_record(**{name: "changed"})
+        assert changed.as_dict() == {**default.as_dict(), name: "changed"}, name
+    assert make_record() == default  # overrides never leak into later defaults
+    with pytest.raises(TypeError, match="no_such_field"):
+        make_record(no_such_field=1)
+    with pytest.raises(TypeError, match="must be a scalar"):
+        make_record(error=cast(Any, ["a", "list"]))
+
+
+async def test_make_record_defaults_are_those_of_a_real_chat_exchange(
+    context_proxy: ProxyFactory,
+) -> None:
+    keep = Keep()
+    h = await context_proxy(keep)
+    assert await chat(h.openai_base_url, "s1") == "Hello from the emulator."
+    await h.stop()
+    (real,) = keep.records
+    made = make_record()
+    assert Protocol(made.protocol) is Protocol.CHAT
+    same = ("protocol", "path", "session_id", "status", "outcome", "fold_level", "refolds")
+    assert {name: getattr(made, name) for name in same} == {
+        name: getattr(real, name) for name in same
+    }
+    # Same field types as the proxy's record, so a hook tested with it sees what it will see.
+    for name in sorted(RECORD_FIELDS):
+        ours, theirs = getattr(made, name), getattr(real, name)
+        if ours is not None and theirs is not None:
+            assert type(ours) is type(theirs), name
 
 
 # -- `context-proxy plugins` -----------------------------------------------------------------

@@ -48,6 +48,7 @@ from tests.test_lifetime_support import (
     conversation,
     encode,
     fixed_upstream,
+    install_codec_counts,
     install_spy,
     proxy_at,
 )
@@ -88,21 +89,7 @@ def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
 @pytest.fixture
 def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts of full body parses and of body serializations (``parse``, ``encode``)."""
-    counts = {"parse": 0, "encode": 0}
-    decode_json, encode_body = wire._decode_json, wire.encode_body
-
-    def counting_decode(decoder: Any, data: Any, /) -> Any:
-        if decoder is wire._FULL_DECODER:
-            counts["parse"] += 1
-        return decode_json(decoder, data)
-
-    def counting_encode(obj: dict[str, Any]) -> bytes:
-        counts["encode"] += 1
-        return encode_body(obj)
-
-    monkeypatch.setattr(wire, "_decode_json", counting_decode)
-    monkeypatch.setattr(wire, "encode_body", counting_encode)
-    return counts
+    return install_codec_counts(monkeypatch)
 
 
 def script(shape: Shape, overflow_above: int) -> str:

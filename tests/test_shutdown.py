@@ -38,6 +38,7 @@ from proxy import Plugin
 from proxy.emulator import DEFAULT_TEXT
 from proxy.plugins import ExchangeRecord, PrepareContext
 from proxy.testing import proxy_with_emulator
+from tests.test_e2e_support import request_body, sse_events, streamed_text
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
@@ -52,56 +53,11 @@ EXIT_SLACK_S = 5.0
 SHUTDOWN_MESSAGE = "proxy shutting down"
 API_KEY = "sk-shutdown-test-KEY-0123456789"
 PROMPT_MARKER = "PROMPT-MARKER-5eed"
+#: The one user turn of every raw request: the marker must never reach a log line.
+PROMPT = f"hi {PROMPT_MARKER}"
 
-Event = tuple[str | None, str]
 OAI_USER: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": "hi"}]
 ANT_USER: list[MessageParam] = [{"role": "user", "content": "hi"}]
-
-
-def sse_events(raw: bytes) -> list[Event]:
-    """Minimal SSE reader (WHATWG rules for event/data/comments/blank lines)."""
-    events: list[Event] = []
-    name: str | None = None
-    data: list[str] = []
-    for line in re.split(r"\r\n|\n|\r", raw.decode()):
-        if line == "":
-            if data:
-                events.append((name, "\n".join(data)))
-            name, data = None, []
-        elif not line.startswith(":"):
-            key, _, value = line.partition(":")
-            value = value[1:] if value.startswith(" ") else value
-            if key == "event":
-                name = value
-            elif key == "data":
-                data.append(value)
-    return events
-
-
-def streamed_text(path: str, events: list[Event]) -> str:
-    """The answer text a client reassembles from the deltas of ``events``."""
-    out: list[str] = []
-    for _, data in events:
-        if data == "[DONE]":
-            continue
-        obj = json.loads(data)
-        if path == CHAT:
-            for choice in obj.get("choices", ()):
-                out.append(choice["delta"].get("content") or "")
-        elif path == RESPONSES and obj.get("type") == "response.output_text.delta":
-            out.append(obj["delta"])
-        elif path == MESSAGES and obj.get("type") == "content_block_delta":
-            out.append(obj["delta"]["text"])
-    return "".join(out)
-
-
-def body_for(path: str, model: str) -> dict[str, Any]:
-    if path == RESPONSES:
-        return {"model": model, "input": f"hi {PROMPT_MARKER}", "stream": True}
-    messages = [{"role": "user", "content": f"hi {PROMPT_MARKER}"}]
-    if path == MESSAGES:
-        return {"model": model, "max_tokens": 16, "messages": messages, "stream": True}
-    return {"model": model, "messages": messages, "stream": True}
 
 
 class Recorder(Plugin):
@@ -210,7 +166,7 @@ async def test_drain_lets_streams_finish_then_cuts_them_with_sdk_readable_errors
                     stream_raw(
                         http,
                         h.url + CHAT,
-                        body_for(CHAT, "f"),
+                        request_body(CHAT, "f", content=PROMPT),
                         finish_headers,
                         started["finish"],
                     )
@@ -223,7 +179,9 @@ async def test_drain_lets_streams_finish_then_cuts_them_with_sdk_readable_errors
                 assert resp.status == 202
             async with http.get(h.url + "/readyz") as resp:
                 assert resp.status == 503
-            async with http.post(h.url + CHAT, json=body_for(CHAT, "late")) as resp:
+            async with http.post(
+                h.url + CHAT, json=request_body(CHAT, "late", content=PROMPT)
+            ) as resp:
                 assert resp.status == 503
                 assert "Retry-After" in resp.headers
                 assert resp.headers["Connection"].lower() == "close"
@@ -301,14 +259,18 @@ async def test_drain_answers_exchanges_not_yet_streaming_with_503() -> None:
         aiohttp.ClientSession() as http,
     ):
         in_prepare = asyncio.create_task(
-            http.post(h.url + CHAT, json=body_for(CHAT, "stuck"), headers={"x-session-id": "p"})
+            http.post(
+                h.url + CHAT,
+                json=request_body(CHAT, "stuck", content=PROMPT),
+                headers={"x-session-id": "p"},
+            )
         )
         # A Responses stream is held back until its first output event (a refold
         # could still replace it); the emulator holds it before that.
         gated = asyncio.create_task(
             http.post(
                 h.url + RESPONSES,
-                json=body_for(RESPONSES, "gated"),
+                json=request_body(RESPONSES, "gated", content=PROMPT),
                 headers={"x-emulator": "hold=gated; stall_after=1"},
             )
         )
@@ -467,7 +429,7 @@ async def test_sigterm_drains_a_real_serve_process(
                     stream_raw(
                         http,
                         base + path,
-                        body_for(path, f"model-{i}"),
+                        request_body(path, f"model-{i}", content=PROMPT),
                         {**auth, "x-session-id": f"sig-{i}", "x-emulator": script},
                         started[i],
                     )
@@ -484,7 +446,9 @@ async def test_sigterm_drains_a_real_serve_process(
             await proxy.wait_line(r"shutting down: readiness is now 503")
             async with http.get(base + "/readyz") as resp:
                 assert resp.status == 503
-            async with http.post(base + CHAT, json=body_for(CHAT, "late"), headers=auth) as resp:
+            async with http.post(
+                base + CHAT, json=request_body(CHAT, "late", content=PROMPT), headers=auth
+            ) as resp:
                 assert resp.status == 503
                 assert int(resp.headers["Retry-After"]) >= 0
                 assert resp.headers["Connection"].lower() == "close"
@@ -554,7 +518,13 @@ async def test_sigint_and_admin_shutdown_stop_a_real_process_too(
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             headers = {"x-emulator": "hold=never"}
             task = asyncio.create_task(
-                stream_raw(http, base + MESSAGES, body_for(MESSAGES, "m"), headers, started)
+                stream_raw(
+                    http,
+                    base + MESSAGES,
+                    request_body(MESSAGES, "m", content=PROMPT),
+                    headers,
+                    started,
+                )
             )
             async with asyncio.timeout(BOUND_S):
                 await started.wait()

@@ -3,46 +3,30 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from plugins.usage import UsagePlugin
-from proxy import ExchangeRecord
+from proxy import ExchangeRecord, Scalar
+from proxy.testing import make_record
+
+#: Where these tests' records differ from ``make_record``'s: an Anthropic exchange
+#: with cache reads, so every per-model token counter moves.
+ANTHROPIC: Final[dict[str, Scalar]] = {
+    "protocol": "anthropic",
+    "path": "/v1/messages",
+    "model": "claude-test",
+    "input_tokens": 100,
+    "output_tokens": 20,
+    "cache_read_tokens": 7,
+}
 
 
-def make_record(**overrides: Any) -> ExchangeRecord:
-    """An ``ok`` Anthropic exchange of session ``s1``; keyword arguments replace fields."""
-    fields: dict[str, Any] = {
-        "exchange_id": "x1",
-        "session_id": "s1",
-        "protocol": "anthropic",
-        "path": "/v1/messages",
-        "model": "claude-test",
-        "stream": True,
-        "wire_digest": "a" * 32,
-        "comparable": True,
-        "message_count": 3,
-        "request_bytes": 1000,
-        "outbound_bytes": 1000,
-        "outbound_digest": None,
-        "status": 200,
-        "outcome": "ok",
-        "fold_level": 0,
-        "refolds": 0,
-        "retries": 0,
-        "input_tokens": 100,
-        "output_tokens": 20,
-        "cache_read_tokens": 7,
-        "response_bytes": 500,
-        "started_at": 1_700_000_000.0,
-        "ttfb_s": 0.2,
-        "duration_s": 1.5,
-        "error": None,
-    }
-    fields.update(overrides)
-    return ExchangeRecord(**fields)
+def anthropic_record(**overrides: Scalar) -> ExchangeRecord:
+    """``make_record`` with the ``ANTHROPIC`` fields; keyword arguments replace fields."""
+    return make_record(**{**ANTHROPIC, **overrides})
 
 
 def sample(registry: CollectorRegistry, kind: str, protocol: str, model: str) -> float | None:
@@ -65,9 +49,11 @@ async def test_totals_per_session_and_per_model(
 ) -> None:
     registry, plugin = registry_and_plugin
 
-    await plugin.commit(make_record())
-    await plugin.commit(make_record(input_tokens=50, output_tokens=5, cache_read_tokens=None))
-    await plugin.commit(make_record(session_id="s2", model="other-model", protocol="openai_chat"))
+    await plugin.commit(anthropic_record())
+    await plugin.commit(anthropic_record(input_tokens=50, output_tokens=5, cache_read_tokens=None))
+    await plugin.commit(
+        anthropic_record(session_id="s2", model="other-model", protocol="openai_chat")
+    )
 
     assert plugin.session_state("s1") == {
         "input_tokens": 150,
@@ -90,12 +76,12 @@ async def test_records_without_usage_or_session_count_where_they_can(
 
     # The upstream reported no usage (e.g. the client hung up first): a request, no tokens.
     await plugin.commit(
-        make_record(
+        anthropic_record(
             outcome="client_gone", input_tokens=None, output_tokens=None, cache_read_tokens=None
         )
     )
     # No session: the metrics count it, no per-session state is created.
-    await plugin.commit(make_record(session_id=None, model=None))
+    await plugin.commit(anthropic_record(session_id=None, model=None))
 
     assert plugin.session_state("s1") == {
         "input_tokens": 0,
@@ -113,7 +99,7 @@ async def test_the_app_registry_renders_the_plugin_as_a_collector() -> None:
     app_registry = CollectorRegistry(auto_describe=True)
     plugin = UsagePlugin()
     app_registry.register(plugin)
-    await plugin.commit(make_record())
+    await plugin.commit(anthropic_record())
     text = generate_latest(app_registry).decode()
     assert (
         'context_proxy_input_tokens_total{model="claude-test",protocol="anthropic"} 100.0' in text
@@ -126,7 +112,7 @@ async def test_apps_built_one_after_another_share_a_registry_without_clashing() 
     for n in range(3):
         plugin = UsagePlugin(registry=registry)
         await plugin.startup()
-        await plugin.commit(make_record(input_tokens=10 * (n + 1)))
+        await plugin.commit(anthropic_record(input_tokens=10 * (n + 1)))
         assert sample(registry, "input", "anthropic", "claude-test") == 10 * (n + 1)
         await plugin.shutdown()
     assert sample(registry, "input", "anthropic", "claude-test") is None
@@ -152,10 +138,10 @@ async def test_a_foreign_collector_with_our_name_is_a_clear_error() -> None:
 async def test_closed_sessions_are_forgotten_and_the_session_table_is_capped() -> None:
     plugin = UsagePlugin(max_sessions=2)
 
-    await plugin.commit(make_record(session_id="s1"))
-    await plugin.commit(make_record(session_id="s2"))
-    await plugin.commit(make_record(session_id="s1"))  # s1 is now the most recent
-    await plugin.commit(make_record(session_id="s3"))  # over the cap: s2 goes
+    await plugin.commit(anthropic_record(session_id="s1"))
+    await plugin.commit(anthropic_record(session_id="s2"))
+    await plugin.commit(anthropic_record(session_id="s1"))  # s1 is now the most recent
+    await plugin.commit(anthropic_record(session_id="s3"))  # over the cap: s2 goes
 
     assert plugin.session_state("s2") == {}
     assert plugin.session_state("s1")["requests"] == 2
@@ -170,9 +156,9 @@ async def test_closed_sessions_are_forgotten_and_the_session_table_is_capped() -
 async def test_model_labels_are_capped_against_invented_model_names() -> None:
     plugin = UsagePlugin(max_models=3)
     for n in range(5):
-        await plugin.commit(make_record(model=f"model-{n}"))
-    await plugin.commit(make_record(model="model-0"))
-    await plugin.commit(make_record(model="m" * 10_000))
+        await plugin.commit(anthropic_record(model=f"model-{n}"))
+    await plugin.commit(anthropic_record(model="model-0"))
+    await plugin.commit(anthropic_record(model="m" * 10_000))
 
     families = {family.name: family for family in plugin.collect()}
     per_model = {s.labels["model"]: s.value for s in families["context_proxy_input_tokens"].samples}

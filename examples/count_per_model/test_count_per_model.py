@@ -3,50 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import anthropic
 import openai
 import pytest
 from count_per_model import CountPerModelPlugin
 
-from proxy import ExchangeRecord
 from proxy.pytest_plugin import ProxyFactory
+from proxy.testing import make_record
 
 CONFIG = Path(__file__).with_name("context-proxy.toml")
-
-
-def make_record(**overrides: Any) -> ExchangeRecord:
-    """A finished exchange of session ``s1``; keyword arguments replace fields."""
-    fields: dict[str, Any] = {
-        "exchange_id": "x1",
-        "session_id": "s1",
-        "protocol": "openai-chat",
-        "path": "/v1/chat/completions",
-        "model": "m1",
-        "stream": True,
-        "wire_digest": "a" * 32,
-        "comparable": True,
-        "message_count": 3,
-        "request_bytes": 1000,
-        "outbound_bytes": 1000,
-        "outbound_digest": None,
-        "status": 200,
-        "outcome": "ok",
-        "fold_level": 0,
-        "refolds": 0,
-        "retries": 0,
-        "input_tokens": 250,
-        "output_tokens": 40,
-        "cache_read_tokens": None,
-        "response_bytes": 500,
-        "started_at": 1_700_000_000.0,
-        "ttfb_s": 0.2,
-        "duration_s": 1.5,
-        "error": None,
-    }
-    fields.update(overrides)
-    return ExchangeRecord(**fields)
 
 
 async def test_counts_per_model_and_forgets_closed_sessions() -> None:
