@@ -202,13 +202,21 @@ def plugins(config: str | None) -> None:
     settings = _settings(config)
     found = {info.name: info for info in discover_plugins()}
     enabled = set(settings.plugins)
-    click.echo(f"{'name':<12} {'enabled':<8} {'version':<10} target")
+    rows = [("name", "enabled", "version", "target")]
     for name in sorted(found.keys() | enabled):
         info = found.get(name)
-        version = (info.version if info else None) or "-"
-        target = info.target if info else name
-        flag = "yes" if name in enabled else "no"
-        click.echo(f"{name:<12} {flag:<8} {version:<10} {target}")
+        rows.append(
+            (
+                name,
+                "yes" if name in enabled else "no",
+                (info.version if info else None) or "-",
+                info.target if info else name,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        padded = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
+        click.echo("  ".join([*padded, row[3]]))
 
 
 if __name__ == "__main__":  # pragma: no cover
