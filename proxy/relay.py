@@ -285,6 +285,18 @@ class _Relay:
         # chat stream gated for a resend) goes to the client as it came.
         return self.ex.can_refold and self.ex.fold_level < self.max_refolds
 
+    async def _refold(self, what: str) -> bool:
+        """Re-prepare at the next fold level if that may help; ``True`` means resend.
+
+        Never after the client has gone, never past ``max_refolds``, and only
+        when the body shrank (else the upstream's error goes to the client).
+        """
+        ex = self.ex
+        if not self._can_refold() or _client_gone(self.request) or not await ex.refold():
+            return False
+        log.info("%s: %s; refolded to level %d", ex.id, what, ex.fold_level)
+        return True
+
     # ---------------------------------------------------------------- main loop
 
     async def run(self) -> web.StreamResponse:
@@ -354,13 +366,7 @@ class _Relay:
             overflow = whole and protocols.is_overflow_response(
                 ex.protocol, resp.status, resp.content_type, head
             )
-            if (
-                overflow
-                and self._can_refold()
-                and not _client_gone(self.request)
-                and await ex.refold()
-            ):
-                log.info("%s: context overflow; refolded to level %d", ex.id, ex.fold_level)
+            if overflow and await self._refold("context overflow"):
                 return "refold"
             ex.accept()
             ex.outcome = "upstream_error"
@@ -469,13 +475,7 @@ class _Relay:
                         break
                     continue
                 held += chunk
-                if (
-                    overflow
-                    and self._can_refold()
-                    and not _client_gone(self.request)
-                    and await ex.refold()
-                ):
-                    log.info("%s: overflow in stream; refolded to level %d", ex.id, ex.fold_level)
+                if overflow and await self._refold("overflow in stream"):
                     return "refold"
                 # An overflow that cannot be refolded goes to the client as the upstream sent it.
                 if saw_output or overflow or len(held) > HEAD_HOLD_CAP:
