@@ -438,12 +438,20 @@ class Exchange:
         self.phase = Phase.CLOSED
 
     def _held_total(self) -> int:
-        return self.held_bytes().total if self.on_release is not None else 0
+        return self._held_sum() if self.on_release is not None else 0
+
+    def _held_sum(self) -> int:
+        """``held_bytes().total`` without building the record (several calls per exchange)."""
+        raw = len(self._raw) if self._raw is not None else self.reading_bytes
+        parsed = self._parsed.estimate if self._parsed is not None else 0
+        out = self._outbound
+        outbound = len(out) if out is not None and out is not self._raw else 0
+        return raw + parsed + outbound
 
     def _freed(self, before: int) -> None:
         """Tell ``on_release`` how many bytes the last drop let go (if any)."""
         if self.on_release is not None:
-            freed = before - self.held_bytes().total
+            freed = before - self._held_sum()
             if freed > 0:
                 self.on_release(freed)
 

@@ -67,6 +67,9 @@ class Metrics:
             ["protocol", "status", "outcome"],
             registry=r,
         )
+        # Labelled children by (protocol, status, outcome) as the exchange holds them:
+        # labels() validates and locks on every call; a finished exchange needs one.
+        self._requests_by_key: dict[tuple[object, object, str], Counter] = {}
         self.in_flight = Gauge("context_proxy_in_flight", "In-flight exchanges", registry=r)
         self.releases = Counter(
             "context_proxy_releases", "Exchanges whose buffers were released", registry=r
@@ -93,7 +96,13 @@ class Metrics:
 
     def finished(self, ex: Exchange) -> None:
         """Count a finished exchange (called once, from the handler's ``finally``)."""
-        self.requests.labels(str(ex.protocol), str(ex.status), ex.outcome).inc()
+        key = (ex.protocol, ex.status, ex.outcome)
+        child = self._requests_by_key.get(key)
+        if child is None:
+            child = self._requests_by_key[key] = self.requests.labels(
+                str(ex.protocol), str(ex.status), ex.outcome
+            )
+        child.inc()
         self.releases.inc(ex.releases)
         if ex.refolds:
             self.refolds.inc(ex.refolds)

@@ -69,6 +69,19 @@ class BodyUnavailable(RuntimeError):
     """``PrepareContext.body`` was read without ``wants_body`` or after the hook returned."""
 
 
+# Field names per record class (a subclass may add fields): a pure memo, filled once
+# per class, so validating a record does not rebuild the field list each time.
+_FIELD_NAMES: Final[dict[type[ExchangeRecord], tuple[str, ...]]] = {}
+
+
+def _field_names(cls: type[ExchangeRecord]) -> tuple[str, ...]:
+    """Field names of the dataclass ``cls``, in declaration order."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ExchangeRecord:
     """What a ``commit`` hook learns about one finished exchange: scalars only.
@@ -111,11 +124,12 @@ class ExchangeRecord:
     error: str | None
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        # One record per exchange: the field list is cached, not rebuilt each time.
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
             if not isinstance(value, _SCALAR_TYPES):
                 raise TypeError(
-                    f"ExchangeRecord.{field.name} must be a scalar, got {type(value).__name__}"
+                    f"ExchangeRecord.{name} must be a scalar, got {type(value).__name__}"
                 )
 
     def as_dict(self) -> dict[str, Scalar]:
@@ -201,6 +215,17 @@ class Plugin:
 
     async def shutdown(self) -> None:
         """Called once at graceful shutdown, after every session was closed; flush here."""
+
+
+_NOOP_COMMIT: Final = Plugin.commit
+
+
+def _inherits_noop_commit(plugin: Plugin) -> bool:
+    """Whether ``plugin.commit`` is the base class's no-op (not overridden anywhere)."""
+    if getattr(type(plugin), "commit", None) is not _NOOP_COMMIT:
+        return False
+    instance_attrs = getattr(plugin, "__dict__", None)
+    return instance_attrs is None or "commit" not in instance_attrs
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -338,6 +363,10 @@ class PluginHost:
     async def run_commit(self, record: ExchangeRecord) -> None:
         """Run every ``commit`` hook in order with the same immutable record."""
         for plugin in self.plugins:
+            if _inherits_noop_commit(plugin):
+                # Plugin.commit does nothing and never suspends: skipping it saves the
+                # per-exchange timeout (a timer handle) and changes nothing observable.
+                continue
             try:
                 async with asyncio.timeout(self.timeout):
                     await plugin.commit(record)

@@ -109,6 +109,21 @@ class _Item(msgspec.Struct, forbid_unknown_fields=False, gc=False):
     tool_calls: msgspec.Raw = _ABSENT
 
 
+class _MessagesEnvelope(msgspec.Struct, forbid_unknown_fields=False, gc=False):
+    """:class:`_Envelope` of a small ``messages`` body, its history decoded in the same pass.
+
+    Only for the protocols whose history is ``messages``: ``input`` is not read.
+    ``messages`` is ``None`` when absent or JSON ``null``; any other shape than
+    a list of objects fails the decode (the caller falls back to ``_Envelope``).
+    """
+
+    model: msgspec.Raw = _ABSENT
+    stream: msgspec.Raw = _ABSENT
+    messages: list[_Item] | None = None
+    metadata: msgspec.Raw = _ABSENT
+    prompt_cache_key: msgspec.Raw = _ABSENT
+
+
 class _Metadata(msgspec.Struct, forbid_unknown_fields=False, gc=False):
     """Anthropic ``metadata``."""
 
@@ -122,8 +137,10 @@ class _UserIdObject(msgspec.Struct, forbid_unknown_fields=False, gc=False):
 
 
 _ENVELOPE_DECODER: Final = msgspec.json.Decoder(_Envelope)
+_MESSAGES_ENVELOPE_DECODER: Final = msgspec.json.Decoder(_MessagesEnvelope)
 _ITEM_DECODER: Final = msgspec.json.Decoder(_Item)
 _LIST_DECODER: Final = msgspec.json.Decoder(list[msgspec.Raw])
+_ITEMS_DECODER: Final = msgspec.json.Decoder(list[_Item])
 _METADATA_DECODER: Final = msgspec.json.Decoder(_Metadata)
 _USER_ID_DECODER: Final = msgspec.json.Decoder(_UserIdObject)
 _STR_DECODER: Final = msgspec.json.Decoder(str)
@@ -162,6 +179,10 @@ _MAX_SCALAR_BYTES: Final = 4096
 # UTF-8 validation works on slices of this many bytes so the transient ``str`` stays
 # small (at most 4x this for astral characters).
 _UTF8_CHUNK: Final = 128 * 1024
+
+# A list value up to this many bytes is decoded straight into _Item structs, one pass
+# instead of a Raw pass plus one per item; the cap bounds the structs held at once.
+_FAST_ITEMS_BYTES: Final = 64 * 1024
 
 # Exchange protocols whose history is `messages` (Responses uses `input`).
 _MESSAGES_PROTOCOLS: Final = frozenset({Protocol.CHAT, Protocol.MESSAGES, Protocol.COUNT_TOKENS})
@@ -206,6 +227,10 @@ def _is_utf8(body: BodyBytes) -> bool:
     msgspec validates UTF-8 only in the strings it materializes; skipped fields
     and Raw views are not checked, so the structural decode needs this pass.
     """
+    if not isinstance(body, memoryview) and body.isascii():
+        # ASCII is valid UTF-8. SDKs that escape non-ASCII (json.dumps defaults) send
+        # only ASCII; this C scan costs a fraction of a decode and builds no str.
+        return True
     decode = codecs.utf_8_decode
     with memoryview(body) as whole, whole.cast("B") as view:
         size = len(view)
@@ -249,6 +274,23 @@ def _parse_object(decoder: msgspec.json.Decoder[_T], body: BodyBytes) -> _T:
     raise WireError(reason)
 
 
+def _object_items(raw: msgspec.Raw) -> list[_Item] | None:
+    """The items of a small JSON list whose items are all objects, in one decode.
+
+    ``None`` when ``raw`` is over :data:`_FAST_ITEMS_BYTES` or the decode fails
+    for any reason (an item that is not an object, nesting too deep): the
+    caller then takes the item-by-item path, which decides such lists exactly
+    as before. On success the structs equal what :data:`_ITEM_DECODER` gives
+    for each item.
+    """
+    if len(raw) > _FAST_ITEMS_BYTES:
+        return None
+    try:
+        return _decode_json(_ITEMS_DECODER, raw)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
 def _verdict(raw: msgspec.Raw, depth: int) -> bool:
     """The comparable verdict (DESIGN section 4) of one JSON value held in ``raw``."""
     kind = _first_byte(raw)
@@ -257,6 +299,12 @@ def _verdict(raw: msgspec.Raw, depth: int) -> bool:
     if depth > _MAX_DEPTH:
         return False
     if kind == _LBRACKET:
+        objects = _object_items(raw)
+        if objects is not None:
+            # Each object item is judged one level down, as _verdict(item, depth + 1) would.
+            if objects and depth + 1 > _MAX_DEPTH:
+                return False
+            return all(_object_verdict(item, depth + 1) for item in objects)
         return all(_verdict(item, depth + 1) for item in _decode_json(_LIST_DECODER, raw))
     if kind == _LBRACE:
         return _object_verdict(_decode_json(_ITEM_DECODER, raw), depth)
@@ -290,6 +338,9 @@ def _history(raw: msgspec.Raw) -> tuple[bool, int]:
         return True, 1
     if kind != _LBRACKET:
         return False, 0
+    objects = _object_items(raw)
+    if objects is not None:
+        return _object_history(objects)
     try:
         items = _decode_json(_LIST_DECODER, raw)
     except RecursionError:
@@ -320,7 +371,7 @@ def _session_from_user_id(user_id: str) -> str:
     return tail if sep and tail else user_id
 
 
-def _session_hint(protocol: Protocol, envelope: _Envelope) -> str | None:
+def _session_hint(protocol: Protocol, envelope: _Envelope | _MessagesEnvelope) -> str | None:
     """The body's session id (DESIGN section 7 table), or None."""
     if protocol is Protocol.RESPONSES:
         return _short_str(envelope.prompt_cache_key, _MAX_SCALAR_BYTES) or None
@@ -378,6 +429,10 @@ def compute_wire_metadata(protocol: Protocol | str, body: BodyBytes, digest: str
     protocol name. No view into ``body`` survives the call.
     """
     proto = Protocol(protocol)
+    if proto in _MESSAGES_PROTOCOLS and _byte_length(body) <= _FAST_ITEMS_BYTES:
+        quick = _parse_messages_envelope(body)
+        if quick is not None:
+            return _metadata(proto, quick, _object_history(quick.messages), body, digest)
     envelope = _parse_object(_ENVELOPE_DECODER, body)
 
     if proto is Protocol.RESPONSES:
@@ -388,7 +443,48 @@ def compute_wire_metadata(protocol: Protocol | str, body: BodyBytes, digest: str
         comparable, count = _history(envelope.input)
     else:
         comparable, count = True, 0
+    return _metadata(proto, envelope, (comparable, count), body, digest)
 
+
+def _parse_messages_envelope(body: BodyBytes) -> _MessagesEnvelope | None:
+    """One-pass decode of a small ``messages`` body, or ``None`` to take the general path.
+
+    Raises WireError when ``body`` is not UTF-8 (as the general path would).
+    ``None`` when the decode fails for any reason (not JSON, not an object, a
+    ``messages`` that is not a list of objects, nesting too deep): the general
+    path then decides the body, errors included, exactly as it always did.
+    """
+    if not _is_utf8(body):
+        raise WireError("request body is not valid UTF-8")
+    try:
+        return _decode_json(_MESSAGES_ENVELOPE_DECODER, body)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+
+
+def _object_history(items: list[_Item] | None) -> tuple[bool, int]:
+    """``(comparable, message_count)`` of a history already decoded as objects.
+
+    ``None`` (absent or null) is not comparable, with count 0, as in :func:`_history`.
+    """
+    if items is None:
+        return False, 0
+    try:
+        comparable = all(_object_verdict(item, 1) for item in items)
+    except RecursionError:
+        comparable = False
+    return comparable, len(items)
+
+
+def _metadata(
+    proto: Protocol,
+    envelope: _Envelope | _MessagesEnvelope,
+    history: tuple[bool, int],
+    body: BodyBytes,
+    digest: str,
+) -> WireMetadata:
+    """Assemble :class:`WireMetadata` from a decoded envelope and its history verdict."""
+    comparable, count = history
     return WireMetadata(
         protocol=proto.value,
         model=_short_str(envelope.model, _MAX_SCALAR_BYTES) or None,

@@ -556,6 +556,20 @@ VERDICT_CASES: list[tuple[str, Protocol, dict[str, Any], bool, int]] = [
 ]
 
 
+@pytest.fixture(params=["small-body path", "general path"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on both structural decoders.
+
+    Bodies and histories up to ``_FAST_ITEMS_BYTES`` take a one-pass decode;
+    larger ones the general lazy path. Test bodies are small, so the general
+    path is forced by setting the threshold below every size.
+    """
+    if request.param == "general path":
+        monkeypatch.setattr(wire, "_FAST_ITEMS_BYTES", -1)
+    return str(request.param)
+
+
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize(
     ("protocol", "body", "comparable", "count"),
     [pytest.param(*case[1:], id=case[0]) for case in VERDICT_CASES],
@@ -649,6 +663,7 @@ def random_value(rng: random.Random, depth: int) -> Any:
     return obj
 
 
+@pytest.mark.usefixtures("decode_path")
 def test_random_shapes_never_raise_and_follow_the_rules() -> None:
     rng = random.Random(20240611)
     for _ in range(600):
@@ -675,6 +690,7 @@ def test_random_shapes_never_raise_and_follow_the_rules() -> None:
 # --- scalars, model, stream, session hint ------------------------------------------------
 
 
+@pytest.mark.usefixtures("decode_path")
 def test_scalars_are_read_from_the_body() -> None:
     body = enc(chat(SYSTEM, USER))
     meta = compute_wire_metadata("openai-chat", body, "0123")
@@ -717,6 +733,7 @@ CLAUDE_CODE_USER_ID = (
 )
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize(
     ("protocol", "extra", "hint"),
     [
