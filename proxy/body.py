@@ -705,7 +705,7 @@ async def read_body(
 
     Args:
         content: ``request.content``; nothing else may read it concurrently. Never
-            use ``request.read()``: it caches a second copy on the request.
+            use aiohttp's ``Request.read()``: it caches a second copy on the request.
         content_length: ``request.content_length`` (bytes) or None for chunked.
         content_encoding: the ``Content-Encoding`` value or None; see
             :func:`parse_content_encoding` for the accepted codings.

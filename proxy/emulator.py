@@ -18,7 +18,7 @@ probes). Control routes, not recorded in the stats: ``GET /_emulator/stats``,
 
 Request bodies
 --------------
-Read by streaming ``request.content`` (never ``request.read()``, which would cache
+Read by streaming ``request.content`` (never aiohttp's ``Request.read()``, which would cache
 a copy), counting bytes and hashing them (xxh3_128, hex) as they come. Counts and
 digest are of the bytes after aiohttp's transparent ``Content-Encoding`` decoding.
 A body of at most :data:`PARSE_LIMIT` bytes is decoded with msgspec into the three
