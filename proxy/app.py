@@ -45,9 +45,6 @@ __all__ = ["STATE", "AppState", "build_app", "make_runner", "serve"]
 
 log = logging.getLogger("context_proxy")
 
-_EXCHANGE_PROTOCOLS: Final = frozenset(
-    {Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSAGES, Protocol.COUNT_TOKENS}
-)
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -114,8 +111,7 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
     except BodyError as exc:
         ex.status, ex.outcome, ex.error = exc.status, "rejected", exc.kind
         if exc.kind == "incomplete":
-            log.warning("%s: client closed the connection before the body completed", ex.id)
-            state.metrics.disconnects.labels("body").inc()
+            _gone_mid_body(state, ex)
         resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
         # The rest of the body was never read: close rather than drain it.
         resp.force_close()
@@ -147,8 +143,9 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
                 resp.force_close()  # the rest of the body was never read
             return resp
         if ex.phase is Phase.READING:
-            log.warning("%s: client closed the connection before the body completed", ex.id)
-        _client_gone(state, ex)
+            _gone_mid_body(state, ex)
+        else:
+            _client_gone(state, ex)
         raise
     finally:
         del state.exchanges[ex.id]
@@ -161,6 +158,13 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
+
+
+def _gone_mid_body(state: AppState, ex: Exchange) -> None:
+    """The client hung up before its body completed (seen as a payload error or a cancel)."""
+    log.warning("%s: client closed the connection before the body completed", ex.id)
+    ex.outcome = "client_gone"
+    state.metrics.disconnects.labels(Phase.READING.value).inc()
 
 
 def _client_gone(state: AppState, ex: Exchange) -> None:
@@ -258,7 +262,7 @@ async def _run_exchange(
         body_hint=body_hint if settings.session_from_body else None,
         from_bearer=settings.session_from_bearer,
     )
-    if sid is None and settings.require_session and ex.protocol in _EXCHANGE_PROTOCOLS:
+    if sid is None and settings.require_session and ex.protocol.is_exchange:
         ex.status, ex.outcome, ex.error = 400, "rejected", "session_required"
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
     assert state.upstream is not None
