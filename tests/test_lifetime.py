@@ -34,7 +34,7 @@ import pytest
 import xxhash
 from aiohttp import web
 
-from proxy import body as body_module
+from proxy import coding as coding_module
 from proxy import wire
 from proxy.emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.exchange import SEND_SLICE_BYTES, Exchange, HeldBytes, Phase, Preparer, null_lock
@@ -672,13 +672,13 @@ async def test_release_runs_exactly_once_on_every_early_exit(
     body = encode(conversation(CHAT, turns=16, turn_bytes=1 * MIB))  # 16 MB
     async with await start_emulator() as emulator:
         scene = Scene(emulator, body, monkeypatch)
-        sink_write = body_module._Sink.write
+        sink_write = coding_module.BodySink.write
 
         def spying_write(sink: Any, data: bytes) -> None:
             sink_write(sink, data)
             scene.first_write.set()
 
-        monkeypatch.setattr(body_module._Sink, "write", spying_write)
+        monkeypatch.setattr(coding_module.BodySink, "write", spying_write)
         base = traced_now()
         status, outcome = await EARLY_EXITS[name](scene, http)
         (ex,) = spy
