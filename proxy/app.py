@@ -38,7 +38,8 @@ from .relay import (
     orderly_cancel_reason,
     relay,
 )
-from .sessions import SessionClosed, resolve_session_id
+from .session_ids import resolve_session_id
+from .sessions import SessionClosed
 from .state import STATE, AppState
 
 __all__ = ["STATE", "AppState", "build_app", "make_runner", "serve"]
@@ -74,9 +75,22 @@ _server_log.addFilter(_NoRequestBytes())
 
 
 def _reject(
-    protocol: Protocol, status: int, message: str, state: AppState, *, code: str | None = None
+    protocol: Protocol,
+    status: int,
+    message: str,
+    state: AppState,
+    *,
+    code: str | None = None,
+    retry_after: str | None = None,
 ) -> web.Response:
-    headers = {"Retry-After": str(state.settings.retry_after)} if status == 503 else None
+    """An error answer in the client's protocol; a 503 carries ``Retry-After``.
+
+    ``retry_after`` (whole seconds, as sent) overrides the ``retry_after``
+    setting, e.g. with a tombstone's remaining TTL.
+    """
+    if retry_after is None and status == 503:
+        retry_after = str(state.settings.retry_after)
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
     resp = error_response(protocol, status, message, code=code, headers=headers)
     if state.draining:
         resp.force_close()
@@ -119,9 +133,17 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
     except wire.WireError as exc:
         ex.status, ex.outcome, ex.error = 400, "rejected", "invalid_json"
         return _reject(protocol, 400, str(exc), state, code="invalid_json")
-    except SessionClosed:
+    except SessionClosed as exc:
         ex.status, ex.outcome, ex.error = 503, "rejected", "session_closed"
-        return _reject(protocol, 503, "session closed", state, code="session_closed")
+        # Retrying is pointless until the tombstone expires: say when that is.
+        return _reject(
+            protocol,
+            503,
+            "session closed",
+            state,
+            code="session_closed",
+            retry_after=exc.retry_after_header,
+        )
     except ClientGone:
         _client_gone(state, ex)
         # Raised, an ordinary hang-up would be logged by aiohttp as a server error with

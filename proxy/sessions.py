@@ -1,4 +1,4 @@
-"""Session registry: identity, per-session locks, in-flight tracking, tombstones.
+"""Session registry: per-session locks, in-flight tracking, shutdown, close_all.
 
 DESIGN section 6. Pure asyncio (no aiohttp); one registry per proxy process, used
 only from the server's event loop. The lock rules, which come from real deadlocks:
@@ -24,6 +24,10 @@ object, so it outlives the session's state (close_all and eviction drop state,
 never tracking). Eviction (the ``idle_cap`` LRU) only drops the registry's entry
 (its lock and counters): ``on_close`` is not called and plugins keep their state
 until a ``shutdown_session`` of that id or their own ``shutdown``.
+
+Which session a request belongs to is decided in :mod:`proxy.session_ids`; the
+tombstones are a :class:`~proxy.tombstones.TombstoneStore` (in-process by default,
+injectable so cluster mode can share them).
 """
 
 from __future__ import annotations
@@ -33,19 +37,17 @@ import contextvars
 import dataclasses
 import enum
 import functools
-import hashlib
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Final
 
+from cachetools import LRUCache
+
+from .tombstones import TombstoneSet, TombstoneStore
+
 __all__ = [
-    "BEARER_ID_PREFIX",
-    "DEFAULT_SESSION_HEADERS",
-    "HASHED_ID_PREFIX",
-    "MAX_SESSION_ID_CHARS",
     "SessionCloseError",
     "SessionClosed",
     "SessionInfo",
@@ -55,128 +57,8 @@ __all__ = [
     "SessionStatus",
     "ShutdownResult",
     "Tracking",
-    "bearer_session_id",
-    "normalize_session_id",
-    "resolve_session_id",
     "shutdown_cause",
 ]
-
-# --------------------------------------------------------------------------- identity
-
-DEFAULT_SESSION_HEADERS: Final = ("x-session-id", "x-claude-code-session-id", "session-id")
-"""Header names searched, in order, when the ``session_headers`` setting is not given."""
-
-MAX_SESSION_ID_CHARS: Final = 256
-"""Longest session id (in characters) kept verbatim; longer ones are hashed."""
-
-HASHED_ID_PREFIX: Final = "h:"
-"""Prefix of an id replaced by its digest because it was too long or not printable."""
-
-BEARER_ID_PREFIX: Final = "b:"
-"""Prefix of an id derived from a credential header (always a digest, never the token)."""
-
-# Values of these headers are credentials: an id derived from one is always a digest,
-# because session ids are shown by the admin view and written to logs.
-_CREDENTIAL_HEADERS: Final = frozenset(
-    {"authorization", "proxy-authorization", "x-api-key", "api-key", "x-goog-api-key"}
-)
-
-
-def _digest(value: str) -> str:
-    # surrogatepass: a header decoded with surrogateescape must hash, not raise.
-    data = value.encode("utf-8", "surrogatepass")
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def normalize_session_id(value: str | None) -> str | None:
-    """The session id carried by one raw value, or ``None`` if it carries none.
-
-    Surrounding whitespace is stripped; an empty result is ``None``. Case is
-    preserved. A value longer than :data:`MAX_SESSION_ID_CHARS` characters, or
-    one containing a non-printable character (``str.isprintable``, which
-    excludes control characters such as CR/LF, so an id cannot forge log lines),
-    is replaced by ``"h:" + 32 hex digits`` (BLAKE2b-128 of the stripped value)
-    rather than ignored, so such a client still gets one stable, bounded
-    session. The mapping is idempotent: normalizing a normalized id returns it.
-    """
-    if value is None:
-        return None
-    value = value.strip()
-    if not value:
-        return None
-    if len(value) > MAX_SESSION_ID_CHARS or not value.isprintable():
-        return HASHED_ID_PREFIX + _digest(value)
-    return value
-
-
-def bearer_session_id(authorization: str) -> str | None:
-    """The session id of an ``Authorization: Bearer <token>`` value, or ``None``.
-
-    The auth-scheme is matched case-insensitively (RFC 9110 section 11.1). The
-    id is ``"b:" + 32 hex digits`` (BLAKE2b-128 of the token), never the token
-    itself: the Authorization header is where API keys travel, and session ids
-    appear in the admin view and in logs. The admin layer computes the same id
-    with this function when an operator names a session by its bearer token.
-    """
-    parts = authorization.strip().split(None, 1)
-    if len(parts) != 2 or parts[0].lower() != "bearer":
-        return None
-    token = parts[1].strip()
-    return BEARER_ID_PREFIX + _digest(token) if token else None
-
-
-def resolve_session_id(
-    headers: Mapping[str, str],
-    *,
-    header_order: Sequence[str] = DEFAULT_SESSION_HEADERS,
-    body_hint: str | None = None,
-    from_bearer: bool = False,
-) -> str | None:
-    """Decide the session id of a request, or ``None`` if it names none.
-
-    Sources, first usable one wins:
-
-    1. the headers named in ``header_order`` (the ``session_headers`` setting),
-       in that order, names matched case-insensitively; for a repeated header
-       the first non-blank occurrence counts;
-    2. ``body_hint``: the id found in the body (Responses ``prompt_cache_key``,
-       Anthropic ``metadata.user_id``), computed by the wire module;
-    3. only if ``from_bearer``: ``Authorization: Bearer <token>``, as the
-       digest described in :func:`bearer_session_id`.
-
-    Blank values are skipped; every value goes through
-    :func:`normalize_session_id` (length bound, case preserved). A header named
-    in ``header_order`` that carries credentials (``authorization``,
-    ``x-api-key``, ...) is digested like a bearer token. Works with a plain
-    ``dict`` as well as a case-insensitive multidict; O(number of headers).
-    """
-    slots: dict[str, int] = {}
-    for position, name in enumerate(header_order):
-        slots.setdefault(name.lower(), position)
-    found: list[str | None] = [None] * len(header_order)
-    authorization: str | None = None
-    for name, value in headers.items():
-        key = name.lower()
-        index = slots.get(key)
-        if index is not None:
-            if found[index] is None:
-                if key in _CREDENTIAL_HEADERS:
-                    stripped = value.strip()
-                    found[index] = BEARER_ID_PREFIX + _digest(stripped) if stripped else None
-                else:
-                    found[index] = normalize_session_id(value)
-        elif from_bearer and key == "authorization" and authorization is None:
-            authorization = value
-    for sid in found:
-        if sid is not None:
-            return sid
-    hint = normalize_session_id(body_hint)
-    if hint is not None:
-        return hint
-    if authorization is not None:
-        return bearer_session_id(authorization)
-    return None
-
 
 # --------------------------------------------------------------------------- results, errors
 
@@ -194,6 +76,14 @@ class SessionClosed(Exception):
         super().__init__(f"session {sid!r} is closed")
         self.sid: Final = sid
         self.retry_after: Final = retry_after
+
+    @property
+    def retry_after_header(self) -> str:
+        """``retry_after`` as a ``Retry-After`` value: whole seconds, rounded up.
+
+        RFC 9110 section 10.2.3 allows only a non-negative integer of seconds (or a date).
+        """
+        return str(max(0, math.ceil(self.retry_after)))
 
 
 class SessionCloseError(Exception):
@@ -479,6 +369,26 @@ def _check_non_negative(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
+class _IdleSessions(LRUCache[str, _Session]):
+    """The idle sessions, least recently used first; evicting one drops its entry.
+
+    cachetools' documented way to act on an eviction is to override
+    ``popitem``, which the cache calls when an insertion passes ``maxsize``
+    (``clear`` does not call it). The pinning rule holds because the registry
+    inserts only sessions with nothing in flight, no task in their lock and no
+    failed cleanup, and removes a session the moment it is pinned again.
+    """
+
+    def __init__(self, maxsize: int, on_evict: Callable[[_Session], None]) -> None:
+        super().__init__(maxsize)
+        self._on_evict = on_evict
+
+    def popitem(self) -> tuple[str, _Session]:
+        sid, victim = super().popitem()
+        self._on_evict(victim)
+        return sid, victim
+
+
 # --------------------------------------------------------------------------- registry
 
 
@@ -493,9 +403,13 @@ class SessionRegistry:
         tombstone_ttl: seconds (finite, >= 0) a tombstone outlives the completion
             of its shutdown, measured with ``clock``; expired tombstones are
             dropped lazily on access and in bulk.
-        tombstone_cap: most completed tombstones kept (>= 0); the oldest is
-            dropped first, so closing millions of sessions stays bounded.
+        tombstone_cap: most completed tombstones kept (>= 0), so closing
+            millions of sessions stays bounded (see :class:`TombstoneSet`).
         clock: monotonic seconds; injectable for tests.
+        tombstones: the tombstone store to use instead of a
+            :class:`TombstoneSet` built from ``tombstone_ttl``,
+            ``tombstone_cap`` and ``clock`` (cluster mode shares one); give
+            either it or those two settings.
         on_close: awaited with the session id when a session is archived (the
             plugins' ``session_closed``); runs under the session's lock. If it
             raises, the session is kept and the error is reported.
@@ -514,8 +428,6 @@ class SessionRegistry:
         "_inflight",
         "_on_close",
         "_sessions",
-        "_tombstone_cap",
-        "_tombstone_ttl",
         "_tombstones",
         "evictions",
     )
@@ -524,27 +436,34 @@ class SessionRegistry:
         self,
         *,
         idle_cap: int,
-        tombstone_ttl: float,
-        tombstone_cap: int,
+        tombstone_ttl: float | None = None,
+        tombstone_cap: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_close: Callable[[str], Awaitable[None]] | None = None,
+        tombstones: TombstoneStore | None = None,
     ) -> None:
         _check_non_negative("idle_cap", idle_cap)
-        _check_non_negative("tombstone_ttl", tombstone_ttl)
-        _check_non_negative("tombstone_cap", tombstone_cap)
+        if tombstones is None:
+            if tombstone_ttl is None or tombstone_cap is None:
+                raise TypeError("give tombstone_ttl and tombstone_cap, or a tombstone store")
+            tombstones = TombstoneSet(ttl=tombstone_ttl, cap=tombstone_cap, clock=clock)
+        elif tombstone_ttl is not None or tombstone_cap is not None:
+            raise TypeError("give tombstone_ttl and tombstone_cap, or a tombstone store, not both")
         self._idle_cap = idle_cap
-        self._tombstone_ttl = float(tombstone_ttl)
-        self._tombstone_cap = tombstone_cap
         self._clock = clock
         self._on_close = on_close
         self._sessions: dict[str, _Session] = {}
         self._detached: dict[str, _Session] = {}
-        # Subset of _sessions that may be evicted, least recently used first.
-        self._idle: OrderedDict[str, _Session] = OrderedDict()
+        # Subset of _sessions that may be evicted, least recently used first. Only
+        # unpinned sessions ever enter it (see _unpin), so the cache's own eviction
+        # can never drop a session with work in flight or a task in its lock.
+        self._idle: _IdleSessions | None = (
+            _IdleSessions(idle_cap, self._evict) if idle_cap > 0 else None
+        )
         self._inflight: dict[str, set[Tracking]] = {}
         self._in_flight_total = 0
-        # Completed shutdowns: sid -> expiry; insertion order is expiry order.
-        self._tombstones: OrderedDict[str, float] = OrderedDict()
+        # Completed shutdowns (tombstoned for their TTL).
+        self._tombstones: Final[TombstoneStore] = tombstones
         # Shutdowns in progress (tombstoned until done): sid -> the shared task.
         self._closing: dict[str, asyncio.Task[ShutdownResult]] = {}
         self.evictions = 0
@@ -552,44 +471,20 @@ class SessionRegistry:
 
     # ----------------------------------------------------------------- tombstones
 
-    def _prune_tombstones(self, now: float) -> None:
-        tombstones = self._tombstones
-        while tombstones:
-            sid, expires = next(iter(tombstones.items()))
-            if now < expires:
-                break
-            del tombstones[sid]
-
-    def _tombstone_expiry(self, sid: str, now: float) -> float | None:
-        """Expiry of the completed, unexpired tombstone of ``sid``, else ``None``."""
-        self._prune_tombstones(now)
-        expires = self._tombstones.get(sid)
-        if expires is None:
-            return None
-        if now >= expires:  # out of order only if the clock went backwards
-            del self._tombstones[sid]
-            return None
-        return expires
-
-    def _add_tombstone(self, sid: str) -> None:
-        now = self._clock()
-        self._tombstones.pop(sid, None)
-        self._tombstones[sid] = now + self._tombstone_ttl
-        self._prune_tombstones(now)
-        while len(self._tombstones) > self._tombstone_cap:
-            self._tombstones.popitem(last=False)
-
     def is_tombstoned(self, sid: str) -> bool:
         """Whether ``sid`` is being shut down or was shut down less than the TTL ago."""
-        if sid in self._closing:
-            return True
-        return self._tombstone_expiry(sid, self._clock()) is not None
+        return sid in self._closing or sid in self._tombstones
 
     @property
     def tombstone_count(self) -> int:
         """Completed, unexpired tombstones kept (at most ``tombstone_cap``)."""
-        self._prune_tombstones(self._clock())
-        return len(self._tombstones)
+        return self._tombstones.count()
+
+    def _refuse_tombstoned(self, sid: str) -> None:
+        """Raise :class:`SessionClosed` if ``sid`` has a live, completed tombstone."""
+        remaining = self._tombstones.remaining_ttl(sid)
+        if remaining is not None:
+            raise SessionClosed(sid, remaining)
 
     def admit(self, sid: str) -> None:
         """Refuse a new request for a tombstoned session; creates no state.
@@ -601,11 +496,8 @@ class SessionRegistry:
             SessionClosed: ``sid`` is tombstoned.
         """
         if sid in self._closing:
-            raise SessionClosed(sid, self._tombstone_ttl)
-        now = self._clock()
-        expires = self._tombstone_expiry(sid, now)
-        if expires is not None:
-            raise SessionClosed(sid, expires - now)
+            raise SessionClosed(sid, self._tombstones.ttl)
+        self._refuse_tombstoned(sid)
 
     # ----------------------------------------------------------------- entries, LRU
 
@@ -622,7 +514,7 @@ class SessionRegistry:
         return session
 
     def _pin(self, session: _Session) -> None:
-        if session.state is _State.LIVE:
+        if session.state is _State.LIVE and self._idle is not None:
             self._idle.pop(session.sid, None)
 
     def _unpin(self, session: _Session) -> None:
@@ -632,12 +524,16 @@ class SessionRegistry:
             and not session.close_failed
             and session.sid not in self._inflight
         ):
-            self._idle[session.sid] = session
-            self._idle.move_to_end(session.sid)
-            while len(self._idle) > self._idle_cap:
-                _, victim = self._idle.popitem(last=False)
-                self._drop(victim, _State.EVICTED)
-                self.evictions += 1
+            if self._idle is None:
+                self._evict(session)  # idle_cap 0: no idle session is kept
+            else:
+                # Most recently used; the cache evicts its least recently used one
+                # (through _evict) when this passes idle_cap.
+                self._idle[session.sid] = session
+
+    def _evict(self, session: _Session) -> None:
+        self._drop(session, _State.EVICTED)
+        self.evictions += 1
 
     def _drop(self, session: _Session, state: _State) -> None:
         sid = session.sid
@@ -645,7 +541,7 @@ class SessionRegistry:
             del self._sessions[sid]
         if self._detached.get(sid) is session:
             del self._detached[sid]
-        if self._idle.get(sid) is session:
+        if self._idle is not None and sid in self._idle:
             del self._idle[sid]
         session.state = state
 
@@ -681,10 +577,7 @@ class SessionRegistry:
             # Both checks before creating anything, so a refused call leaves no entry.
             _refuse_while_holding("taking a session lock")
             if not for_shutdown:
-                now = self._clock()
-                expires = self._tombstone_expiry(sid, now)
-                if expires is not None:
-                    raise SessionClosed(sid, expires - now)
+                self._refuse_tombstoned(sid)
             session = self._get_or_create(sid)
             hold = _Hold(self, session, pin=True)
             await hold.acquire()
@@ -693,8 +586,9 @@ class SessionRegistry:
             hold.release()
             if for_shutdown:
                 return None
-            if self.is_tombstoned(sid):
-                raise SessionClosed(sid, self._tombstone_ttl)
+            if sid in self._closing:
+                raise SessionClosed(sid, self._tombstones.ttl)
+            self._refuse_tombstoned(sid)
 
     # ----------------------------------------------------------------- in-flight
 
@@ -840,7 +734,7 @@ class SessionRegistry:
         if running is not None:
             return running
         loop = asyncio.get_running_loop()
-        if self._tombstone_expiry(sid, self._clock()) is not None and self._find(sid) is None:
+        if sid in self._tombstones and self._find(sid) is None:
             done: asyncio.Future[ShutdownResult] = loop.create_future()
             done.set_result(ShutdownResult(sid=sid, finished=0, cancelled=0, already_closed=True))
             return done
@@ -848,7 +742,7 @@ class SessionRegistry:
         # before this line is in `tokens`; any later one is refused.
         tokens = tuple(self._inflight.get(sid, ()))
         target = self._find(sid)
-        self._tombstones.pop(sid, None)
+        self._tombstones.discard(sid)
         # A fresh context: the shutdown belongs to no caller and inherits no held lock.
         task = loop.create_task(
             self._run_shutdown(sid, target, tokens, timeout), context=contextvars.Context()
@@ -862,7 +756,7 @@ class SessionRegistry:
     def _shutdown_done(self, sid: str, task: asyncio.Task[ShutdownResult]) -> None:
         if self._closing.get(sid) is task:
             del self._closing[sid]
-        self._add_tombstone(sid)
+        self._tombstones.add(sid)
         if not task.cancelled():
             # Retrieved here so an abandoned caller does not log "never retrieved";
             # the failure stays visible as close_failed on the kept entry.
@@ -977,7 +871,8 @@ class SessionRegistry:
         _refuse_while_holding("close_all()")
         detached = list(self._sessions.values())
         self._sessions.clear()
-        self._idle.clear()
+        if self._idle is not None:
+            self._idle.clear()  # not popitem(): nothing here is evicted
         for session in detached:
             session.state = _State.DETACHED
             self._detached[session.sid] = session

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable
@@ -25,7 +26,7 @@ from multidict import CIMultiDictProxy
 from proxy import Plugin
 from proxy.emulator import DEFAULT_TEXT
 from proxy.plugins import ExchangeRecord, PrepareContext
-from proxy.sessions import bearer_session_id
+from proxy.session_ids import bearer_session_id
 from proxy.testing import proxy_with_emulator
 from proxy.wire import WireMetadata
 from tests.test_e2e_support import Event, request_body, sse_events, streamed_text, wait_until
@@ -363,12 +364,14 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
             delete = asyncio.create_task(http.delete(f"{h.url}/admin/sessions/{sid}"))
             await wait_until(lambda: h.state.registry.is_tombstoned(sid), "tombstoned", BOUND_S)
 
-            # Late requests are refused in their own protocol's shape, with Retry-After.
+            # Late requests are refused in their own protocol's shape, with Retry-After:
+            # while the shutdown runs, the whole TTL (it starts when the shutdown ends),
+            # not the proxy's generic retry_after.
             late_chat = await call(http, h.url + CHAT, request_body(CHAT, "late"), session)
             late_msg = await call(http, h.url + MESSAGES, request_body(MESSAGES, "late"), session)
             assert late_chat.status == 503 and late_msg.status == 503
             for late in (late_chat, late_msg):
-                assert int(late.headers["Retry-After"]) >= 0
+                assert late.headers["Retry-After"] == str(math.ceil(TOMBSTONE_TTL_S))
             assert late_chat.json()["error"]["code"] == "session_closed"
             assert "session closed" in late_chat.json()["error"]["message"]
             assert late_msg.json()["type"] == "error"
@@ -412,11 +415,16 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
         assert (await again.json())["already_closed"] is True
         assert recorder.closed == [sid]
 
-        # The tombstone outlives the shutdown by its TTL, then expires.
-        clock.advance(TOMBSTONE_TTL_S - 1)
+        # The tombstone outlives the shutdown by its TTL, then expires; Retry-After is
+        # what is left of it, in whole seconds rounded up.
+        clock.advance(20.25)
+        partway = await call(http, h.url + MESSAGES, request_body(MESSAGES, "late"), session)
+        assert partway.status == 503
+        assert partway.headers["Retry-After"] == str(math.ceil(TOMBSTONE_TTL_S - 20.25))
+        clock.advance(TOMBSTONE_TTL_S - 1 - 20.25)
         still = await call(http, h.url + CHAT, request_body(CHAT, "late"), session)
         assert still.status == 503
-        assert int(still.headers["Retry-After"]) >= 0
+        assert still.headers["Retry-After"] == "1"
         clock.advance(2)
         fresh = await call(http, h.url + CHAT, request_body(CHAT, "fresh"), session)
         assert fresh.status == 200 and streamed_text(CHAT, fresh.events) == DEFAULT_TEXT

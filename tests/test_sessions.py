@@ -1,4 +1,4 @@
-"""Session registry: identity, lock rules, in-flight tracking, tombstones, close_all.
+"""Session registry: lock rules, in-flight tracking, tombstones, close_all.
 
 Ordering is done with asyncio.Event and an injected clock, never with sleeps. The
 only wall-clock waits are the shutdown grace period under test (GRACE_S) and the
@@ -11,19 +11,14 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from multidict import CIMultiDict
 
 from proxy.sessions import (
-    MAX_SESSION_ID_CHARS,
     SessionClosed,
     SessionCloseError,
     SessionRegistry,
     SessionShutdown,
     ShutdownResult,
     _Session,
-    bearer_session_id,
-    normalize_session_id,
-    resolve_session_id,
     shutdown_cause,
 )
 
@@ -67,49 +62,6 @@ async def touch(registry: SessionRegistry, sid: str) -> None:
     with registry.track(sid):
         async with registry.locked(sid):
             pass
-
-
-# --------------------------------------------------------------------------- identity
-
-
-def test_headers_are_searched_in_configured_order_case_insensitively() -> None:
-    headers = {"Session-Id": "from-session-id", "X-Claude-Code-Session-Id": "CC-Sess-1"}
-    assert resolve_session_id(headers, body_hint="hint") == "CC-Sess-1"
-    reordered = ["session-id", "x-claude-code-session-id"]
-    assert resolve_session_id(headers, header_order=reordered) == "from-session-id"
-
-
-def test_blank_sources_are_skipped_down_to_body_hint_then_bearer() -> None:
-    headers = {"x-session-id": "   ", "Authorization": "Bearer  tok-123 "}
-    assert resolve_session_id(headers, body_hint=" \t") is None
-    assert resolve_session_id(headers, body_hint="cache-key-7") == "cache-key-7"
-    sid = resolve_session_id(headers, body_hint=None, from_bearer=True)
-    assert sid is not None and sid == bearer_session_id("bearer tok-123")
-    assert sid.startswith("b:") and "tok-123" not in sid
-    assert resolve_session_id({"authorization": "Basic dXNlcg=="}, from_bearer=True) is None
-
-
-def test_repeated_header_uses_first_non_blank_value() -> None:
-    headers = CIMultiDict([("X-Session-Id", ""), ("x-session-id", "second"), ("x-session-id", "3")])
-    assert resolve_session_id(headers) == "second"
-
-
-def test_ids_keep_case_and_overlong_or_unprintable_ones_are_hashed() -> None:
-    assert normalize_session_id("  MixedCase-ID ") == "MixedCase-ID"
-    at_limit = "A" * MAX_SESSION_ID_CHARS
-    assert normalize_session_id(at_limit) == at_limit
-    hashed = normalize_session_id(at_limit + "A")
-    assert hashed is not None and hashed.startswith("h:") and len(hashed) == 34
-    assert normalize_session_id(at_limit + "A") == hashed  # stable
-    assert normalize_session_id(at_limit + "B") != hashed
-    assert normalize_session_id(hashed) == hashed  # idempotent
-    forged = normalize_session_id("abc\r\nx-admin: 1")
-    assert forged is not None and forged.startswith("h:")
-
-
-def test_credential_header_named_as_session_source_is_never_exposed() -> None:
-    sid = resolve_session_id({"X-Api-Key": "sk-secret-1"}, header_order=["x-api-key"])
-    assert sid is not None and sid.startswith("b:") and "sk-secret" not in sid
 
 
 # --------------------------------------------------------------------------- lock rules
@@ -363,6 +315,29 @@ async def test_idle_lru_evicts_least_recently_used_and_never_a_pinned_session() 
     assert {info.id for info in registry.snapshot()} == {"e", "pinned"}
     assert registry.evictions == 4
     assert closed == []  # eviction drops the registry's entry only
+
+
+async def test_a_session_whose_lock_is_held_is_never_evicted_even_with_no_idle_room() -> None:
+    registry = make_registry(idle_cap=0)
+    in_commit, commit_done = asyncio.Event(), asyncio.Event()
+
+    async def slow_commit() -> None:
+        async with registry.locked("busy"):  # a commit, after the exchange left track()
+            in_commit.set()
+            await commit_done.wait()
+
+    task = asyncio.create_task(slow_commit())
+    async with asyncio.timeout(BOUND_S):
+        await in_commit.wait()
+        for sid in ("a", "b"):
+            await touch(registry, sid)  # idle at once, and idle_cap 0 keeps none
+        busy = registry.info("busy")
+        assert busy is not None and busy.locked
+        assert [info.id for info in registry.snapshot()] == ["busy"]
+        assert registry.evictions == 2
+        commit_done.set()
+        await task
+    assert registry.snapshot() == [] and registry.evictions == 3
 
 
 # --------------------------------------------------------------------------- shutdown_session

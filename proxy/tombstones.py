@@ -1,0 +1,138 @@
+"""Tombstones: the ids of sessions shut down recently, so late requests get 503 (pure).
+
+docs/design.md §6. A tombstone is set when a session's shutdown completes and
+lives ``ttl`` seconds; while it lives, a request for that session is refused with
+503 "session closed" and ``Retry-After`` = the tombstone's remaining lifetime. The
+number kept is capped so that closing millions of sessions stays bounded.
+
+:class:`TombstoneStore` is the seam the session registry codes against: the
+in-process :class:`TombstoneSet` here, and a Redis-backed store in cluster mode
+(docs/design.md §9) whose tombstones are Redis keys with a TTL. The interface is
+synchronous because admission checks a tombstone and registers the exchange in
+one synchronous step (lock rule 5: no request may slip between the tombstone and
+the in-flight snapshot); a shared store answers from state it keeps locally
+up to date, and does its round trips outside those steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Final, Protocol
+
+from cachetools import TTLCache
+
+__all__ = ["TombstoneSet", "TombstoneStore"]
+
+
+class TombstoneStore(Protocol):
+    """What the session registry needs from a tombstone store.
+
+    Times are seconds of the store's own clock. Every method is synchronous,
+    runs on the event loop and must not block.
+    """
+
+    @property
+    def ttl(self) -> float:
+        """Seconds a tombstone lives after :meth:`add` (finite, >= 0)."""
+        ...
+
+    def add(self, sid: str) -> None:
+        """Tombstone ``sid`` for :attr:`ttl` seconds from now (re-adding restarts the TTL)."""
+        ...
+
+    def discard(self, sid: str) -> None:
+        """Drop the tombstone of ``sid`` if there is one (a retried shutdown re-adds it)."""
+        ...
+
+    def remaining_ttl(self, sid: str) -> float | None:
+        """Seconds until the tombstone of ``sid`` expires (> 0), or ``None`` if it has none."""
+        ...
+
+    def __contains__(self, sid: object) -> bool:
+        """Whether ``sid`` has an unexpired tombstone."""
+        ...
+
+    def count(self) -> int:
+        """Unexpired tombstones kept."""
+        ...
+
+
+class TombstoneSet:
+    """In-process tombstones with a TTL and a count cap (a :class:`TombstoneStore`).
+
+    Backed by :class:`cachetools.TTLCache`: expired tombstones are dropped
+    lazily on access and in bulk on every insertion, so memory stays
+    O(``cap``). When the cap is reached, the least recently consulted
+    tombstone goes first (the cache's LRU order; with no lookups in between,
+    that is the oldest): one that late clients still hit is the one worth
+    keeping.
+
+    Args:
+        ttl: seconds (finite, >= 0) a tombstone lives after :meth:`add`; 0
+            keeps none alive.
+        cap: most tombstones kept (>= 0); 0 keeps none.
+        clock: monotonic seconds; injectable for tests.
+
+    Raises:
+        ValueError: ``ttl`` or ``cap`` is negative or not finite.
+    """
+
+    __slots__ = ("_cache", "_clock", "_ttl")
+
+    def __init__(
+        self, *, ttl: float, cap: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        _check_non_negative("tombstone_ttl", ttl)
+        _check_non_negative("tombstone_cap", cap)
+        self._ttl: Final = float(ttl)
+        self._clock: Final = clock
+        # The value is the expiry (clock seconds), for remaining_ttl; the cache
+        # applies the same expiry itself. None with cap 0: cachetools refuses
+        # maxsize 0 for a store, and a cap of 0 means "keep nothing".
+        self._cache: Final[TTLCache[str, float] | None] = (
+            TTLCache(maxsize=int(cap), ttl=self._ttl, timer=clock) if cap > 0 else None
+        )
+
+    @property
+    def ttl(self) -> float:
+        """Seconds a tombstone lives after :meth:`add`."""
+        return self._ttl
+
+    def add(self, sid: str) -> None:
+        """Tombstone ``sid`` for :attr:`ttl` seconds; evicts one when over the cap."""
+        cache = self._cache
+        if cache is None:
+            return
+        # One clock reading for the stored expiry and the cache's own.
+        with cache.timer as now:
+            cache[sid] = now + self._ttl
+
+    def discard(self, sid: str) -> None:
+        """Drop the tombstone of ``sid``, if any."""
+        if self._cache is not None:
+            self._cache.pop(sid, None)
+
+    def remaining_ttl(self, sid: str) -> float | None:
+        """Seconds until the tombstone of ``sid`` expires, or ``None`` if it has none."""
+        cache = self._cache
+        if cache is None:
+            return None
+        with cache.timer as now:
+            expires = cache.get(sid)
+        if expires is None or now >= expires:
+            return None
+        return expires - now
+
+    def __contains__(self, sid: object) -> bool:
+        return self._cache is not None and sid in self._cache
+
+    def count(self) -> int:
+        """Unexpired tombstones kept (at most ``cap``)."""
+        return 0 if self._cache is None else len(self._cache)
+
+
+def _check_non_negative(name: str, value: float) -> None:
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
