@@ -649,7 +649,7 @@ def _held_text(samples: Sequence[Sample]) -> str:
     phases = sorted({str(ex["phase"]) for ex in held.held_admin})
     kinds = {
         kind: sum(int(ex["held_bytes"][kind]) for ex in held.held_admin)
-        for kind in ("raw", "parsed", "outbound")
+        for kind in ("raw", "parsed", "outbound", "response")
     }
     detail = ", ".join(f"{k} {rpt.fmt_bytes(v)}" for k, v in kinds.items() if v)
     where = "/".join(phases) or "-"

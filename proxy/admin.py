@@ -161,6 +161,7 @@ async def list_exchanges(request: web.Request) -> web.Response:
                     "raw": held.raw,
                     "parsed": held.parsed,
                     "outbound": held.outbound,
+                    "response": held.response,
                     "total": held.total,
                 },
                 "age_s": round(ex.age(), 3),

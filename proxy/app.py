@@ -27,7 +27,7 @@ from . import protocols, wire
 from .admin import add_admin_routes
 from .body import BodyError, check_content_length, read_body
 from .config import Settings
-from .exchange import Exchange, Phase, Preparer, null_lock
+from .exchange import Exchange, Outcome, Phase, Preparer, null_lock
 from .plugins import ExchangeRecord, PluginHost, load_plugins
 from .protocols import Protocol
 from .relay import (
@@ -123,7 +123,7 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
     try:
         return await _run_exchange(request, state, ex, route.upstream, task)
     except BodyError as exc:
-        ex.status, ex.outcome, ex.error = exc.status, "rejected", exc.kind
+        ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
         if exc.kind == "incomplete":
             _gone_mid_body(state, ex)
         resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
@@ -131,10 +131,10 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         resp.force_close()
         return resp
     except wire.WireError as exc:
-        ex.status, ex.outcome, ex.error = 400, "rejected", "invalid_json"
+        ex.conclude(400, Outcome.REJECTED, "invalid_json")
         return _reject(protocol, 400, str(exc), state, code="invalid_json")
     except SessionClosed as exc:
-        ex.status, ex.outcome, ex.error = 503, "rejected", "session_closed"
+        ex.conclude(503, Outcome.REJECTED, "session_closed")
         # Retrying is pointless until the tombstone expires: say when that is.
         return _reject(
             protocol,
@@ -159,7 +159,7 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
             # An orderly stop (session shutdown, drain) before the relay answered, e.g.
             # in prepare: the client gets a 503 in its protocol, not a dropped connection.
             task.uncancel()
-            ex.status, ex.outcome, ex.error = 503, "cancelled", reason
+            ex.conclude(503, Outcome.CANCELLED, reason)
             resp = _reject(protocol, 503, reason, state, code="unavailable")
             if ex.phase is Phase.READING:
                 resp.force_close()  # the rest of the body was never read
@@ -176,7 +176,7 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         if ex.meta is not None and ex.phase is not Phase.COMMITTED:
             # Not committed inline (an early answer, an error, a client gone):
             # commit in the background so a cancelled handler still books it.
-            state.spawn(_commit(state, ex.commit_record()))
+            state.spawn(_commit(state, ex.begin_commit()))
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
@@ -185,13 +185,12 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
 def _gone_mid_body(state: AppState, ex: Exchange) -> None:
     """The client hung up before its body completed (seen as a payload error or a cancel)."""
     log.warning("%s: client closed the connection before the body completed", ex.id)
-    ex.outcome = "client_gone"
+    ex.set_outcome(Outcome.CLIENT_GONE, ex.error)
     state.metrics.disconnects.labels(Phase.READING.value).inc()
 
 
 def _client_gone(state: AppState, ex: Exchange) -> None:
-    if ex.outcome in ("ok", "upstream_error"):
-        ex.outcome = "client_gone"
+    ex.client_gone()
     state.metrics.disconnects.labels(ex.phase.value).inc()
 
 
@@ -220,7 +219,7 @@ def _over_reading_budget(state: AppState, declared: int) -> bool:
 
 
 def _busy(ex: Exchange, state: AppState) -> web.Response:
-    ex.status, ex.outcome, ex.error = 503, "rejected", "busy"
+    ex.conclude(503, Outcome.REJECTED, "busy")
     resp = _reject(ex.protocol, 503, _BUSY, state, code="busy")
     resp.force_close()  # the body was never read
     return resp
@@ -244,7 +243,7 @@ async def _run_exchange(
         if _over_reading_budget(state, declared):
             return _busy(ex, state)
         state.reading_bytes += declared
-        ex.reading_bytes = declared
+        ex.start_reading(declared)
         try:
             result = await read_body(
                 request.content,
@@ -256,7 +255,7 @@ async def _run_exchange(
             )
         finally:
             state.reading_bytes -= declared
-            ex.reading_bytes = 0
+            ex.end_reading()
         try:
             meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
         except wire.WireError:
@@ -285,7 +284,7 @@ async def _run_exchange(
         from_bearer=settings.session_from_bearer,
     )
     if sid is None and settings.require_session and ex.protocol.is_exchange:
-        ex.status, ex.outcome, ex.error = 400, "rejected", "session_required"
+        ex.conclude(400, Outcome.REJECTED, "session_required")
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
     assert state.upstream is not None
     with state.registry.track(sid, task):
@@ -299,7 +298,7 @@ async def _run_exchange(
             )
             await ex.prepare()
         else:
-            ex.session_id = sid
+            ex.set_session(sid)
         response = await relay(
             request,
             ex,
@@ -320,7 +319,7 @@ async def _run_exchange(
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
             if ex.meta is not None:
-                await _commit(state, ex.commit_record())
+                await _commit(state, ex.begin_commit())
         return response
 
 

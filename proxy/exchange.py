@@ -14,6 +14,8 @@ outbound    raw itself, or the re-serialized body           :meth:`release` unle
                                                             :meth:`drop_outbound`,
                                                             :meth:`close`
 preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :meth:`close`
+response    the relay's held stream head, JSON head and     the relay; accounted here
+            partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
 ==========  ==============================================  ==========================
 
 ``release()`` is the boundary: as soon as no refold can follow (the upstream
@@ -25,6 +27,11 @@ once per exchange), and :meth:`Exchange.close`, which the handler calls in
 ``finally``, runs it on every early exit. Buffers live in small weak-referenceable
 holders (``bytes``, ``bytearray`` and ``dict`` cannot be weak-referenced) so
 tests can put a finalizer on them.
+
+The phase is a state machine: :data:`TRANSITIONS` lists every legal move and
+any other raises :class:`IllegalTransition`. The bookkeeping scalars (status,
+outcome, error, byte counts, usage, retries) are written only through the
+named methods in the "bookkeeping" section below, never assigned from outside.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Final
 
@@ -47,9 +54,13 @@ from .protocols import Protocol
 from .wire import WireMetadata
 
 __all__ = [
+    "TRANSITIONS",
     "BodyHolder",
     "Exchange",
     "HeldBytes",
+    "IllegalTransition",
+    "Observer",
+    "Outcome",
     "ParsedHolder",
     "Phase",
     "Preparer",
@@ -83,6 +94,56 @@ class Phase(enum.Enum):
     CLOSED = "closed"
 
 
+_EARLY_END: Final = frozenset({Phase.COMMITTED, Phase.CLOSED})
+
+#: Every legal phase move: ``TRANSITIONS[old]`` is the set of phases ``old`` may go to.
+#: Forward along the list, plus the loops: ``sent → prepared`` (a refold re-runs
+#: prepare after an overflow), ``accepted → sent`` (a fake-completion resend of an
+#: accepted stream) and ``sent → sent`` (a resend of a Responses stream held before
+#: acceptance). A request without a body goes from ``reading`` straight to ``sent``,
+#: a passthrough body from ``parsed``. A refold that shrank nothing goes from
+#: ``prepared`` to ``accepted``: the upstream's answer to the last send stands
+#: (its error goes to the client). Any phase before ``committed`` may end early
+#: (an error answer, a client gone) in ``committed`` or ``closed``.
+TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = {
+    Phase.READING: frozenset({Phase.PARSED, Phase.SENT}) | _EARLY_END,
+    Phase.PARSED: frozenset({Phase.PREPARED, Phase.SENT}) | _EARLY_END,
+    Phase.PREPARED: frozenset({Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
+    Phase.SENT: frozenset({Phase.PREPARED, Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
+    Phase.ACCEPTED: frozenset({Phase.SENT, Phase.STREAMING}) | _EARLY_END,
+    Phase.STREAMING: _EARLY_END,
+    Phase.COMMITTED: frozenset({Phase.CLOSED}),
+    Phase.CLOSED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A phase move that :data:`TRANSITIONS` does not allow (a bug in the caller)."""
+
+    def __init__(self, exchange_id: str, old: Phase, new: Phase) -> None:
+        super().__init__(f"{exchange_id}: illegal phase move {old.value} -> {new.value}")
+        self.old = old
+        self.new = new
+
+
+class Outcome(enum.StrEnum):
+    """What really happened to an exchange; the value is what records, logs and metrics carry."""
+
+    OK = "ok"
+    CLIENT_GONE = "client_gone"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    STREAM_ERROR = "stream_error"
+    ERROR = "error"
+
+
+#: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
+Observer = Callable[["Exchange", Phase, Phase], object]
+
+
 class BodyHolder:
     """Weak-referenceable owner of one body buffer (``bytes`` or ``bytearray``)."""
 
@@ -112,16 +173,22 @@ class ParsedHolder:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class HeldBytes:
-    """Bytes an exchange holds right now, by kind. ``parsed`` is an estimate."""
+    """Bytes an exchange holds right now, by kind. ``parsed`` is an estimate.
+
+    ``response`` is what the response side holds (the stream head held while a
+    refold or resend is possible, the JSON head kept for usage, the partial-event
+    tail), as last reported through :meth:`Exchange.hold_response`.
+    """
 
     raw: int
     parsed: int
     outbound: int
+    response: int = 0
 
     @property
     def total(self) -> int:
-        """``raw + parsed + outbound`` in bytes."""
-        return self.raw + self.parsed + self.outbound
+        """``raw + parsed + outbound + response`` in bytes."""
+        return self.raw + self.parsed + self.outbound + self.response
 
 
 class Preparer:
@@ -162,11 +229,19 @@ class Exchange:
         on_release: called with the number of bytes each drop let go (the
             app hands them to :class:`proxy._alloc.Allocator` so freed pages
             go back to the OS).
+        observer: called as ``observer(exchange, old_phase, new_phase)`` after
+            every phase move (tests watch an exchange through it).
+
+    Raises:
+        IllegalTransition: from any method whose phase move
+            :data:`TRANSITIONS` does not allow.
     """
 
     __slots__ = (
+        "_complete",
         "_outbound",
         "_parsed",
+        "_phase",
         "_preparer",
         "_raw",
         "error",
@@ -175,18 +250,19 @@ class Exchange:
         "keep_for_resend",
         "meta",
         "method",
+        "observer",
         "on_release",
         "outbound_digest",
         "outbound_size",
         "outcome",
         "path",
-        "phase",
         "protocol",
         "query",
         "reading_bytes",
         "refolds",
         "releases",
         "response_bytes",
+        "response_held",
         "retries",
         "session_id",
         "started",
@@ -205,6 +281,7 @@ class Exchange:
         query: str = "",
         keep_for_resend: bool = False,
         on_release: Callable[[int], object] | None = None,
+        observer: Observer | None = None,
     ) -> None:
         self.id: Final = f"ex-{next(_ids)}"
         self.protocol: Final = protocol
@@ -213,10 +290,11 @@ class Exchange:
         self.query: Final = query
         self.keep_for_resend = keep_for_resend
         self.on_release = on_release
+        self.observer = observer
         #: While reading: the body bytes admitted for this request (its declared
         #: length), counted as ``raw`` by :meth:`held_bytes` until the body arrives.
         self.reading_bytes = 0
-        self.phase = Phase.READING
+        self._phase = Phase.READING
         self.started: Final = time.monotonic()
         self.started_wall: Final = time.time()
         self._raw: BodyHolder | None = None
@@ -232,25 +310,74 @@ class Exchange:
         self.outbound_size = 0
         self.outbound_digest: str | None = None
         self.status = 0
-        self.outcome = "ok"
+        self.outcome = Outcome.OK
         self.error: str | None = None
+        self._complete = False
         self.response_bytes = 0
+        #: Bytes the response side holds now (see :meth:`hold_response`).
+        self.response_held = 0
         self.ttfb: float | None = None
         self.usage: tuple[int | None, int | None, int | None] = (None, None, None)
 
+    # -------------------------------------------------------------------- phase
+
+    @property
+    def phase(self) -> Phase:
+        """The current phase; it changes only through the methods below."""
+        return self._phase
+
+    def _move(self, new: Phase) -> None:
+        """Go to ``new`` if :data:`TRANSITIONS` allows it, then tell the observer.
+
+        Raises:
+            IllegalTransition: the move is not in the table.
+        """
+        old = self._phase
+        self._check(new)
+        self._phase = new
+        if self.observer is not None:
+            self.observer(self, old, new)
+
+    def _check(self, new: Phase) -> None:
+        """Raise before any work when the move to ``new`` is not in the table.
+
+        Raises:
+            IllegalTransition: the move is not in the table.
+        """
+        if new not in TRANSITIONS[self._phase]:
+            raise IllegalTransition(self.id, self._phase, new)
+
     # ------------------------------------------------------------------ reading
+
+    def start_reading(self, declared_bytes: int) -> None:
+        """The body is being read; ``declared_bytes`` (its Content-Length) count as ``raw``.
+
+        Raises:
+            IllegalTransition: not in the ``reading`` phase.
+        """
+        if self._phase is not Phase.READING:
+            raise IllegalTransition(self.id, self._phase, Phase.READING)
+        self.reading_bytes = declared_bytes
+
+    def end_reading(self) -> None:
+        """The read settled (body, error or cancel): the declared bytes no longer count."""
+        self.reading_bytes = 0
 
     def attach_body(self, buffer: bytearray, meta: WireMetadata) -> None:
         """Take ownership of the body read from the wire and its metadata.
 
         The raw buffer is the outbound body until a plugin changes the body.
+
+        Raises:
+            IllegalTransition: not in the ``reading`` phase.
         """
+        self._check(Phase.PARSED)
         self._raw = BodyHolder(buffer)
         self._outbound = self._raw
         self.outbound_size = len(buffer)
         self.outbound_digest = meta.digest
         self.meta = meta
-        self.phase = Phase.PARSED
+        self._move(Phase.PARSED)
 
     def bind_preparer(self, preparer: Preparer) -> None:
         """Set the prepare closure used at fold level 0 and by every refold."""
@@ -308,6 +435,7 @@ class Exchange:
         preparer, meta = self._preparer, self.meta
         if preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
+        self._check(Phase.PREPARED)
         self.fold_level = level
         host = preparer.host
         wants = host.wants_body(meta, level)
@@ -328,7 +456,7 @@ class Exchange:
                 ctx._close()
         if changed:
             self._reserialize()
-        self.phase = Phase.PREPARED
+        self._move(Phase.PREPARED)
         return changed
 
     def _parse_raw(self) -> None:
@@ -382,20 +510,28 @@ class Exchange:
 
     def mark_sent(self) -> None:
         """The request went upstream (again, after a refold or retry)."""
-        self.phase = Phase.SENT
+        self._move(Phase.SENT)
 
     def accept(self) -> None:
-        """The release boundary: the upstream accepted the request; no refold can follow."""
+        """The release boundary: the upstream accepted the request; no refold can follow.
+
+        Idempotent once accepted (a gated stream accepts again when its gate opens).
+        """
+        if self._phase is Phase.ACCEPTED:
+            self.release()
+            return
+        self._check(Phase.ACCEPTED)
         self.release()
-        self.phase = Phase.ACCEPTED
+        self._move(Phase.ACCEPTED)
 
     def mark_streaming(self) -> None:
         """The first response byte is going to the client; no resend can follow."""
+        self._check(Phase.STREAMING)
         if self._outbound is not None:
             self.drop_outbound()
         if self.ttfb is None:
             self.ttfb = time.monotonic() - self.started
-        self.phase = Phase.STREAMING
+        self._move(Phase.STREAMING)
 
     # ---------------------------------------------------------------- releasing
 
@@ -429,13 +565,19 @@ class Exchange:
         self._freed(before)
 
     def close(self) -> None:
-        """Final cleanup in the handler's ``finally``: nothing is held afterwards."""
+        """Final cleanup in the handler's ``finally``: nothing is held afterwards.
+
+        Idempotent: closing a closed exchange does nothing.
+        """
+        if self._phase is Phase.CLOSED:
+            return
         self.keep_for_resend = False
         self.release()
         before = self._held_total()
         self._outbound = None
+        self.response_held = 0
         self._freed(before)
-        self.phase = Phase.CLOSED
+        self._move(Phase.CLOSED)
 
     def _held_total(self) -> int:
         return self._held_sum() if self.on_release is not None else 0
@@ -462,13 +604,78 @@ class Exchange:
         parsed = self._parsed.estimate if self._parsed is not None else 0
         out = self._outbound
         outbound = len(out) if out is not None and out is not self._raw else 0
-        return HeldBytes(raw, parsed, outbound)
+        return HeldBytes(raw, parsed, outbound, self.response_held)
 
     # ------------------------------------------------------------- bookkeeping
 
+    def set_session(self, session_id: str | None) -> None:
+        """The session this exchange belongs to (``None``: none), for requests with no preparer."""
+        self.session_id = session_id
+
+    def upstream_answered(self, status: int) -> None:
+        """The upstream's HTTP status for the current attempt (a refold or resend answers anew)."""
+        self.status = status
+
+    def conclude(self, status: int, outcome: Outcome, error: str | None = None) -> None:
+        """The final status, outcome and error when the proxy answers itself (a 4xx/5xx of ours)."""
+        self.status = status
+        self.outcome = outcome
+        self.error = error
+
+    def set_outcome(self, outcome: Outcome, error: str | None = None) -> None:
+        """The outcome (and error message) without touching the status."""
+        self.outcome = outcome
+        self.error = error
+
+    def response_complete(self) -> None:
+        """Every byte of the answer was handed to the client's connection.
+
+        After this a hang-up is no longer a failure of this exchange (see :meth:`client_gone`).
+        """
+        self._complete = True
+
+    @property
+    def answered(self) -> bool:
+        """Whether :meth:`response_complete` was called."""
+        return self._complete
+
+    def client_gone(self) -> None:
+        """The client hung up: the outcome becomes ``client_gone`` unless the answer was
+        already complete, or the outcome already names a failure of the proxy's own side
+        (an upstream that failed, a cancel, a rejection) that says more."""
+        if not self._complete and self.outcome in (Outcome.OK, Outcome.UPSTREAM_ERROR):
+            self.outcome = Outcome.CLIENT_GONE
+
+    def count_retry(self) -> None:
+        """One more fake-completion resend."""
+        self.retries += 1
+
+    def count_response_bytes(self, nbytes: int) -> None:
+        """``nbytes`` more response bytes went to the client."""
+        self.response_bytes += nbytes
+
+    def set_usage(
+        self, input_tokens: int | None, output_tokens: int | None, cache_read: int | None
+    ) -> None:
+        """Token usage the upstream reported (``None`` for a count it did not report)."""
+        self.usage = (input_tokens, output_tokens, cache_read)
+
+    def hold_response(self, nbytes: int) -> None:
+        """The response side holds ``nbytes`` bytes now (stream head, JSON head,
+        partial-event tail together); shown as ``held_bytes().response``."""
+        self.response_held = nbytes
+
+    def begin_commit(self) -> ExchangeRecord:
+        """Enter the committed phase and return the record for the ``commit`` hooks.
+
+        Raises:
+            IllegalTransition: already committed or closed (a commit runs once).
+        """
+        self._move(Phase.COMMITTED)
+        return self.commit_record()
+
     def commit_record(self) -> ExchangeRecord:
-        """Enter the committed phase and return the scalars-only record for ``commit`` hooks."""
-        self.phase = Phase.COMMITTED
+        """The scalars-only record for ``commit`` hooks as of now (no phase change)."""
         meta = self.meta
         input_tokens, output_tokens, cache_read = self.usage
         return ExchangeRecord(
@@ -485,7 +692,7 @@ class Exchange:
             outbound_bytes=self.outbound_size,
             outbound_digest=self.outbound_digest,
             status=self.status,
-            outcome=self.outcome,
+            outcome=self.outcome.value,
             fold_level=self.fold_level,
             refolds=self.refolds,
             retries=self.retries,
@@ -504,7 +711,7 @@ class Exchange:
         return time.monotonic() - self.started
 
     def __repr__(self) -> str:
-        return f"<Exchange {self.id} {self.protocol} {self.phase.value} held={self.held_bytes()}>"
+        return f"<Exchange {self.id} {self.protocol} {self._phase.value} held={self.held_bytes()}>"
 
 
 def null_lock() -> AbstractAsyncContextManager[object]:

@@ -39,7 +39,12 @@ class _LiveCollector(Collector):
         for ex in list(state.exchanges.values()):
             h = ex.held_bytes()
             phase = ex.phase.value
-            for kind, value in (("raw", h.raw), ("parsed", h.parsed), ("outbound", h.outbound)):
+            for kind, value in (
+                ("raw", h.raw),
+                ("parsed", h.parsed),
+                ("outbound", h.outbound),
+                ("response", h.response),
+            ):
                 totals[(phase, kind)] = totals.get((phase, kind), 0) + value
         for (phase, kind), value in sorted(totals.items()):
             held.add_metric([phase, kind], value)
@@ -100,7 +105,7 @@ class Metrics:
         child = self._requests_by_key.get(key)
         if child is None:
             child = self._requests_by_key[key] = self.requests.labels(
-                str(ex.protocol), str(ex.status), ex.outcome
+                str(ex.protocol), str(ex.status), ex.outcome.value
             )
         child.inc()
         self.releases.inc(ex.releases)

@@ -25,7 +25,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from . import protocols
 from .config import Settings
-from .exchange import Exchange
+from .exchange import Exchange, Outcome
 from .protocols import Protocol
 from .sessions import shutdown_cause
 from .sse import SSEFramer
@@ -105,7 +105,7 @@ def orderly_cancel_reason(exc: asyncio.CancelledError) -> str | None:
 class _UpstreamFailure(Exception):
     """No usable answer from the upstream: ``status`` 502 or 504 goes to the client."""
 
-    def __init__(self, status: int, outcome: str, message: str) -> None:
+    def __init__(self, status: int, outcome: Outcome, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.outcome = outcome
@@ -274,11 +274,11 @@ class _Relay:
                 )
         except TimeoutError:
             raise _UpstreamFailure(
-                504, "upstream_timeout", "upstream sent no response headers in time"
+                504, Outcome.UPSTREAM_TIMEOUT, "upstream sent no response headers in time"
             ) from None
         except aiohttp.ClientError as exc:
             raise _UpstreamFailure(
-                502, "upstream_unreachable", f"upstream unreachable: {type(exc).__name__}"
+                502, Outcome.UPSTREAM_UNREACHABLE, f"upstream unreachable: {type(exc).__name__}"
             ) from None
         return resp
 
@@ -316,9 +316,9 @@ class _Relay:
             ex = self.ex
             ex.release()
             if self.client is not None and self.client.prepared:
-                await self._fail_stream(reason, outcome="cancelled")
+                await self._fail_stream(reason, outcome=Outcome.CANCELLED)
                 return self.client
-            ex.status, ex.outcome, ex.error = 503, "cancelled", reason
+            ex.conclude(503, Outcome.CANCELLED, reason)
             # Like every 503 of the proxy: tell the client when to come back.
             retry = {"Retry-After": str(self.retry_after)}
             return error_response(ex.protocol, 503, reason, code="unavailable", headers=retry)
@@ -336,7 +336,7 @@ class _Relay:
                 resp = await self._send()
             except _UpstreamFailure as failure:
                 ex.release()
-                ex.status, ex.outcome, ex.error = failure.status, failure.outcome, failure.message
+                ex.conclude(failure.status, failure.outcome, failure.message)
                 log.warning("%s %s: %s", ex.id, ex.protocol, failure.message)
                 return error_response(ex.protocol, failure.status, failure.message)
             try:
@@ -352,16 +352,17 @@ class _Relay:
                 assert self.client is not None
                 return self.client
             if verdict == "retry":
-                ex.retries += 1
+                ex.count_retry()
             # "refold": the exchange already re-prepared itself; send again.
 
     async def _answer(self, resp: aiohttp.ClientResponse) -> str:
         """Handle one upstream answer: ``done``, ``refold`` or ``retry``."""
         ex = self.ex
-        ex.status = resp.status
+        ex.upstream_answered(resp.status)
         # Each attempt starts clean: a refold or resend discards what the last one saw.
         self.framer = None
         self.tail.clear()
+        ex.hold_response(0)
         self.usage = protocols.UsageMeter(ex.protocol)
         if resp.status >= 400:
             head, whole = await _read_capped(resp, ERROR_BODY_CAP)
@@ -371,7 +372,7 @@ class _Relay:
             if overflow and await self._refold("context overflow"):
                 return "refold"
             ex.accept()
-            ex.outcome = "upstream_error"
+            ex.set_outcome(Outcome.UPSTREAM_ERROR)
             await self._start_client(resp)
             await self._write(head)
             await self._pump(resp, gated=False)
@@ -410,7 +411,7 @@ class _Relay:
             await self.client.write(data)
         except ConnectionError as exc:
             raise ClientGone from exc
-        self.ex.response_bytes += len(data)
+        self.ex.count_response_bytes(len(data))
 
     async def _forward(self, chunk: bytes) -> None:
         """Forward ``chunk`` up to the last complete SSE event boundary."""
@@ -473,6 +474,7 @@ class _Relay:
                         json_head = None
                 if not gated:
                     await self._forward(chunk)
+                    self._account(held, json_head)
                     if saw_terminal and ends_at_terminal:
                         break
                     continue
@@ -484,6 +486,7 @@ class _Relay:
                     gated = False
                     await self._open_gate(resp, held)
                     held = bytearray()
+                self._account(held, json_head)
                 if saw_terminal and ends_at_terminal:
                     break
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
@@ -512,8 +515,16 @@ class _Relay:
                 return "done"
         elif json_head is not None:
             self.usage.feed_json(bytes(json_head))
-        ex.usage = (self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens)
+        ex.hold_response(0)
+        ex.set_usage(
+            self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens
+        )
         return "done"
+
+    def _account(self, held: bytearray, json_head: bytearray | None) -> None:
+        """Tell the exchange what the response side holds: head, JSON head, event tail."""
+        head = len(json_head) if json_head is not None else 0
+        self.ex.hold_response(len(held) + head + len(self.tail))
 
     async def _after_terminal(self, resp: aiohttp.ClientResponse) -> None:
         """Relay what follows the final event until the upstream's end of body.
@@ -545,15 +556,17 @@ class _Relay:
             # The framer already saw these bytes; forward them as one chunk.
             await self._forward(bytes(held))
 
-    async def _fail_stream(self, message: str, *, outcome: str = "stream_error") -> None:
+    async def _fail_stream(self, message: str, *, outcome: Outcome = Outcome.STREAM_ERROR) -> None:
         """End a broken stream with the protocol's in-band error event.
 
         A body that is not an event stream cannot carry one: its connection is
         closed instead, so the client sees a truncated body, never a spliced one.
         """
         ex = self.ex
-        ex.outcome, ex.error = outcome, message
-        ex.usage = (self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens)
+        ex.set_outcome(outcome, message)
+        ex.set_usage(
+            self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens
+        )
         log.warning("%s %s: %s", ex.id, ex.protocol, message)
         framer = self.framer
         if framer is None:

@@ -284,7 +284,13 @@ async def test_exchanges_and_sessions_views_show_state_never_a_body(
             assert streaming["protocol"] == Protocol.CHAT
             assert streaming["phase"] == "streaming"
             # Mid-stream the exchange holds no request bytes (DESIGN section 2).
-            assert streaming["held_bytes"] == {"raw": 0, "parsed": 0, "outbound": 0, "total": 0}
+            assert streaming["held_bytes"] == {
+                "raw": 0,
+                "parsed": 0,
+                "outbound": 0,
+                "response": 0,
+                "total": 0,
+            }
             preparing = by_session["sess-view-2"]
             assert preparing["protocol"] == Protocol.MESSAGES
             assert preparing["phase"] == "parsed"

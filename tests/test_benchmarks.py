@@ -241,11 +241,14 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
     assert plain["upstream_bytes"] == size
     assert plugin["upstream_bytes"] > size
     # The proxy's own accounting mid-stream: nothing once streaming; with retry
-    # armed and no output yet, exactly the outbound body.
+    # armed and no output yet, exactly the outbound body plus the stream head held
+    # back for a resend (counted on the response side).
     assert plain["held_mid_bytes"] == 0
     assert [ex["phase"] for ex in plain["held_admin"]] == ["streaming"]
-    assert retry["held_mid_bytes"] == size
-    assert retry["held_admin"][0]["held_bytes"]["outbound"] == size
+    retry_held = retry["held_admin"][0]["held_bytes"]
+    assert retry_held["outbound"] == size
+    assert 0 < retry_held["response"] < 64 * 1024
+    assert retry["held_mid_bytes"] == size + retry_held["response"]
     assert naive["mid_growth_x_body"] > plain["mid_growth_x_body"]
     assert [len(run["samples"]) for run in doc["sequential"]] == [2, 2, 2]
     assert doc["timelines"] and all(t["t_s"] for t in doc["timelines"])

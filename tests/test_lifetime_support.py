@@ -200,6 +200,7 @@ class Trace:
         self.raw_allocated = 0
         self.task = asyncio.current_task()
         self._waiters: list[tuple[Phase, asyncio.Future[None]]] = []
+        self._held: list[weakref.ref[object]] = []
 
     def enter(self, phase: Phase) -> None:
         """Record ``phase`` and wake whoever waits for it."""
@@ -214,6 +215,13 @@ class Trace:
             return
         self.watched.append(name)
         weakref.finalize(holder, self.fired.append, name)
+
+    def watch_once(self, name: str, holder: object | None) -> None:
+        """:meth:`watch` ``holder`` unless it already has a finalizer from this trace."""
+        if holder is None or any(h() is holder for h in self._held):
+            return
+        self._held.append(weakref.ref(holder))
+        self.watch(name, holder)
 
     async def reached(self, phase: Phase, within: float = WAIT_S) -> None:
         """Return once the exchange has entered ``phase``; ``TimeoutError`` otherwise."""
@@ -237,34 +245,28 @@ class Trace:
 
 
 class TracedExchange(Exchange):
-    """An :class:`Exchange` that reports into a :class:`Trace` (``self.trace``)."""
+    """An :class:`Exchange` that reports into a :class:`Trace` (``self.trace``).
+
+    It watches through the public ``observer`` hook: each phase move is recorded,
+    and the buffer holders that exist on entering ``parsed`` or ``prepared`` get
+    a finalizer (the raw body; the parsed body and a re-serialized outbound body).
+    """
 
     def __init__(self, **kwargs: Any) -> None:
-        # Before the base __init__: it already sets the first phase.
         self.trace = Trace()
-        super().__init__(**kwargs)
+        super().__init__(observer=self._observe, **kwargs)
+        self.trace.enter(self.phase)
 
-    @property
-    def phase(self) -> Phase:
-        """The current phase (the last one recorded)."""
-        return self.trace.phases[-1]
-
-    @phase.setter
-    def phase(self, value: Phase) -> None:
-        self.trace.enter(value)
-
-    def attach_body(self, buffer: bytearray, meta: WireMetadata) -> None:
-        super().attach_body(buffer, meta)
-        self.trace.raw_allocated = sys.getsizeof(buffer)
-        self.trace.watch("raw", self.raw_holder)
-
-    def _parse_raw(self) -> None:
-        super()._parse_raw()
-        self.trace.watch("parsed", self.parsed_holder)
-
-    def _reserialize(self) -> None:
-        super()._reserialize()
-        self.trace.watch("outbound", self.outbound_holder)
+    def _observe(self, ex: Exchange, old: Phase, new: Phase) -> None:
+        trace = self.trace
+        if new is Phase.PARSED and self.raw_holder is not None:
+            trace.raw_allocated = sys.getsizeof(self.raw_holder.data)
+            trace.watch_once("raw", self.raw_holder)
+        elif new is Phase.PREPARED:
+            trace.watch_once("parsed", self.parsed_holder)
+            if self.outbound_holder is not self.raw_holder:
+                trace.watch_once("outbound", self.outbound_holder)
+        trace.enter(new)
 
     def release(self, *, keep_outbound: bool = False) -> None:
         self.trace.release_calls += 1
