@@ -8,8 +8,8 @@ rather than kept up to date on every change.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -17,15 +17,43 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from .exchange import Exchange
-    from .state import AppState
 
-__all__ = ["Metrics"]
+__all__ = ["LiveSource", "Metrics"]
+
+
+class _Registry(Protocol):
+    @property
+    def session_count(self) -> int: ...
+    @property
+    def tombstone_count(self) -> int: ...
+
+
+class _Host(Protocol):
+    @property
+    def plugins(self) -> Iterable[object]: ...
+
+
+class LiveSource(Protocol):
+    """What the metrics read at scrape time: the shape of ``proxy.state.AppState``.
+
+    Declared here, structurally, so that this module does not import the state
+    that owns it (imports point one way: state -> metrics).
+    """
+
+    @property
+    def exchanges(self) -> Mapping[str, Exchange]: ...
+    @property
+    def registry(self) -> _Registry: ...
+    @property
+    def host(self) -> _Host: ...
+    @property
+    def draining(self) -> bool: ...
 
 
 class _LiveCollector(Collector):
     """Scrape-time gauges read from the app state."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: LiveSource) -> None:
         self._state = state
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -63,7 +91,7 @@ class _LiveCollector(Collector):
 class Metrics:
     """Counters and gauges of one proxy instance, in their own registry."""
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: LiveSource) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import importlib
 import importlib.metadata
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Final
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
 from .wire import WireMetadata
 
@@ -59,6 +60,18 @@ ENTRY_POINT_GROUP: Final = "context_proxy.plugins"
 
 Scalar = str | int | float | bool | None
 _SCALAR_TYPES: Final = (str, int, float, bool, type(None))
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+class _Skipped(enum.Enum):
+    SKIPPED = "skipped"
+
+
+# What a dispatch returns when the hook raised or ran out of time (it was logged).
+SKIPPED: Final = _Skipped.SKIPPED
 
 
 class PluginError(Exception):
@@ -217,15 +230,27 @@ class Plugin:
         """Called once at graceful shutdown, after every session was closed; flush here."""
 
 
-_NOOP_COMMIT: Final = Plugin.commit
+_HOOKS: Final = (
+    "wants_body",
+    "prepare",
+    "commit",
+    "session_closed",
+    "session_state",
+    "startup",
+    "shutdown",
+)
 
 
-def _inherits_noop_commit(plugin: Plugin) -> bool:
-    """Whether ``plugin.commit`` is the base class's no-op (not overridden anywhere)."""
-    if getattr(type(plugin), "commit", None) is not _NOOP_COMMIT:
-        return False
+def _overrides(plugin: Plugin, hook: str) -> bool:
+    """Whether ``plugin`` defines ``hook`` itself rather than inheriting :class:`Plugin`'s.
+
+    Every base hook does nothing (and never suspends), so skipping a plugin that
+    does not override a hook changes nothing observable.
+    """
     instance_attrs = getattr(plugin, "__dict__", None)
-    return instance_attrs is None or "commit" not in instance_attrs
+    if instance_attrs is not None and hook in instance_attrs:
+        return True
+    return getattr(type(plugin), hook, None) is not getattr(Plugin, hook)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -301,25 +326,47 @@ def load_plugins(
 class PluginHost:
     """Runs the hooks of an ordered list of plugins with isolation and a time budget.
 
-    Every ``run_*`` method catches a plugin's exception or timeout, logs it with
-    the plugin's name (never the body) and counts it in ``failures``; it never
+    Which plugin implements which hook is decided once, here: for each hook the
+    host keeps the plugins (in configured order) that override it, so a hook no
+    plugin overrides costs nothing per request (no lookup, no coroutine, no
+    timer). Hooks are therefore resolved when the host is built; a method
+    attached to a plugin later is not seen.
+
+    Every async hook call goes through one dispatch path (:meth:`_dispatch`):
+    the time budget, the isolation and the failure log live there. Every
+    ``run_*`` method catches a plugin's exception or timeout, logs it with the
+    plugin's name (never the body) and counts it in ``failures``; it never
     raises to the caller, except for cancellation of the caller itself.
+
+    Args:
+        plugins: the plugins, in the order their hooks run.
+        timeout: seconds each async hook call may take (``plugin_timeout``);
+            0 or less means no limit.
     """
 
-    __slots__ = ("failures", "plugins", "timeout")
+    __slots__ = ("_asks_body", "_by_hook", "failures", "plugins", "timeout")
 
     def __init__(self, plugins: Iterable[Plugin], *, timeout: float) -> None:
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
         self.timeout = timeout if timeout > 0 else math.inf
         self.failures: dict[str, int] = {}
+        self._by_hook: Final[Mapping[str, tuple[Plugin, ...]]] = {
+            hook: tuple(p for p in self.plugins if _overrides(p, hook)) for hook in _HOOKS
+        }
+        # Per plugin with a prepare hook: whether it has a wants_body to ask.
+        self._asks_body: Final = tuple(
+            _overrides(p, "wants_body") for p in self._by_hook["prepare"]
+        )
 
-    def _failed(self, plugin: Plugin, hook: str, exc: BaseException) -> None:
+    def implementing(self, hook: str) -> tuple[Plugin, ...]:
+        """The plugins that override ``hook``, in order (``()`` for an unknown hook)."""
+        return self._by_hook.get(hook, ())
+
+    def _failed(self, plugin: Plugin, hook: str, exc: BaseException, budget: float) -> None:
         name = _plugin_name(plugin)
         self.failures[name] = self.failures.get(name, 0) + 1
         if isinstance(exc, TimeoutError):
-            log.warning(
-                "plugin %s: %s exceeded its %.1fs budget; skipped", name, hook, self.timeout
-            )
+            log.warning("plugin %s: %s exceeded its %.1fs budget; skipped", name, hook, budget)
         else:
             log.warning(
                 "plugin %s: %s raised %s: %s; skipped",
@@ -330,66 +377,94 @@ class PluginHost:
                 exc_info=log.isEnabledFor(logging.DEBUG),
             )
 
+    async def _dispatch(
+        self,
+        plugin: Plugin,
+        hook: str,
+        call: Callable[_P, Awaitable[_T]],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T | _Skipped:
+        """Await one hook call within the budget; a failure is logged and returns SKIPPED.
+
+        The budget is ``timeout`` (at least 10 s for ``shutdown``, which flushes).
+        Cancellation of the caller propagates.
+        """
+        budget = max(self.timeout, 10.0) if hook == "shutdown" else self.timeout
+        try:
+            async with asyncio.timeout(budget):
+                return await call(*args, **kwargs)
+        except Exception as exc:
+            self._failed(plugin, hook, exc, budget)
+            return SKIPPED
+
+    def _dispatch_sync(
+        self,
+        plugin: Plugin,
+        hook: str,
+        call: Callable[_P, _T],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T | _Skipped:
+        """One call of a synchronous hook (no budget: it must not block); failures as above."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:
+            self._failed(plugin, hook, exc, self.timeout)
+            return SKIPPED
+
     def wants_body(self, meta: WireMetadata, fold_level: int) -> list[bool]:
-        """Per plugin, whether it asked for the parsed body (a raising plugin: no)."""
+        """Per plugin with a ``prepare`` hook (in order), whether it asked for the parsed body.
+
+        Only those plugins are asked: the body is for ``prepare``. A plugin
+        whose ``wants_body`` raises gets no body.
+        """
         answers: list[bool] = []
-        for plugin in self.plugins:
-            try:
-                answers.append(bool(plugin.wants_body(meta, fold_level)))
-            except Exception as exc:
-                self._failed(plugin, "wants_body", exc)
+        for plugin, asks in zip(self._by_hook["prepare"], self._asks_body, strict=True):
+            if asks:
+                answer = self._dispatch_sync(
+                    plugin, "wants_body", plugin.wants_body, meta, fold_level
+                )
+                answers.append(answer is not SKIPPED and bool(answer))
+            else:
                 answers.append(False)
         return answers
 
     async def run_prepare(self, ctx: PrepareContext, wants: Sequence[bool]) -> bool:
         """Run every ``prepare`` hook in order; ``True`` if any reported a change.
 
-        A plugin granted the body that then raised may have changed it part way,
-        so it also counts as a change (the body is re-serialized, never guessed).
+        ``wants`` is what :meth:`wants_body` returned for this attempt. A plugin
+        granted the body that then raised may have changed it part way, so it
+        also counts as a change (the body is re-serialized, never guessed).
         """
         changed = False
-        for plugin, granted in zip(self.plugins, wants, strict=True):
+        for plugin, granted in zip(self._by_hook["prepare"], wants, strict=True):
             ctx._grant(granted)
             try:
-                async with asyncio.timeout(self.timeout):
-                    changed = bool(await plugin.prepare(ctx)) or changed
-            except Exception as exc:
-                self._failed(plugin, "prepare", exc)
-                changed = changed or granted
+                result = await self._dispatch(plugin, "prepare", plugin.prepare, ctx)
             finally:
                 ctx._grant(False)
+            # A skipped plugin that held the body may have half-changed it.
+            touched = granted if result is SKIPPED else bool(result)
+            changed = touched or changed
         return changed
 
     async def run_commit(self, record: ExchangeRecord) -> None:
         """Run every ``commit`` hook in order with the same immutable record."""
-        for plugin in self.plugins:
-            if _inherits_noop_commit(plugin):
-                # Plugin.commit does nothing and never suspends: skipping it saves the
-                # per-exchange timeout (a timer handle) and changes nothing observable.
-                continue
-            try:
-                async with asyncio.timeout(self.timeout):
-                    await plugin.commit(record)
-            except Exception as exc:
-                self._failed(plugin, "commit", exc)
+        for plugin in self._by_hook["commit"]:
+            await self._dispatch(plugin, "commit", plugin.commit, record)
 
     async def run_session_closed(self, session_id: str) -> None:
         """Tell every plugin that ``session_id`` is closed."""
-        for plugin in self.plugins:
-            try:
-                async with asyncio.timeout(self.timeout):
-                    await plugin.session_closed(session_id)
-            except Exception as exc:
-                self._failed(plugin, "session_closed", exc)
+        for plugin in self._by_hook["session_closed"]:
+            await self._dispatch(plugin, "session_closed", plugin.session_closed, session_id)
 
     def session_state(self, session_id: str) -> dict[str, dict[str, Scalar]]:
         """``{plugin name: {key: scalar}}`` for the admin view; non-scalars are dropped."""
         state: dict[str, dict[str, Scalar]] = {}
-        for plugin in self.plugins:
-            try:
-                items = plugin.session_state(session_id)
-            except Exception as exc:
-                self._failed(plugin, "session_state", exc)
+        for plugin in self._by_hook["session_state"]:
+            items = self._dispatch_sync(plugin, "session_state", plugin.session_state, session_id)
+            if items is SKIPPED:
                 continue
             scalars = {k: v for k, v in items.items() if isinstance(v, _SCALAR_TYPES)}
             if scalars:
@@ -402,25 +477,24 @@ class PluginHost:
         Raises:
             PluginError: naming the plugin whose ``startup`` raised.
         """
+        starts = self._by_hook["startup"]
+        stops = self._by_hook["shutdown"]
         started: list[Plugin] = []
         for plugin in self.plugins:
             try:
-                await plugin.startup()
+                # Not _dispatch: a startup failure is fatal, and startup has no budget.
+                if any(plugin is p for p in starts):
+                    await plugin.startup()
             except Exception as exc:
-                # Undo what already started (files, threads, connections), newest first.
+                # Undo what already started (files, threads, connections), newest first:
+                # a plugin may have opened something in __init__, so every earlier one.
                 for done in reversed(started):
-                    try:
-                        await done.shutdown()
-                    except Exception as undo_exc:
-                        self._failed(done, "shutdown", undo_exc)
+                    if any(done is p for p in stops):
+                        await self._dispatch(done, "shutdown", done.shutdown)
                 raise PluginError(f"plugin {_plugin_name(plugin)}: startup failed: {exc}") from exc
             started.append(plugin)
 
     async def shutdown(self) -> None:
         """Stop every plugin (flush); failures are logged, the others still run."""
-        for plugin in self.plugins:
-            try:
-                async with asyncio.timeout(max(self.timeout, 10.0)):
-                    await plugin.shutdown()
-            except Exception as exc:
-                self._failed(plugin, "shutdown", exc)
+        for plugin in self._by_hook["shutdown"]:
+            await self._dispatch(plugin, "shutdown", plugin.shutdown)

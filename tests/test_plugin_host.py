@@ -1,0 +1,207 @@
+"""PluginHost: hooks resolved once, one dispatch path, isolation (no sockets).
+
+A hook no plugin overrides must cost nothing per request: no method lookup, no
+coroutine, no timer. The probes below count exactly those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import proxy.plugins as plugins_module
+from proxy import Plugin
+from proxy.plugins import PluginError, PluginHost, PrepareContext
+from proxy.protocols import Protocol
+from proxy.testing import make_record
+from proxy.wire import WireMetadata, compute_wire_metadata, digest_bytes
+
+HOOKS = ("wants_body", "prepare", "commit", "session_closed", "session_state")
+REQUESTS = 50
+
+
+def make_meta() -> WireMetadata:
+    body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+    return compute_wire_metadata(Protocol.CHAT, body, digest_bytes(body))
+
+
+class Probe:
+    """Counts hook lookups on instances of a class, and timers the host starts."""
+
+    def __init__(self) -> None:
+        self.lookups: dict[str, int] = {}
+        self.timers = 0
+
+    def looked_up(self, name: str) -> None:
+        if name in HOOKS:
+            self.lookups[name] = self.lookups.get(name, 0) + 1
+
+    @contextlib.contextmanager
+    def counting_timers(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        real = asyncio.timeout
+
+        def timeout(delay: float | None) -> asyncio.Timeout:
+            self.timers += 1
+            return real(delay)
+
+        monkeypatch.setattr(plugins_module.asyncio, "timeout", timeout)
+        yield
+
+
+PROBE = Probe()
+
+
+class Counted(Plugin):
+    """Every attribute lookup on an instance goes through the probe."""
+
+    def __getattribute__(self, name: str) -> Any:
+        PROBE.looked_up(name)
+        return super().__getattribute__(name)
+
+
+class Quiet(Counted):
+    """Overrides no per-request hook (it only exports state to the admin view)."""
+
+    name = "quiet"
+
+    def session_state(self, session_id: str) -> dict[str, int]:
+        return {"n": 1}
+
+
+class Booker(Counted):
+    name = "booker"
+
+    def __init__(self) -> None:
+        self.commits = 0
+
+    async def commit(self, record: Any) -> None:
+        self.commits += 1
+
+
+async def one_request(host: PluginHost) -> None:
+    meta = make_meta()
+    wants = host.wants_body(meta, 0)
+    ctx = PrepareContext(meta=meta, fold_level=0, session_id=None, path="/v1/x", body=None)
+    await host.run_prepare(ctx, wants)
+    await host.run_commit(make_record())
+
+
+async def test_hooks_nobody_overrides_dispatch_nothing_per_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host = PluginHost([Quiet(), Quiet()], timeout=5.0)
+    PROBE.lookups.clear()
+    with PROBE.counting_timers(monkeypatch):
+        for _ in range(REQUESTS):
+            await one_request(host)
+    assert PROBE.lookups == {} and PROBE.timers == 0
+    assert host.session_state("s") == {"quiet": {"n": 1}}  # the hook it has still runs
+
+
+async def test_an_overridden_hook_is_the_only_one_dispatched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    booker = Booker()
+    host = PluginHost([Quiet(), booker], timeout=5.0)
+    PROBE.lookups.clear()
+    with PROBE.counting_timers(monkeypatch):
+        for _ in range(REQUESTS):
+            await one_request(host)
+    assert PROBE.lookups == {"commit": REQUESTS} and PROBE.timers == REQUESTS
+    assert booker.commits == REQUESTS
+    assert host.implementing("commit") == (booker,) and host.implementing("prepare") == ()
+
+
+class Editor(Plugin):
+    name = "editor"
+
+    def __init__(self, *, want: bool, fail: bool = False) -> None:
+        self.want, self.fail, self.asked = want, fail, 0
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        self.asked += 1
+        return self.want
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        if self.fail:
+            ctx.body["touched"] = True
+            raise RuntimeError("half way")
+        return False
+
+
+class AsksButNeverPrepares(Plugin):
+    name = "asks"
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        raise AssertionError("asked for the body without a prepare hook to use it")
+
+
+async def test_only_plugins_with_a_prepare_hook_are_asked_for_the_body() -> None:
+    first, second = Editor(want=False), Editor(want=True, fail=True)
+    host = PluginHost([AsksButNeverPrepares(), first, second], timeout=5.0)
+    meta = make_meta()
+    wants = host.wants_body(meta, 0)
+    assert wants == [False, True] and first.asked == second.asked == 1
+    ctx = PrepareContext(meta=meta, fold_level=0, session_id=None, path="/v1/x", body={})
+    # The granted plugin raised after touching the body: that counts as a change.
+    assert await host.run_prepare(ctx, wants) is True
+    assert host.failures == {"editor": 1}
+
+
+class Hangs(Plugin):
+    name = "hangs"
+
+    async def commit(self, record: Any) -> None:
+        await asyncio.Event().wait()
+
+    async def session_closed(self, session_id: str) -> None:
+        raise ValueError("no")
+
+
+async def test_failures_are_isolated_logged_once_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    booker = Booker()
+    host = PluginHost([Hangs(), booker], timeout=0.2)
+    caplog.set_level(logging.WARNING, logger="context_proxy.plugins")
+    async with asyncio.timeout(5.0):
+        await host.run_commit(make_record())
+        await host.run_session_closed("s")
+    assert booker.commits == 1  # the next plugin still ran
+    assert host.failures == {"hangs": 2}
+    assert [r.getMessage() for r in caplog.records] == [
+        "plugin hangs: commit exceeded its 0.2s budget; skipped",
+        "plugin hangs: session_closed raised ValueError: no; skipped",
+    ]
+
+
+class Opens(Plugin):
+    """Opens a resource in __init__ and has no startup: a later failed start must close it."""
+
+    name = "opens"
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def shutdown(self) -> None:
+        self.closed = True
+
+
+class Refuses(Plugin):
+    name = "refuses"
+
+    async def startup(self) -> None:
+        raise OSError("port taken")
+
+
+async def test_a_failed_startup_shuts_down_every_earlier_plugin() -> None:
+    opens = Opens()
+    host = PluginHost([opens, Refuses()], timeout=5.0)
+    with pytest.raises(PluginError, match="refuses: startup failed: port taken"):
+        await host.startup()
+    assert opens.closed
