@@ -38,6 +38,7 @@ from .relay import (
     orderly_cancel_reason,
     relay,
 )
+from .server import ProxyRunner
 from .session_ids import resolve_session_id
 from .sessions import SessionClosed
 from .state import STATE, AppState
@@ -251,6 +252,7 @@ async def _run_exchange(
                 content_encoding=encoding,
                 limit=settings.max_body_bytes,
                 idle_timeout=settings.body_idle_timeout,
+                body_timeout=settings.body_timeout,
                 chunk_bytes=settings.body_chunk_bytes,
             )
         finally:
@@ -434,9 +436,14 @@ def build_app(
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    """An ``AppRunner`` with the server options the proxy relies on."""
-    return web.AppRunner(
+    """An ``AppRunner`` with the server options the proxy relies on.
+
+    Its connections close when request headers miss ``header_timeout``
+    (:class:`proxy.server.ProxyRunner`).
+    """
+    return ProxyRunner(
         app,
+        header_timeout=app[STATE].settings.header_timeout,
         handler_cancellation=True,
         auto_decompress=False,
         access_log=None,

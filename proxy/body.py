@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import Final
 
 import aiohttp
@@ -77,13 +78,24 @@ class BodyIncomplete(BodyError):
 
 
 class BodyTimeout(BodyError):
-    """408: no body byte arrived for ``idle_timeout`` seconds."""
+    """408: no body byte arrived for ``idle_timeout`` seconds, or the body missed its deadline.
+
+    ``BodyTimeout(seconds)`` is the idle case; :meth:`deadline` the total one.
+    """
 
     status = 408
     kind = "timeout"
 
-    def __init__(self, idle_timeout: float) -> None:
-        super().__init__(f"no request body bytes received for {idle_timeout:g} seconds")
+    def __init__(self, idle_timeout: float, *, message: str | None = None) -> None:
+        super().__init__(message or f"no request body bytes received for {idle_timeout:g} seconds")
+
+    @classmethod
+    def deadline(cls, body_timeout: float) -> BodyTimeout:
+        """408: the whole body was not received within ``body_timeout`` seconds."""
+        return cls(
+            body_timeout,
+            message=f"request body not received within {body_timeout:g} seconds",
+        )
 
 
 def _detached(exc: BodyError) -> BodyError:
@@ -173,7 +185,9 @@ async def read_body(
     content_encoding: str | None,
     limit: int,
     idle_timeout: float,
+    body_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    on_growth: Callable[[int], None] | None = None,
 ) -> ReadResult:
     """Read and decode a request body within ``limit`` bytes (DESIGN section 3).
 
@@ -192,8 +206,15 @@ async def read_body(
             body passes).
         idle_timeout: seconds without a single body byte before giving up; the
             clock restarts on every chunk, so a slow but moving upload is fine.
+        body_timeout: seconds the whole read may take, counted from the call
+            (None: no total deadline); a trickle that keeps the idle clock at
+            bay is cut here. Both clocks share one timer.
         chunk_bytes: bytes asked of the payload per read (64-256 KiB is right);
             also roughly the largest decoded piece a decoder produces at once.
+        on_growth: called with the number of bytes the decoded buffer grew by,
+            after each chunk that grew it (resident memory follows these, see
+            :class:`proxy.coding.BodySink`); a :class:`BodyError` it raises ends
+            the read with that error (e.g. a 503 when a shared budget is spent).
 
     Returns:
         ReadResult owning the only buffer.
@@ -203,7 +224,8 @@ async def read_body(
             the decoded size (or the wire size of an encoded body, see
             :func:`encoded_size_cap`) passes the limit; reading stops there.
         BodyIncomplete: 400, the client closed or broke the framing mid-body.
-        BodyTimeout: 408, no progress for ``idle_timeout`` seconds.
+        BodyTimeout: 408, no progress for ``idle_timeout`` seconds, or the body
+            not complete after ``body_timeout`` seconds.
         BodyEncodingError: 415 for an unknown coding (before reading), 400 for
             corrupt or truncated coded data.
         asyncio.CancelledError: propagated unchanged (the handler was cancelled,
@@ -216,8 +238,8 @@ async def read_body(
     registered. After a BodyError the rest of the body is unread, so answer with
     ``Connection: close`` (``response.force_close()``) unless lingering is wanted.
     """
-    if idle_timeout <= 0 or chunk_bytes <= 0:
-        raise ValueError("idle_timeout and chunk_bytes must be > 0")
+    if idle_timeout <= 0 or chunk_bytes <= 0 or (body_timeout is not None and body_timeout <= 0):
+        raise ValueError("idle_timeout, body_timeout and chunk_bytes must be > 0")
     codings = parse_content_encoding(content_encoding)
     _check_declared(content_length, codings, limit)
     sink = BodySink(limit, None if codings else content_length)
@@ -228,7 +250,16 @@ async def read_body(
     wire_cap = encoded_size_cap(limit) if codings else limit
     try:
         failure, wire_bytes = await _pump(
-            content, sink, decoder, content_length, wire_cap, limit, idle_timeout, chunk_bytes
+            content,
+            sink,
+            decoder,
+            expected=content_length,
+            wire_cap=wire_cap,
+            limit=limit,
+            idle_timeout=idle_timeout,
+            body_timeout=body_timeout,
+            chunk_bytes=chunk_bytes,
+            on_growth=on_growth,
         )
     except BaseException:
         sink.release()
@@ -253,11 +284,14 @@ async def _pump(
     content: aiohttp.StreamReader,
     sink: BodySink,
     decoder: ContentDecoder | None,
+    *,
     expected: int | None,
     wire_cap: int,
     limit: int,
     idle_timeout: float,
+    body_timeout: float | None,
     chunk_bytes: int,
+    on_growth: Callable[[int], None] | None,
 ) -> tuple[BodyError | None, int]:
     """Move the body from ``content`` into ``sink``: (error to raise or None, wire bytes).
 
@@ -267,11 +301,13 @@ async def _pump(
     loop = asyncio.get_running_loop()
     wire = 0
     chunk = b""
-    # One timer for the whole read, pushed back on each chunk: no task or timer
-    # per read call.
-    idle = asyncio.timeout(idle_timeout)
+    # One timer for the whole read, for both clocks: its deadline is the nearer
+    # of "idle_timeout after the last chunk" and the body deadline, pushed back
+    # on each chunk. No task or timer per read call.
+    hard = loop.time() + body_timeout if body_timeout is not None else float("inf")
+    timer = asyncio.timeout(min(loop.time() + idle_timeout, hard))
     try:
-        async with idle:
+        async with timer:
             while True:
                 try:
                     chunk = await content.read(chunk_bytes)
@@ -282,19 +318,27 @@ async def _pump(
                 wire += len(chunk)
                 if wire > wire_cap:
                     return BodyTooLarge(limit), wire
+                held = sink.size
                 if decoder is None:
                     sink.write(chunk)
                 else:
                     decoder.feed(chunk)
                 chunk = b""
-                idle.reschedule(loop.time() + idle_timeout)
+                if on_growth is not None and sink.size > held:
+                    on_growth(sink.size - held)
+                timer.reschedule(min(loop.time() + idle_timeout, hard))
         if expected is not None and wire != expected:
             return BodyIncomplete(), wire
         if decoder is not None:
+            held = sink.size
             decoder.finish()
+            if on_growth is not None and sink.size > held:
+                on_growth(sink.size - held)
     except TimeoutError:
-        if not idle.expired():
+        if not timer.expired():
             raise
+        if body_timeout is not None and loop.time() >= hard:
+            return BodyTimeout.deadline(body_timeout), wire
         return BodyTimeout(idle_timeout), wire
     except BodyError as exc:
         return _detached(exc), wire

@@ -63,6 +63,10 @@ def main() -> None:
     "--upstream-anthropic", help="Anthropic upstream base URL [https://api.anthropic.com]."
 )
 @click.option("--max-body-bytes", type=int, help="Largest accepted request body, bytes [100 MiB].")
+@click.option(
+    "--header-timeout", type=float, help="Seconds a client may take to send its headers [30]."
+)
+@click.option("--body-timeout", type=float, help="Seconds a client may take to send a body [600].")
 @click.option("--upstream-connect-timeout", type=float, help="Seconds to connect upstream [10].")
 @click.option("--upstream-header-timeout", type=float, help="Seconds to response headers [300].")
 @click.option("--upstream-idle-read-timeout", type=float, help="Seconds of upstream silence [300].")

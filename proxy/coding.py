@@ -19,6 +19,7 @@ Errors are :class:`BodyError` subclasses carrying the HTTP status to answer:
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from collections.abc import Callable
 from typing import Final
@@ -39,6 +40,7 @@ __all__ = [
     "ContentDecoder",
     "encoded_size_cap",
     "parse_content_encoding",
+    "reserve",
 ]
 
 MAX_CONTENT_CODINGS: Final = 4
@@ -171,22 +173,70 @@ def encoded_size_cap(limit: int) -> int:
 # --------------------------------------------------------------------------- the sink
 
 
+def _load_resize() -> Callable[[bytearray, int], int] | None:
+    try:
+        resize = ctypes.pythonapi.PyByteArray_Resize
+    except AttributeError:  # not CPython
+        return None
+    resize.argtypes = [ctypes.py_object, ctypes.c_ssize_t]
+    resize.restype = ctypes.c_int
+    found: Callable[[bytearray, int], int] = resize
+    return found
+
+
+_resize: Final = _load_resize()
+
+
+def reserve(size: int) -> bytearray:
+    """A ``bytearray`` of ``size`` bytes whose storage is allocated but not written.
+
+    ``bytearray(size)`` zero-fills, which makes every page resident at once: a
+    client that declares 100 MB and sends one byte would cost 100 MB of RAM.
+    CPython's ``PyByteArray_Resize`` on an empty array only allocates (``malloc``;
+    at this size an anonymous mapping whose pages the kernel provides on first
+    write), so memory becomes resident as the body is written into it. The
+    contents are undefined until written: the caller must overwrite all
+    ``size`` bytes before anyone reads them.
+
+    Outside CPython this falls back to an empty array that the caller's slice
+    assignments grow (amortised appends; still resident only as written).
+
+    Raises:
+        MemoryError: the address space could not be reserved.
+    """
+    buf = bytearray()
+    if size > 0 and _resize is not None and _resize(buf, size) != 0:
+        raise MemoryError(f"cannot reserve {size} bytes")
+    return buf
+
+
 class BodySink:
     """The one decoded-body buffer, its running digest and the decoded-size limit.
 
-    ``presize`` (the declared length of an identity body) is allocated on the
-    first write, not up front: a client that sends headers and then nothing
-    costs no memory while the idle timeout runs.
+    Memory is resident for the bytes written so far, never for bytes only
+    declared (DESIGN section 2, "reading"). ``presize`` (the declared length of
+    an identity body) is reserved with :func:`reserve` on the first write,
+    untouched, and filled in place by slice assignment, so an honestly sized
+    body is one allocation of exactly its size and no copy on growth. Without
+    ``presize`` (chunked or coded bodies) the buffer grows by appending; large
+    blocks are separate mappings that ``realloc`` moves with ``mremap``, so
+    growth does not copy either.
     """
 
     __slots__ = ("_buf", "_hasher", "_limit", "_presize", "_size")
 
     def __init__(self, limit: int, presize: int | None) -> None:
+        """``limit``: largest body in bytes; ``presize``: declared exact size in bytes or None."""
         self._buf = bytearray()
         self._hasher = xxhash.xxh3_128()
         self._limit = limit
         self._presize = presize or 0
         self._size = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far (the resident part of the buffer)."""
+        return self._size
 
     def write(self, data: bytes) -> None:
         """Append ``data``; raises BodyTooLarge (413) instead of passing the limit."""
@@ -194,18 +244,21 @@ class BodySink:
         if end > self._limit:
             raise BodyTooLarge(self._limit)
         if self._presize:
-            self._buf = bytearray(self._presize)
+            self._buf = reserve(self._presize)
             self._presize = 0
-        # One copy: into a pre-sized buffer this is a memcpy, past its end (no
-        # declared length) it is an amortised append.
+        # One copy: into the reservation this is a memcpy, past its end (no
+        # declared length) an amortised append.
         self._buf[self._size : end] = data
         self._hasher.update(data)
         self._size = end
 
     def take(self) -> tuple[bytearray, str]:
-        """Hand the buffer and the hex digest to the caller; the sink keeps nothing."""
+        """Hand the buffer (exactly the bytes written) and the hex digest over; keep nothing."""
         buf = self._buf
         self._buf = bytearray()
+        if len(buf) != self._size:
+            # A reservation not filled to its end: never hand out undefined bytes.
+            del buf[self._size :]
         return buf, self._hasher.hexdigest()
 
     def release(self) -> None:

@@ -45,6 +45,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Body reader (DESIGN section 3).
     max_body_bytes: _Bytes = 100 * MiB
     body_idle_timeout: _Seconds = 30.0
+    # Slow clients: request headers not complete within header_timeout → the
+    # connection is closed; a body not read within body_timeout → 408.
+    header_timeout: _Seconds = 30.0
+    body_timeout: _Seconds = 600.0
     body_chunk_bytes: Annotated[int, msgspec.Meta(ge=4096, le=16 * MiB)] = 256 * 1024
     # Admission: declared body bytes being read at once (a body's buffer is sized
     # from its Content-Length on its first byte, so a slow or stalled upload can

@@ -183,3 +183,34 @@ def test_release_frees_the_sink_storage_even_while_it_is_referenced() -> None:
     held = sink._buf
     sink.release()
     assert len(held) == 0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096
+
+
+def test_a_declared_size_is_reserved_not_resident() -> None:
+    declared = 64 * MiB
+    sink = BodySink(declared, declared)
+    before = _rss()
+    sink.write(b"x")  # the first byte reserves the declared size
+    assert _rss() - before < 4 * MiB, "the declared size became resident at once"
+    piece = bytes(range(256)) * (MiB // 256)
+    for _ in range(8):
+        sink.write(piece)
+    grown = _rss() - before
+    # Resident memory follows the bytes written (8 MiB), not the 64 MiB declared.
+    assert 7 * MiB < grown < 12 * MiB, f"{grown / MiB:.1f} MiB resident for 8 MiB written"
+    rest = declared - sink.size
+    sink.write(b"y" * rest)
+    buffer, digest = sink.take()
+    assert len(buffer) == declared and buffer[0:1] == b"x" and buffer[-1:] == b"y"
+    assert digest == xxhash.xxh3_128(b"x" + piece * 8 + b"y" * rest).hexdigest()
+
+
+def test_a_reservation_not_filled_is_never_handed_out_beyond_what_was_written() -> None:
+    sink = BodySink(MiB, MiB)
+    sink.write(b"abc")
+    buffer, _ = sink.take()
+    assert bytes(buffer) == b"abc"

@@ -1,0 +1,143 @@
+"""The HTTP server edge: aiohttp's request protocol with a header deadline, and its runner.
+
+aiohttp has no limit on how long a client may take to send request headers: a
+client that sends them one byte at a time (slowloris) holds a connection, a
+parser buffer and a handler task for as long as it likes. DESIGN section 3:
+request headers not complete within ``header_timeout`` seconds → the connection
+is closed (there is no request yet to answer).
+
+The deadline is kept by the protocol object of each connection, on every
+request of a keep-alive connection:
+
+* it starts when a ``data_received`` call leaves a request's headers
+  incomplete while no request is being handled (the first bytes of a request
+  that did not arrive in one piece), and stops when the parser emits the
+  request;
+* headers that arrive whole in one segment (the normal case) never start it:
+  no clock read, no timer;
+* one timer per connection at most, re-armed lazily like aiohttp's own
+  keep-alive timer (a timer that fires early for a later deadline re-arms
+  itself), so a connection whose clients are slow on every request still has
+  a single timer.
+
+An idle keep-alive connection that has sent no byte of its next request is
+aiohttp's keep-alive timeout's business, not this one's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+__all__ = ["HeaderDeadlineHandler", "ProxyRunner"]
+
+
+class HeaderDeadlineHandler(RequestHandler):
+    """aiohttp's ``RequestHandler`` closing connections whose headers miss ``header_timeout``.
+
+    Args:
+        header_timeout: seconds from the first incomplete piece of a request's
+            headers to their end; past it the transport is closed without an answer.
+        Everything else is passed to ``RequestHandler``.
+    """
+
+    __slots__ = ("_header_deadline", "_header_handle", "_header_timeout")
+
+    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout = header_timeout
+        # Loop time by which the current request's headers must be complete; 0 = none pending.
+        self._header_deadline = 0.0
+        self._header_handle: asyncio.TimerHandle | None = None
+
+    def data_received(self, data: bytes) -> None:
+        """Parse ``data`` as aiohttp does, then start or stop the header clock."""
+        requests = self._request_count
+        super().data_received(data)
+        if self._request_count != requests:
+            # The parser emitted a request: its headers are complete. A request
+            # pipelined behind it that is still incomplete is timed from the
+            # next segment that leaves it so.
+            self._header_deadline = 0.0
+        elif not self._header_deadline and self._waiting_for_headers():
+            self._start_header_clock()
+
+    def _waiting_for_headers(self) -> bool:
+        """No request is queued or being handled: bytes now are the next request's headers."""
+        return (
+            not self._request_in_progress
+            and not self._messages
+            and not self._force_close
+            and self.transport is not None
+        )
+
+    def _start_header_clock(self) -> None:
+        loop = self._loop
+        self._header_deadline = loop.time() + self._header_timeout
+        if self._header_handle is None:
+            self._header_handle = loop.call_at(self._header_deadline, self._on_header_timer)
+
+    def _on_header_timer(self) -> None:
+        self._header_handle = None
+        deadline = self._header_deadline
+        if not deadline:
+            return
+        if self._loop.time() < deadline:
+            # The deadline moved on since this timer was set (a later request).
+            self._header_handle = self._loop.call_at(deadline, self._on_header_timer)
+            return
+        self._header_deadline = 0.0
+        if self._waiting_for_headers():
+            self.log_debug("request headers not complete within %gs: closing", self._header_timeout)
+            self.force_close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        """Cancel the header timer, then let aiohttp tear the connection down."""
+        if self._header_handle is not None:
+            self._header_handle.cancel()
+            self._header_handle = None
+        self._header_deadline = 0.0
+        super().connection_lost(exc)
+
+
+class _Server(web.Server):
+    """``web.Server`` whose connections are :class:`HeaderDeadlineHandler` protocols."""
+
+    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timeout = header_timeout
+
+    def __call__(self) -> RequestHandler:
+        return HeaderDeadlineHandler(
+            self, loop=self._loop, header_timeout=self._header_timeout, **self._kwargs
+        )
+
+
+class ProxyRunner(web.AppRunner):
+    """``web.AppRunner`` whose server enforces ``header_timeout`` (seconds) on every request.
+
+    Other keyword arguments are ``web.AppRunner``'s.
+    """
+
+    __slots__ = ("_header_timeout",)
+
+    def __init__(self, app: web.Application, *, header_timeout: float, **kwargs: Any) -> None:
+        if header_timeout <= 0:
+            raise ValueError(f"header_timeout must be > 0 seconds, got {header_timeout}")
+        super().__init__(app, **kwargs)
+        self._header_timeout = header_timeout
+
+    async def _make_server(self) -> web.Server:
+        # AppRunner builds the app's server (start-up signals, frozen router);
+        # the same server, with the deadline protocol as its connection factory.
+        base = await super()._make_server()
+        return _Server(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            header_timeout=self._header_timeout,
+            **base._kwargs,
+        )
