@@ -65,10 +65,15 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready: 200, or 503 from the moment shutdown begins."""
+    """Ready: 200, or 503 from the moment shutdown begins (also in degraded cluster mode)."""
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
+    if state.cluster is not None:
+        # Still ready while Redis is down: the node serves with its local view
+        # (docs/cluster.md, "When Redis dies"); the body says so.
+        cluster = "degraded" if state.cluster.degraded else "ok"
+        return web.json_response({"status": "ready", "cluster": cluster})
     return web.json_response({"status": "ready"})
 
 
@@ -127,11 +132,31 @@ async def get_session(request: web.Request) -> web.Response:
 
 
 async def delete_session(request: web.Request) -> web.Response:
-    """``shutdown_session``: tombstone, wait up to the timeout, cancel stragglers, drop."""
+    """``shutdown_session``: tombstone, wait up to the timeout, cancel stragglers, drop.
+
+    In cluster mode the close holds on every node (:meth:`ClusterNode.close_session`)
+    and the answer adds ``expired``, ``remaining`` and ``degraded``.
+    """
     state = request.app[STATE]
     sid = request.match_info["sid"]
+    grace = state.settings.session_shutdown_timeout
     try:
-        result = await state.registry.shutdown_session(sid, state.settings.session_shutdown_timeout)
+        if state.cluster is not None:
+            # Every node: tombstone in Redis, close command on the stream, wait for
+            # the session's in-flight set; counts are cluster-wide (docs/cluster.md).
+            closed = await state.cluster.close_session(sid, grace)
+            return web.json_response(
+                {
+                    "id": sid,
+                    "finished": closed.finished,
+                    "cancelled": closed.cancelled,
+                    "expired": closed.expired,
+                    "remaining": closed.remaining,
+                    "already_closed": closed.already_closed,
+                    "degraded": closed.degraded,
+                }
+            )
+        result = await state.registry.shutdown_session(sid, grace)
     except SessionCloseError as exc:
         return web.json_response({"id": sid, "error": f"cleanup failed: {exc}"}, status=500)
     return web.json_response(

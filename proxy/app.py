@@ -289,7 +289,9 @@ async def _run_exchange(
         ex.conclude(400, Outcome.REJECTED, "session_required")
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
     assert state.upstream is not None
-    with state.registry.track(sid, task):
+    # Cluster admission (one Redis round trip), then the local one; both refuse a
+    # tombstoned session. Nothing below, the stream included, calls Redis.
+    async with state.admitted(sid, ex, task):
         if ex.meta is not None and not opaque:
             ex.bind_preparer(
                 Preparer(
@@ -396,6 +398,8 @@ async def _on_startup(app: web.Application) -> None:
     # upstream client session opened before it would be left unclosed.
     await state.host.startup()
     state.upstream = Upstream(state.settings)
+    if state.cluster is not None:
+        await state.cluster.start()
 
 
 async def _on_cleanup(app: web.Application) -> None:

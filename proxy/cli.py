@@ -74,6 +74,10 @@ def main() -> None:
     "--shutdown-grace", type=float, help="Seconds in-flight streams get at shutdown [30]."
 )
 @click.option("--plugin", "plugins", multiple=True, help="Plugin to enable (repeatable).")
+@click.option(
+    "--redis-url", help="Cluster mode: shared state in Redis (docs/cluster.md) [unset: one node]."
+)
+@click.option("--node-id", help="Cluster mode: this node's name [hostname:port].")
 @click.option("--log-level", help="DEBUG, INFO, WARNING or ERROR [INFO].")
 def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     """Run the proxy until SIGTERM/SIGINT, then drain and exit 0."""

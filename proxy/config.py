@@ -90,6 +90,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     admin_token: str | None = None
     admin_allow: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1", "::1"])
 
+    # Cluster mode (DESIGN section 9, docs/cluster.md). Unset redis_url: one node,
+    # in-process state, exactly the embedded behaviour.
+    redis_url: str | None = None
+    node_id: str | None = None  # None: hostname:port
+    cluster_heartbeat_ttl: Annotated[float, msgspec.Meta(ge=0.3, le=3600)] = 15.0
+    redis_timeout: _Seconds = 0.5
+    redis_max_connections: Annotated[int, msgspec.Meta(ge=2, le=10_000)] = 64
+
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -97,6 +105,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             url = getattr(self, name)
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{name}: expected an http:// or https:// URL, got {url!r}")
+        if self.redis_url is not None and not self.redis_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            # The value is not echoed: a Redis URL may carry a password.
+            raise ConfigError("redis_url: expected a redis://, rediss:// or unix:// URL")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
 
@@ -151,7 +164,7 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
                 raise ConfigError(f"{name} (env {ENV_PREFIX}{name.upper()}): {exc}") from None
         elif name in ("plugins", "session_headers", "admin_allow"):
             layer[name] = [item.strip() for item in raw.split(",") if item.strip()]
-        elif name == "admin_token" and raw == "":
+        elif name in ("admin_token", "redis_url", "node_id") and raw == "":
             layer[name] = None
         elif isinstance(getattr(_DEFAULTS, name), bool):
             layer[name] = _BOOLEANS.get(raw.strip().lower(), raw)

@@ -33,6 +33,14 @@ class _Host(Protocol):
     def plugins(self) -> Iterable[object]: ...
 
 
+class _Cluster(Protocol):
+    @property
+    def degraded(self) -> bool: ...
+    @property
+    def reconciles(self) -> int: ...
+    def in_flight_entries(self) -> int: ...
+
+
 class LiveSource(Protocol):
     """What the metrics read at scrape time: the shape of ``proxy.state.AppState``.
 
@@ -48,6 +56,8 @@ class LiveSource(Protocol):
     def host(self) -> _Host: ...
     @property
     def draining(self) -> bool: ...
+    @property
+    def cluster(self) -> _Cluster | None: ...
 
 
 class _LiveCollector(Collector):
@@ -86,6 +96,26 @@ class _LiveCollector(Collector):
         draining = GaugeMetricFamily("context_proxy_draining", "1 while the proxy drains")
         draining.add_metric([], 1 if state.draining else 0)
         yield draining
+        cluster = state.cluster
+        if cluster is not None:
+            degraded = GaugeMetricFamily(
+                "context_proxy_cluster_degraded",
+                "1 while Redis is unreachable and the node serves with its local view",
+            )
+            degraded.add_metric([], 1 if cluster.degraded else 0)
+            yield degraded
+            entries = GaugeMetricFamily(
+                "context_proxy_cluster_in_flight_entries",
+                "In-flight entries this node holds in Redis (refreshed by its heartbeat)",
+            )
+            entries.add_metric([], cluster.in_flight_entries())
+            yield entries
+            reconciles = GaugeMetricFamily(
+                "context_proxy_cluster_reconciles",
+                "Reconciles with Redis after an outage since start",
+            )
+            reconciles.add_metric([], cluster.reconciles)
+            yield reconciles
 
 
 class Metrics:

@@ -7,10 +7,11 @@ Stored on the aiohttp application under :data:`STATE`; the handlers in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
@@ -21,6 +22,9 @@ from .metrics import Metrics
 from .plugins import PluginHost
 from .relay import SHUTDOWN_CANCEL, Upstream
 from .sessions import SessionRegistry
+
+if TYPE_CHECKING:
+    from .cluster import ClusterNode
 
 __all__ = ["STATE", "AppState"]
 
@@ -39,6 +43,7 @@ class AppState:
     __slots__ = (
         "allocator",
         "background",
+        "cluster",
         "draining",
         "exchanges",
         "handlers",
@@ -67,6 +72,8 @@ class AppState:
             clock=clock,
             on_close=host.run_session_closed,
         )
+        #: Cluster mode (``redis_url`` set): this node's part; ``None`` for one embedded node.
+        self.cluster: ClusterNode | None = _cluster_node(settings, self.registry)
         self.upstream: Upstream | None = None
         self.exchanges: dict[str, Exchange] = {}
         self.handlers: set[asyncio.Task[object]] = set()
@@ -84,6 +91,29 @@ class AppState:
         task = asyncio.create_task(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+    @contextlib.asynccontextmanager
+    async def admitted(
+        self, sid: str | None, ex: Exchange, task: asyncio.Task[Any]
+    ) -> AsyncIterator[None]:
+        """Admission of one exchange, for ``async with`` around the whole exchange.
+
+        In cluster mode, first the cluster's (tombstone check + in-flight entry
+        in Redis, one round trip), then the registry's ``track``; leaving undoes
+        both, also on cancellation.
+
+        Raises:
+            proxy.sessions.SessionClosed: on entry, the session is tombstoned
+                (in Redis or locally).
+        """
+        cluster = self.cluster
+        async with (
+            cluster.admitted(sid, ex.id, lambda: ex.outcome == "cancelled")
+            if cluster is not None
+            else contextlib.nullcontext()
+        ):
+            with self.registry.track(sid, task):
+                yield
 
     async def drain(self, grace: float) -> None:
         """Stop admitting, give in-flight handlers ``grace`` seconds, then cancel them.
@@ -106,6 +136,9 @@ class AppState:
                 await asyncio.wait(late, timeout=5.0)
         if self.background:
             await asyncio.wait(set(self.background), timeout=10.0)
+        if self.cluster is not None:
+            # Before close_all: no close from the stream may start while it runs.
+            await self.cluster.stop()
         try:
             await self.registry.close_all()
         except ExceptionGroup as group:
@@ -113,6 +146,29 @@ class AppState:
                 log.error("closing a session failed at shutdown: %s", exc)
         await self.host.shutdown()
         self.allocator.close()
+
+
+def _cluster_node(settings: Settings, registry: SessionRegistry) -> ClusterNode | None:
+    """This process's :class:`~proxy.cluster.ClusterNode`, or ``None`` without ``redis_url``.
+
+    The cluster package (and the Redis client) is imported only in cluster mode.
+    """
+    if settings.redis_url is None:
+        return None
+    from .cluster import ClusterNode, RedisStore, default_node_id
+
+    store = RedisStore(
+        settings.redis_url,
+        timeout=settings.redis_timeout,
+        max_connections=settings.redis_max_connections,
+    )
+    return ClusterNode(
+        store,
+        registry,
+        node_id=settings.node_id or default_node_id(settings.port),
+        heartbeat_ttl=settings.cluster_heartbeat_ttl,
+        tombstone_ttl=settings.tombstone_ttl,
+    )
 
 
 STATE: Final = web.AppKey("context_proxy_state", AppState)

@@ -18,6 +18,8 @@ PACKAGES = ("proxy", "plugins")
 # They may import only each other within the project, and no I/O library.
 PURE = frozenset(
     {
+        "proxy.cluster.keys",
+        "proxy.cluster.scripts",
         "proxy.coding",
         "proxy.protocols",
         "proxy.session_ids",

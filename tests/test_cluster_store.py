@@ -1,0 +1,321 @@
+"""The Redis store and one node's cluster logic against a real redis-server.
+
+The Lua scripts run in Redis itself (fakeredis would need lupa to run them, and
+its Lua is not Redis's), so these tests start a redis-server on a loopback port
+per test. Nodes here are :class:`ClusterNode` objects in this process with
+registries of their own; the HTTP layer is tested in test_cluster_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis.crc import key_slot
+
+from proxy.cluster import ClusterNode, ClusterUnavailable, RedisStore
+from proxy.cluster.keys import SessionKeys
+from proxy.sessions import SessionClosed, SessionRegistry, shutdown_cause
+
+from .cluster_support import RedisServer, free_port
+from .test_e2e_support import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
+    s = RedisStore(redis_server.url, timeout=0.5, max_connections=8)
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+def _registry() -> SessionRegistry:
+    return SessionRegistry(idle_cap=100, tombstone_ttl=60.0, tombstone_cap=100)
+
+
+def test_keys_of_a_session_share_one_cluster_slot() -> None:
+    for sid in ("abc", "with}brace", "{tagged}", "h:" + "f" * 32):
+        k = SessionKeys(sid)
+        slots = {key_slot(key.encode()) for key in (k.tombstone, k.in_flight, k.tally, k.ledger)}
+        assert len(slots) == 1, sid
+    assert (
+        key_slot(SessionKeys("a").tombstone.encode())
+        != key_slot(SessionKeys("b").tombstone.encode())
+        or SessionKeys("a").tombstone != SessionKeys("b").tombstone
+    )
+
+
+async def test_admission_registers_and_a_tombstone_refuses(store: RedisStore) -> None:
+    assert await store.admit("s1", "n|b|ex-1", ttl=5.0) is None
+    assert await store.in_flight("s1") == ["n|b|ex-1"]
+    start = await store.begin_close("s1", "c1", tombstone_ttl=30.0)
+    assert start.new and not start.done
+    left = await store.admit("s1", "n|b|ex-2", ttl=5.0)
+    assert left is not None and 29.0 < left <= 30.0
+    # The refused exchange left no entry.
+    assert await store.in_flight("s1") == ["n|b|ex-1"]
+    again = await store.begin_close("s1", "c2", tombstone_ttl=30.0)
+    assert not again.new and again.close_id == "c1" and not again.done
+
+
+async def test_deregistration_counts_only_exchanges_in_flight_at_the_close(
+    store: RedisStore,
+) -> None:
+    for n in range(3):
+        assert await store.admit("s", f"n|b|ex-{n}", ttl=5.0) is None
+    assert await store.deregister("s", "n|b|ex-0", cancelled=False)  # before the close
+    await store.begin_close("s", "c", tombstone_ttl=30.0)
+    assert await store.deregister("s", "n|b|ex-1", cancelled=False)
+    assert await store.deregister("s", "n|b|ex-2", cancelled=True)
+    assert not await store.deregister("s", "n|b|ex-2", cancelled=True)  # twice: counted once
+    tally = await store.finish_close("s")
+    assert (tally.finished, tally.cancelled, tally.expired, tally.done) == (1, 1, 0, True)
+    assert (await store.begin_close("s", "again", tombstone_ttl=30.0)).done
+
+
+async def test_entries_expire_without_heartbeat_and_live_with_it(store: RedisStore) -> None:
+    assert await store.admit("s", "dead|b|ex-1", ttl=0.3) is None
+    assert await store.admit("s", "live|b|ex-1", ttl=0.3) is None
+    await store.begin_close("s", "c", tombstone_ttl=30.0)
+    for _ in range(6):  # 0.6 s: twice the TTL, refreshed every 0.1 s
+        await asyncio.sleep(0.1)
+        await store.refresh({"s": ["live|b|ex-1"]}, ttl=0.3)
+    assert await store.prune("s") == 1
+    assert await store.in_flight("s") == ["live|b|ex-1"]
+    assert (await store.tally("s")).expired == 1
+    # A heartbeat never resurrects an entry that was pruned; a reconcile re-adds it.
+    await store.refresh({"s": ["dead|b|ex-1"]}, ttl=5.0)
+    assert await store.in_flight("s") == ["live|b|ex-1"]
+    await store.refresh({"s": ["dead|b|ex-1"]}, ttl=5.0, readd=True)
+    assert sorted(await store.in_flight("s")) == ["dead|b|ex-1", "live|b|ex-1"]
+
+
+async def test_a_set_whose_nodes_all_died_vanishes(
+    store: RedisStore, redis_server: RedisServer
+) -> None:
+    assert await store.admit("gone", "dead|b|ex-1", ttl=0.2) is None
+    await asyncio.sleep(0.55)  # past twice the TTL
+    import redis.asyncio as aioredis
+
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        assert await raw.exists(SessionKeys("gone").in_flight) == 0
+    finally:
+        await raw.aclose()
+
+
+async def test_ledger_gate_outcomes(store: RedisStore) -> None:
+    kw = {"request_bytes": 10, "response_bytes": 5, "last_activity": 1.5}
+    assert await store.ledger_gate("s", digest="d1", comparable=True, **kw) == ("first", 0, False)
+    assert await store.ledger_gate("s", digest="d1", comparable=True, **kw) == (
+        "identical",
+        0,
+        False,
+    )
+    assert await store.ledger_gate("s", digest="d2", comparable=True, **kw) == (
+        "reformat",
+        0,
+        False,
+    )
+    assert await store.ledger_gate("s", digest="d3", comparable=False, **kw) == (
+        "revision",
+        1,
+        True,
+    )
+    state = await store.ledger_state("s")
+    # The identical retry wrote nothing: three requests counted, not four.
+    assert state["requests"] == "3" and state["digest"] == "d3"
+
+
+async def test_concurrent_verdict_flips_bump_the_epoch_once(redis_server: RedisServer) -> None:
+    stores = [RedisStore(redis_server.url, timeout=0.5, max_connections=4) for _ in range(2)]
+    try:
+        kw = {"request_bytes": 1, "response_bytes": 1, "last_activity": 1.0}
+        await stores[0].ledger_gate("s", digest="d0", comparable=True, **kw)
+        results = await asyncio.gather(
+            *(s.ledger_gate("s", digest="d1", comparable=False, **kw) for s in stores)
+        )
+        outcomes = sorted(r[0] for r in results)
+        assert outcomes == ["identical", "revision"]
+        assert (await stores[0].ledger_state("s"))["revision_epoch"] == "1"
+    finally:
+        for s in stores:
+            await s.close()
+
+
+async def test_an_unreachable_redis_raises_cluster_unavailable_within_the_timeout() -> None:
+    s = RedisStore(f"redis://127.0.0.1:{free_port()}/0", timeout=0.3, max_connections=2)
+    try:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(ClusterUnavailable) as caught:
+            await s.admit("s", "n|b|e", ttl=1.0)
+        assert loop.time() - began < 2.0
+        assert "redis://" not in str(caught.value)
+    finally:
+        await s.close()
+
+
+# ----------------------------------------------------------------------------- nodes
+
+
+async def _node(url: str, registry: SessionRegistry, name: str, ttl: float = 1.5) -> ClusterNode:
+    node = ClusterNode(
+        RedisStore(url, timeout=0.5, max_connections=8),
+        registry,
+        node_id=name,
+        heartbeat_ttl=ttl,
+        tombstone_ttl=60.0,
+    )
+    await node.start()
+    return node
+
+
+async def _hold(
+    node: ClusterNode,
+    registry: SessionRegistry,
+    sid: str,
+    ex: str,
+    started: asyncio.Event,
+    seconds: float,
+) -> str:
+    """An exchange held in flight on ``node``; returns how it ended."""
+    task = asyncio.current_task()
+    assert task is not None
+    try:
+        async with node.admitted(sid, ex):
+            with registry.track(sid, task):
+                started.set()
+                await asyncio.sleep(seconds)
+    except asyncio.CancelledError as exc:
+        return "cancelled" if shutdown_cause(exc) else "cancelled-other"
+    return "finished"
+
+
+async def test_a_close_on_one_node_cancels_the_exchange_held_on_another(
+    redis_server: RedisServer,
+) -> None:
+    closed_on_b: list[str] = []
+
+    async def on_close(sid: str) -> None:
+        closed_on_b.append(sid)
+
+    reg_a = _registry()
+    reg_b = SessionRegistry(idle_cap=100, tombstone_ttl=60.0, tombstone_cap=100, on_close=on_close)
+    a = await _node(redis_server.url, reg_a, "a")
+    b = await _node(redis_server.url, reg_b, "b")
+    try:
+        started = asyncio.Event()
+        held = asyncio.create_task(_hold(b, reg_b, "s", "ex-1", started, 30.0))
+        short_started = asyncio.Event()
+        short = asyncio.create_task(_hold(b, reg_b, "s", "ex-2", short_started, 0.1))
+        await asyncio.wait_for(started.wait(), 5)
+        await asyncio.wait_for(short_started.wait(), 5)
+        result = await asyncio.wait_for(a.close_session("s", grace=0.5), 10)
+        assert await held == "cancelled"
+        assert await short == "finished"
+        assert (result.finished, result.cancelled, result.remaining) == (1, 1, 0)
+        assert not result.already_closed and not result.degraded
+        assert closed_on_b == ["s"]
+        # Late requests are refused on both nodes, by Redis and by B's own registry.
+        for node in (a, b):
+            with pytest.raises(SessionClosed):
+                async with node.admitted("s", "late"):
+                    pass
+        assert reg_b.is_tombstoned("s")
+        again = await b.close_session("s", grace=0.5)
+        assert again.already_closed
+        assert await a.store.in_flight("s") == []
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_a_dead_nodes_entry_expires_and_the_close_returns(redis_server: RedisServer) -> None:
+    reg = _registry()
+    a = await _node(redis_server.url, reg, "a", ttl=0.6)
+    try:
+        # A node that admitted an exchange and died: its entry is never refreshed.
+        assert await a.store.admit("s", "dead|b|ex-9", ttl=0.6) is None
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        result = await asyncio.wait_for(a.close_session("s", grace=0.2), 10)
+        assert loop.time() - began < 0.2 + 0.6 + 1.0 + 0.5
+        assert result.expired == 1 and result.remaining == 0
+        assert await a.store.in_flight("s") == []
+    finally:
+        await a.stop()
+
+
+async def test_concurrent_closes_on_two_nodes_share_one_close(redis_server: RedisServer) -> None:
+    closes: list[str] = []
+
+    async def on_close(sid: str) -> None:
+        closes.append(sid)
+
+    regs = [
+        SessionRegistry(idle_cap=10, tombstone_ttl=60.0, tombstone_cap=10, on_close=on_close)
+        for _ in range(2)
+    ]
+    a = await _node(redis_server.url, regs[0], "a")
+    b = await _node(redis_server.url, regs[1], "b")
+    try:
+        started = asyncio.Event()
+        held = asyncio.create_task(_hold(a, regs[0], "s", "ex-1", started, 0.3))
+        await asyncio.wait_for(started.wait(), 5)
+        r1, r2 = await asyncio.wait_for(
+            asyncio.gather(a.close_session("s", grace=2.0), b.close_session("s", grace=2.0)), 10
+        )
+        assert await held == "finished"
+        assert r1.finished == r2.finished == 1
+        assert sorted(closes) == ["s", "s"]  # one session_closed per node, not more
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_redis_down_policy_and_reconcile(redis_server: RedisServer) -> None:
+    regs = [_registry(), _registry()]
+    a = await _node(redis_server.url, regs[0], "a", ttl=0.6)
+    b = await _node(redis_server.url, regs[1], "b", ttl=0.6)
+    try:
+        redis_server.kill()
+        # Admission keeps flowing with the local view; the node says it is degraded.
+        async with a.admitted("s1", "ex-1"):
+            pass
+        assert a.degraded
+        result = await asyncio.wait_for(a.close_session("closed-in-outage", grace=0.1), 5)
+        assert result.degraded
+        # The tombstone it knows keeps refusing, locally.
+        with pytest.raises(SessionClosed), regs[0].track("closed-in-outage"):
+            pass
+        redis_server.start(same_port=True)
+        await wait_until(
+            lambda: not a.degraded and regs[1].is_tombstoned("closed-in-outage"),
+            "reconciled and replayed",
+            within=10.0,
+        )
+        assert not a.degraded and a.reconciles == 1
+        # Replayed: the Redis tombstone refuses on B, B's registry got the close.
+        assert regs[1].is_tombstoned("closed-in-outage")
+        with pytest.raises(SessionClosed):
+            async with b.admitted("closed-in-outage", "late"):
+                pass
+    finally:
+        await a.stop()
+        await b.stop()
