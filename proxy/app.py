@@ -26,18 +26,13 @@ from aiohttp.typedefs import Handler
 from . import protocols, wire
 from .admin import add_admin_routes
 from .body import BodyError, check_content_length, read_body
+from .cancel import orderly_cancel_reason
 from .config import Settings
 from .exchange import Exchange, Outcome, Phase, Preparer, null_lock
+from .headers import forward_headers
 from .plugins import ExchangeRecord, PluginHost, load_plugins
 from .protocols import Protocol
-from .relay import (
-    ClientGone,
-    Upstream,
-    error_response,
-    forward_headers,
-    orderly_cancel_reason,
-    relay,
-)
+from .relay import ClientGone, Upstream, error_response, relay
 from .server import ProxyRunner
 from .session_ids import resolve_session_id
 from .sessions import SessionClosed

@@ -1,15 +1,13 @@
-"""The upstream edge: send an exchange, refold on overflow, relay the answer (I/O).
+"""The upstream edge: a small driver performing a :class:`~proxy.stream.StreamGate`'s actions.
 
 One call of :func:`relay` drives one exchange from "prepared" to "streaming is
-over": it sends the outbound body as ``memoryview`` slices, classifies the
-upstream's answer, refolds on a context overflow, resends on an empty answer
-when fake-completion retry is armed, calls :meth:`Exchange.accept` (the release
-boundary) as soon as no refold can follow, and relays the response bytes to the
-client exactly as received, with backpressure in both directions.
-
-SSE bytes are forwarded at event boundaries (a partial event waits for its end,
-up to :data:`PARTIAL_EVENT_CAP` bytes) so that a stream that dies mid-way can
-be closed with a well-formed in-band error event instead of half a JSON line.
+over": it sends the outbound body as ``memoryview`` slices, makes a gate for
+each upstream answer, feeds it the decoded body chunk by chunk and performs
+what it returns: the release boundary (:meth:`Exchange.accept`), the client's
+headers, writes with backpressure, a refold or a resend (a new attempt), the
+grace read after the terminal event, the end. Every decision about the answer
+(event boundaries, the gate before first output, overflow, the stream end
+rule, usage) is the gate's; this module only does the I/O around it.
 """
 
 from __future__ import annotations
@@ -21,85 +19,41 @@ from typing import Final
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from . import protocols
+from .cancel import orderly_cancel_reason
 from .config import Settings
 from .exchange import Exchange, Outcome
+from .headers import response_headers
 from .protocols import Protocol
-from .sessions import shutdown_cause
-from .sse import SSEFramer
+from .stream import (
+    Accept,
+    Action,
+    Fail,
+    Finish,
+    Forward,
+    Linger,
+    Open,
+    Refold,
+    Reject,
+    Resend,
+    StreamGate,
+    Usage,
+)
 
 __all__ = [
-    "ERROR_BODY_CAP",
-    "HEAD_HOLD_CAP",
-    "PARTIAL_EVENT_CAP",
-    "SHUTDOWN_CANCEL",
     "ClientGone",
     "Upstream",
-    "orderly_cancel_reason",
+    "error_response",
     "relay",
 ]
 
 log = logging.getLogger("context_proxy.relay")
 
-#: Bytes of an upstream error body read to classify it (overflow or not).
-ERROR_BODY_CAP: Final = 1 << 20
-#: Bytes of a stream's head held back while a refold or resend is still possible.
-HEAD_HOLD_CAP: Final = 4 << 20
-#: Bytes of one unfinished SSE event held back before it is forwarded anyway.
-PARTIAL_EVENT_CAP: Final = 1 << 20
-#: Bytes of a non-streaming JSON answer kept to read its usage.
-USAGE_JSON_CAP: Final = 1 << 20
-#: Seconds to wait for the upstream's end of body once the final SSE event was relayed.
-#: A healthy upstream ends it within a round trip (the connection then stays pooled);
-#: one that keeps it open must not keep the client's complete answer from ending.
-TERMINAL_EOF_GRACE: Final = 0.5
-
-# RFC 9110 section 7.6.1 plus the de-facto ones; never forwarded in either direction.
-HOP_BY_HOP: Final = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-# Recomputed by us: the body was decoded and is re-framed on each side.
-_REQUEST_DROP: Final = HOP_BY_HOP | {
-    "host",
-    "content-length",
-    "content-encoding",
-    "accept-encoding",
-}
-_RESPONSE_DROP: Final = HOP_BY_HOP | {"content-length", "content-encoding", "server", "date"}
-
-
-#: Prefix of the cancellation message of an orderly stop (see :func:`orderly_cancel_reason`).
-SHUTDOWN_CANCEL: Final = "context-proxy: proxy shutting down"
-
 
 class ClientGone(Exception):
     """The client closed its connection; the upstream request was aborted."""
-
-
-def orderly_cancel_reason(exc: asyncio.CancelledError) -> str | None:
-    """Why the handler was cancelled, if it was an orderly stop; ``None`` otherwise.
-
-    An orderly stop is a session shutdown (the registry cancels with a
-    :class:`~proxy.sessions.SessionShutdown` marker) or the process drain
-    (:data:`SHUTDOWN_CANCEL`). Any other cancellation means the client is gone.
-    """
-    if shutdown_cause(exc) is not None:
-        return "session closed"
-    if exc.args and exc.args[0] == SHUTDOWN_CANCEL:
-        return "proxy shutting down"
-    return None
 
 
 class _UpstreamFailure(Exception):
@@ -150,37 +104,6 @@ class Upstream:
         await self.session.close()
 
 
-def _connection_listed(headers: CIMultiDictProxy[str]) -> frozenset[str]:
-    """Field names listed in ``Connection``: hop-by-hop too (RFC 9110 section 7.6.1)."""
-    return frozenset(
-        token.strip().lower()
-        for value in headers.getall("Connection", ())
-        for token in value.split(",")
-        if token.strip()
-    )
-
-
-def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """``headers`` without ``drop`` and without the fields ``Connection`` names."""
-    listed = _connection_listed(headers)
-    # Usually nothing is listed (HTTP/1.1 keep-alive needs no Connection field): no union.
-    dropped = drop | listed if listed else drop
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in dropped:
-            out.add(name, value)
-    return out
-
-
-def forward_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    """End-to-end request headers for the upstream (hop-by-hop and framing dropped)."""
-    return _end_to_end(headers, _REQUEST_DROP)
-
-
-def _response_headers(headers: CIMultiDictProxy[str]) -> CIMultiDict[str]:
-    return _end_to_end(headers, _RESPONSE_DROP)
-
-
 def error_response(
     protocol: Protocol,
     status: int,
@@ -203,33 +126,25 @@ def _client_gone(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> tuple[bytes, bool]:
-    """Up to ``cap`` bytes of the body and whether the whole body fit."""
-    buf = bytearray()
-    while len(buf) < cap:
-        chunk = await resp.content.readany()
-        if not chunk:
-            return bytes(buf), True
-        buf += chunk
-    return bytes(buf), resp.content.at_eof()
+_Verdict = str  # "done" | "refold" | "retry"
 
 
 class _Relay:
-    """State of one relay call; see :func:`relay`."""
+    """One relay call: the attempts of one exchange and the gate of the current answer."""
 
     __slots__ = (
         "client",
         "ex",
-        "framer",
+        "gate",
         "headers",
+        "linger_until",
         "max_refolds",
         "max_retries",
+        "rejection",
         "request",
         "retry_after",
-        "tail",
         "target",
         "upstream",
-        "usage",
     )
 
     def __init__(
@@ -250,9 +165,10 @@ class _Relay:
         self.max_retries = settings.fake_completion_retries
         self.retry_after = settings.retry_after
         self.client: web.StreamResponse | None = None
-        self.framer: SSEFramer | None = None
-        self.tail = bytearray()
-        self.usage = protocols.UsageMeter(ex.protocol)
+        self.gate: StreamGate | None = None
+        self.rejection: web.Response | None = None
+        # Loop time by which the upstream must end its body after the terminal event.
+        self.linger_until: float | None = None
 
     # ------------------------------------------------------------------ sending
 
@@ -287,18 +203,6 @@ class _Relay:
         # chat stream gated for a resend) goes to the client as it came.
         return self.ex.can_refold and self.ex.fold_level < self.max_refolds
 
-    async def _refold(self, what: str) -> bool:
-        """Re-prepare at the next fold level if that may help; ``True`` means resend.
-
-        Never after the client has gone, never past ``max_refolds``, and only
-        when the body shrank (else the upstream's error goes to the client).
-        """
-        ex = self.ex
-        if not self._can_refold() or _client_gone(self.request) or not await ex.refold():
-            return False
-        log.info("%s: %s; refolded to level %d", ex.id, what, ex.fold_level)
-        return True
-
     # ---------------------------------------------------------------- main loop
 
     async def run(self) -> web.StreamResponse:
@@ -315,8 +219,9 @@ class _Relay:
                 task.uncancel()
             ex = self.ex
             ex.release()
-            if self.client is not None and self.client.prepared:
-                await self._fail_stream(reason, outcome=Outcome.CANCELLED)
+            gate = self.gate
+            if self.client is not None and self.client.prepared and gate is not None:
+                await self._perform(gate.abort(reason), outcome=Outcome.CANCELLED)
                 return self.client
             ex.conclude(503, Outcome.CANCELLED, reason)
             # Like every 503 of the proxy: tell the client when to come back.
@@ -349,239 +254,145 @@ class _Relay:
                 else:
                     resp.close()
             if verdict == "done":
+                if self.rejection is not None:
+                    return self.rejection
                 assert self.client is not None
                 return self.client
+            # A new attempt: what the last gate held (the head of a refolded answer) goes.
+            self.gate = None
+            ex.hold_response(0)
             if verdict == "retry":
                 ex.count_retry()
             # "refold": the exchange already re-prepared itself; send again.
 
-    async def _answer(self, resp: aiohttp.ClientResponse) -> str:
-        """Handle one upstream answer: ``done``, ``refold`` or ``retry``."""
+    async def _answer(self, resp: aiohttp.ClientResponse) -> _Verdict:
+        """Drive one upstream answer through a fresh gate: ``done``, ``refold`` or ``retry``."""
         ex = self.ex
         ex.upstream_answered(resp.status)
+        meta = ex.meta
         # Each attempt starts clean: a refold or resend discards what the last one saw.
-        self.framer = None
-        self.tail.clear()
-        ex.hold_response(0)
-        self.usage = protocols.UsageMeter(ex.protocol)
-        if resp.status >= 400:
-            head, whole = await _read_capped(resp, ERROR_BODY_CAP)
-            overflow = whole and protocols.is_overflow_response(
-                ex.protocol, resp.status, resp.content_type, head
-            )
-            if overflow and await self._refold("context overflow"):
-                return "refold"
-            ex.accept()
-            ex.set_outcome(Outcome.UPSTREAM_ERROR)
-            await self._start_client(resp)
-            await self._write(head)
-            await self._pump(resp, gated=False)
-            return "done"
-        is_sse = resp.content_type == "text/event-stream"
-        defer_accept = is_sse and ex.protocol is Protocol.RESPONSES and self._can_refold()
-        # Only the exchange protocols have a known stream grammar (output, final event);
-        # a passthrough stream (e.g. a stored response replayed) is relayed as it comes.
-        gated = (
-            is_sse and ex.protocol.is_exchange and (defer_accept or ex.retries < self.max_retries)
+        gate = self.gate = StreamGate(
+            ex.protocol,
+            status=resp.status,
+            content_type=resp.content_type if "Content-Type" in resp.headers else "",
+            stream_requested=meta is not None and meta.stream,
+            can_refold=self._can_refold(),
+            may_resend=ex.retries < self.max_retries,
         )
-        if not defer_accept:
-            ex.accept()
-        if is_sse:
-            self.framer = SSEFramer()
-        if not gated:
-            await self._start_client(resp)
-        return await self._pump(resp, gated=gated)
+        self.linger_until = None
+        verdict = await self._perform(gate.start(), resp=resp)
+        ex.hold_response(gate.held_bytes())
+        content = resp.content
+        while verdict is None:
+            try:
+                if self.linger_until is None:
+                    chunk = await content.readany()
+                else:
+                    async with asyncio.timeout_at(self.linger_until):
+                        chunk = await content.readany()
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+                if self.linger_until is not None:
+                    log.info(
+                        "%s: upstream did not end its body after the final event (%s); closed it",
+                        ex.id,
+                        type(exc).__name__,
+                    )
+                actions = gate.end(clean=False, reason=type(exc).__name__)
+            else:
+                actions = gate.feed(chunk) if chunk else gate.end(clean=True)
+            verdict = await self._perform(actions, resp=resp)
+            # The response side's buffers (held head, partial-event tail, JSON head).
+            ex.hold_response(gate.held_bytes())
+        return verdict
 
-    # --------------------------------------------------------------- streaming
+    # ------------------------------------------------------------------ actions
 
-    async def _start_client(self, resp: aiohttp.ClientResponse) -> None:
-        self.ex.mark_streaming()
-        client = web.StreamResponse(status=resp.status, headers=_response_headers(resp.headers))
-        self.client = client
-        try:
-            await client.prepare(self.request)
-        except ConnectionError as exc:
-            raise ClientGone from exc
-
-    async def _write(self, data: bytes | bytearray | memoryview) -> None:
-        if not data:
-            return
-        assert self.client is not None
-        try:
-            await self.client.write(data)
-        except ConnectionError as exc:
-            raise ClientGone from exc
-        self.ex.count_response_bytes(len(data))
-
-    async def _forward(self, chunk: bytes) -> None:
-        """Forward ``chunk`` up to the last complete SSE event boundary."""
-        framer = self.framer
-        if framer is None:
-            await self._write(chunk)
-            return
-        pending = framer.pending_bytes
-        tail = self.tail
-        if pending == 0 and not tail:
-            await self._write(chunk)
-            return
-        if pending > PARTIAL_EVENT_CAP:
-            # An enormous event: forward what we have; memory stays bounded.
-            if tail:
-                await self._write(tail)
-                tail.clear()
-            await self._write(chunk)
-            return
-        tail += chunk
-        ready = len(tail) - pending
-        if ready > 0:
-            # The unfinished event moves to a fresh buffer rather than cutting the sent
-            # bytes out of this one: a failed send keeps the view alive (in the error's
-            # traceback), and a bytearray with a live view cannot be resized.
-            self.tail = tail[ready:]
-            await self._write(memoryview(tail)[:ready])
-
-    async def _pump(self, resp: aiohttp.ClientResponse, *, gated: bool) -> str:
-        """Relay the body; while ``gated``, hold the head back (refold/resend possible)."""
+    async def _perform(
+        self,
+        actions: list[Action],
+        *,
+        resp: aiohttp.ClientResponse | None = None,
+        outcome: Outcome = Outcome.STREAM_ERROR,
+    ) -> _Verdict | None:
+        """Do what the gate asked, in order; a verdict once the answer is over."""
         ex = self.ex
-        framer = self.framer
-        held = bytearray()
-        json_head = bytearray() if framer is None else None
-        saw_output = saw_terminal = overflow = False
-        # The client's SDK stops at the final event of a known stream: stop there too, so
-        # an upstream that holds the body open or cuts it afterwards cannot spoil the answer.
-        ends_at_terminal = ex.protocol.is_exchange
-        try:
-            async for chunk in resp.content.iter_any():
-                if framer is not None:
-                    for event in framer.feed(chunk):
-                        self.usage.feed_event(event)
-                        # Only the first output event matters (gate, resend); skipping the
-                        # check afterwards saves a JSON decode per chat chunk.
-                        if not saw_output and protocols.is_output_event(ex.protocol, event):
-                            saw_output = True
-                        elif protocols.is_terminal_event(ex.protocol, event):
-                            saw_terminal = True
-                        if (
-                            gated
-                            and not saw_output
-                            and protocols.is_overflow_event(ex.protocol, event)
-                        ):
-                            overflow = True
-                elif json_head is not None:
-                    if len(json_head) + len(chunk) <= USAGE_JSON_CAP:
-                        json_head += chunk
-                    else:
-                        json_head = None
-                if not gated:
-                    await self._forward(chunk)
-                    self._account(held, json_head)
-                    if saw_terminal and ends_at_terminal:
-                        break
-                    continue
-                held += chunk
-                if overflow and await self._refold("overflow in stream"):
-                    return "refold"
-                # An overflow that cannot be refolded goes to the client as the upstream sent it.
-                if saw_output or overflow or len(held) > HEAD_HOLD_CAP:
-                    gated = False
-                    await self._open_gate(resp, held)
-                    held = bytearray()
-                self._account(held, json_head)
-                if saw_terminal and ends_at_terminal:
-                    break
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            if gated:
-                await self._open_gate(resp, held)
-            await self._fail_stream(f"upstream stream failed: {type(exc).__name__}")
-            return "done"
-        if gated:
-            if not saw_output and ex.retries < self.max_retries and not _client_gone(self.request):
+        for action in actions:
+            if isinstance(action, Forward):
+                await self._write(action.data)
+            elif isinstance(action, Accept):
+                ex.accept()
+            elif isinstance(action, Open):
+                assert resp is not None
+                if resp.status >= 400:
+                    ex.set_outcome(Outcome.UPSTREAM_ERROR)
+                await self._start_client(resp)
+            elif isinstance(action, Linger):
+                self.linger_until = asyncio.get_running_loop().time() + action.seconds
+            elif isinstance(action, Usage):
+                ex.set_usage(action.input_tokens, action.output_tokens, action.cache_read_tokens)
+            elif isinstance(action, Finish):
+                return "done"
+            elif isinstance(action, Fail):
+                self._fail(action, outcome)
+                return "done"
+            elif isinstance(action, Refold):
+                return await self._refold(action, resp)
+            elif isinstance(action, Resend):
+                if _client_gone(self.request):
+                    raise ClientGone
                 log.info("%s: empty completion; resending (retry %d)", ex.id, ex.retries + 1)
                 return "retry"
-            await self._open_gate(resp, held)
-        if saw_terminal and not resp.content.at_eof():
-            await self._after_terminal(resp)
-        if framer is not None:
-            for event in framer.close():
-                # A final event ended by a lone CR only completes at EOF.
-                self.usage.feed_event(event)
-                if protocols.is_terminal_event(ex.protocol, event):
-                    saw_terminal = True
-            if self.tail:
-                await self._write(self.tail)
-                self.tail.clear()
-            if not saw_terminal and resp.status < 400 and ex.protocol.is_exchange:
-                await self._fail_stream("upstream stream ended without its final event")
+            else:
+                assert isinstance(action, Reject)
+                ex.conclude(action.status, Outcome.UPSTREAM_ERROR, action.message)
+                log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
+                self.rejection = error_response(ex.protocol, action.status, action.message)
                 return "done"
-        elif json_head is not None:
-            self.usage.feed_json(bytes(json_head))
-        ex.hold_response(0)
-        ex.set_usage(
-            self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens
-        )
-        return "done"
+        return None
 
-    def _account(self, held: bytearray, json_head: bytearray | None) -> None:
-        """Tell the exchange what the response side holds: head, JSON head, event tail."""
-        head = len(json_head) if json_head is not None else 0
-        self.ex.hold_response(len(held) + head + len(self.tail))
+    async def _refold(self, action: Refold, resp: aiohttp.ClientResponse | None) -> _Verdict | None:
+        """Re-prepare at the next fold level; ``refold`` means send again.
 
-    async def _after_terminal(self, resp: aiohttp.ClientResponse) -> None:
-        """Relay what follows the final event until the upstream's end of body.
-
-        Waits at most :data:`TERMINAL_EOF_GRACE` seconds; a silence or a cut there
-        is not a failure of the answer, which is complete. The upstream connection
-        is closed (not pooled) when the body did not end.
-        """
-        framer = self.framer
-        try:
-            async with asyncio.timeout(TERMINAL_EOF_GRACE):
-                while chunk := await resp.content.readany():
-                    if framer is not None:
-                        for event in framer.feed(chunk):
-                            self.usage.feed_event(event)
-                    await self._forward(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            log.info(
-                "%s: upstream did not end its body after the final event (%s); closed it",
-                self.ex.id,
-                type(exc).__name__,
-            )
-
-    async def _open_gate(self, resp: aiohttp.ClientResponse, held: bytearray) -> None:
-        """No refold or resend any more: release, send headers and the held head."""
-        self.ex.accept()
-        await self._start_client(resp)
-        if held:
-            # The framer already saw these bytes; forward them as one chunk.
-            await self._forward(bytes(held))
-
-    async def _fail_stream(self, message: str, *, outcome: Outcome = Outcome.STREAM_ERROR) -> None:
-        """End a broken stream with the protocol's in-band error event.
-
-        A body that is not an event stream cannot carry one: its connection is
-        closed instead, so the client sees a truncated body, never a spliced one.
+        Never after the client has gone (nobody would read the answer), and
+        only when the body shrank; else the gate relays the upstream's answer.
         """
         ex = self.ex
-        ex.set_outcome(outcome, message)
-        ex.set_usage(
-            self.usage.input_tokens, self.usage.output_tokens, self.usage.cache_read_tokens
-        )
-        log.warning("%s %s: %s", ex.id, ex.protocol, message)
-        framer = self.framer
-        if framer is None:
+        if _client_gone(self.request):
+            raise ClientGone
+        if await ex.refold():
+            log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
+            return "refold"
+        assert self.gate is not None
+        return await self._perform(self.gate.refold_declined(), resp=resp)
+
+    def _fail(self, action: Fail, outcome: Outcome) -> None:
+        ex = self.ex
+        ex.set_outcome(outcome, action.message)
+        log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
+        if action.cut:
             # Not an event stream (a JSON body, a file): an event appended to it would
             # corrupt it. Cut the connection instead; the client sees a truncated body,
             # which SDKs treat as a connection error (and retry).
             transport = self.request.transport
             if transport is not None:
                 transport.close()
-            return
-        if framer.mid_event and not self.tail:
-            # Part of the event already went out: end it so the error parses on its own.
-            await self._write(b"\n\n")
-        self.tail.clear()
-        await self._write(protocols.inband_error(ex.protocol, message))
+
+    async def _start_client(self, resp: aiohttp.ClientResponse) -> None:
+        self.ex.mark_streaming()
+        client = web.StreamResponse(status=resp.status, headers=response_headers(resp.headers))
+        self.client = client
+        try:
+            await client.prepare(self.request)
+        except ConnectionError as exc:
+            raise ClientGone from exc
+
+    async def _write(self, data: bytes) -> None:
+        assert self.client is not None
+        try:
+            await self.client.write(data)
+        except ConnectionError as exc:
+            raise ClientGone from exc
+        self.ex.count_response_bytes(len(data))
 
 
 async def relay(

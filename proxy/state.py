@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from ._alloc import Allocator
+from .cancel import SHUTDOWN_CANCEL
 from .config import Settings
 from .exchange import Exchange
 from .metrics import Metrics
 from .plugins import PluginHost
-from .relay import SHUTDOWN_CANCEL, Upstream
+from .relay import Upstream
 from .sessions import SessionRegistry
 
 if TYPE_CHECKING:

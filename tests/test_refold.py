@@ -28,7 +28,7 @@ import pytest
 import xxhash
 
 from plugins.fold import FoldPlugin
-from proxy import relay as relay_module
+from proxy import stream as stream_module
 from proxy import wire
 from proxy.emulator import DEFAULT_TEXT, start_emulator
 from proxy.exchange import Exchange, HeldBytes, Phase
@@ -420,7 +420,7 @@ async def test_no_resend_once_a_byte_reached_the_client(
 ) -> None:
     if kind == "stream-gate-opened":
         # The held head may not grow past 0 bytes: the first chunk goes to the client.
-        monkeypatch.setattr(relay_module, "HEAD_HOLD_CAP", 0)
+        monkeypatch.setattr(stream_module, "HEAD_HOLD_CAP", 0)
     recorder = Recorder()
     body = conversation(CHAT, stream=kind != "json")
     async with proxy_with_emulator(plugins=[recorder], fake_completion_retries=2) as h:

@@ -41,6 +41,7 @@ __all__ = [
     "is_terminal_event",
     "message_says_overflow",
     "route",
+    "sequence_number",
 ]
 
 _CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -204,3 +205,15 @@ def is_terminal_event(protocol: Protocol, event: SSEEvent) -> bool:
     if protocol.upstream == "openai":
         return _openai.chat_is_terminal(event)
     return _anthropic.is_terminal(event_type(event))
+
+
+def sequence_number(protocol: Protocol, event: SSEEvent) -> int | None:
+    """The Responses event's ``sequence_number`` (``None`` for other protocols or when absent).
+
+    The Responses stream numbers its events from 0; an in-band error the proxy
+    appends carries the number after the last one relayed (OpenAI API reference,
+    "Streaming events"). Events over 64 KiB are not decoded (``None``).
+    """
+    if protocol is not Protocol.RESPONSES:
+        return None
+    return _openai.responses_sequence_number(event)

@@ -29,6 +29,7 @@ __all__ = [
     "responses_inband_error",
     "responses_is_output",
     "responses_is_terminal",
+    "responses_sequence_number",
     "responses_usage_from_body",
     "responses_usage_from_event",
 ]
@@ -232,6 +233,24 @@ def responses_is_output(kind: str | None) -> bool:
 def responses_is_terminal(kind: str | None) -> bool:
     """``response.completed`` / ``.incomplete`` / ``.failed``, or an ``error`` event."""
     return kind in _RESPONSES_TERMINAL
+
+
+class _Sequenced(msgspec.Struct):
+    sequence_number: int | None = None
+
+
+_SEQUENCED: Final = msgspec.json.Decoder(_Sequenced, strict=False)
+
+
+def responses_sequence_number(event: SSEEvent) -> int | None:
+    """The event's top-level ``sequence_number``; ``None`` when absent or not decoded.
+
+    Events over 64 KiB (content deltas) are not decoded: the caller counts them.
+    """
+    if event.truncated or event.data_size > SMALL_EVENT:
+        return None
+    found = decode_typed(_SEQUENCED, event.data)
+    return None if found is None else found.sequence_number
 
 
 class _InputDetails(msgspec.Struct):
