@@ -311,12 +311,11 @@ class StreamGate:
         return self._opened
 
     def held_bytes(self) -> int:
-        """Bytes the gate holds now: held head or partial-event tail, JSON head, framer state."""
+        """Bytes of the answer the gate holds now: the held head or the partial-event
+        tail, and the JSON head kept for usage."""
         held = len(self._buf)
         if self._json_head is not None:
             held += len(self._json_head)
-        if self._framer is not None:
-            held += self._framer.retained_bytes
         return held
 
     # ----------------------------------------------------------------- inputs
