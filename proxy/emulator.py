@@ -130,22 +130,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
-import math
 import re
 import signal
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields
-from http import HTTPStatus
-from typing import Any, Final, Literal
-from urllib.parse import quote, unquote
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any, Final
 
 import msgspec
 import xxhash
 from aiohttp import web
+
+from .emulator_frames import (
+    REASON_PHRASES,
+    WRITE_CHUNK,
+    AnswerContext,
+    Frame,
+    Plan,
+    Route,
+    Shape,
+    SSEFrames,
+    chat_json,
+    chat_stream,
+    decorate,
+    dumps,
+    error_plan,
+    escape_text,
+    frames_length,
+    messages_json,
+    messages_stream,
+    models_payload,
+    overflow_plan,
+    reason_phrase,
+    responses_json,
+    responses_stream,
+)
+from .emulator_script import (
+    DEFAULT_CHUNKS,
+    DEFAULT_MODEL,
+    DEFAULT_TEXT,
+    Script,
+    ScriptError,
+    parse_script,
+    script_help,
+)
 
 __all__ = [
     "DEFAULT_CHUNKS",
@@ -170,9 +200,6 @@ __all__ = [
     "start_emulator",
 ]
 
-DEFAULT_TEXT: Final = "Hello from the emulator."
-DEFAULT_CHUNKS: Final = 3
-DEFAULT_MODEL: Final = "emulator-1"
 #: Bodies up to this size (bytes) are decoded; larger ones are only scanned at both ends.
 PARSE_LIMIT: Final = 8 * 1024 * 1024
 #: Bytes kept from each end of a body too large to decode.
@@ -183,20 +210,8 @@ MAX_RECORDS: Final = 10_000
 SCRIPT_HEADER: Final = "x-emulator"
 SCRIPT_KEY_HEADER: Final = "x-emulator-key"
 
-_SPLIT_UTF8_TEXT: Final = " \u20ac"
 _SPLIT_PAUSE: Final = 0.05  # seconds between the two halves of a split character
-_WRITE_CHUNK: Final = 64 * 1024
-_OPENAI_CONTEXT: Final = 128_000
-_ANTHROPIC_CONTEXT: Final = 200_000
 _SHUTDOWN_TIMEOUT: Final = 2.0  # seconds aiohttp waits for handlers once holds are released
-# A 64-character unit, so 64 KiB filler pieces continue the pattern without a seam.
-_FILLER_UNIT: Final = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_"
-_FILLER_BLOCK: Final = _FILLER_UNIT * (_WRITE_CHUNK // len(_FILLER_UNIT))
-# Stands where streamed text goes in a serialized payload; a private-use character
-# so json.dumps(ensure_ascii=False) keeps it verbatim.
-_SLOT: Final = "\ue000emulator-text\ue000"
-_SLOT_BYTES: Final = _SLOT.encode()
-_HOLD_KEY_RE: Final = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 _REDACTED_HEADERS: Final = ("authorization", "x-api-key")
 _RECORDED_HEADERS: Final = (
     "authorization",
@@ -212,333 +227,6 @@ _RECORDED_HEADERS: Final = (
     SCRIPT_HEADER,
     SCRIPT_KEY_HEADER,
 )
-_TRUE: Final = frozenset({"1", "true", "yes", "on"})
-_FALSE: Final = frozenset({"0", "false", "no", "off"})
-
-
-# --------------------------------------------------------------------------- scripts
-
-
-class ScriptError(ValueError):
-    """An ``x-emulator`` header or a :class:`Script` field is invalid (message says which)."""
-
-
-_Kind = Literal["int", "float", "bool", "str", "text"]
-
-# (key, kind, value form, description): one table drives parsing and script_help().
-_KEYS: Final[tuple[tuple[str, _Kind, str, str], ...]] = (
-    ("chunks", "int", "N", "number of text deltas (default 3)"),
-    ("delay", "float", "S", "seconds before every text delta after the first"),
-    ("text", "text", "TEXT", "answer text, percent-decoded UTF-8 (`;` as `%3B`)"),
-    ("status", "int", "CODE", "error answer of that status (400-599) in the protocol's shape"),
-    ("plain", "bool", "1", "errors as `text/plain` (vLLM/sglang style)"),
-    ("retry_after", "int", "S", "`Retry-After` header on a `status` error"),
-    ("overflow_above", "int", "BYTES", "body larger than BYTES: the real context-overflow error"),
-    ("context", "int", "TOKENS", "maximum stated in overflow messages (128000 / 200000)"),
-    ("stall_headers", "float", "S", "sleep before sending the response headers"),
-    ("stall_after", "int", "N", "pause point for `stall`/`hold`, in events (default 1)"),
-    ("stall", "float", "S", "sleep at the pause point, then continue"),
-    ("hold", "str", "KEY", "wait at the pause point for `POST /_emulator/release/KEY`"),
-    ("cut_after", "int", "N", "abort the connection after N events (no terminal event)"),
-    ("long_line", "int", "BYTES", "extra delta of BYTES characters: one huge `data:` line"),
-    ("split_utf8", "bool", "1", "extra delta `' €'` written split inside the `€` bytes"),
-    ("crlf", "bool", "1", "CRLF line endings"),
-    ("comments", "bool", "1", "`: keep-alive` comment before every event"),
-    ("ping", "bool", "1", "ping after every delta (`event: ping` or `: ping` comment)"),
-    ("unknown_event", "bool", "1", "extra `event: emulator.unknown` after the first delta"),
-    ("gzip", "bool", "1", "gzip the response body (`Content-Encoding: gzip`)"),
-    ("empty", "bool", "1", "well-formed answer with no content (fake completion)"),
-    ("empty_times", "int", "K", "empty only for the first K requests per `x-emulator-key`"),
-    ("usage", "bool", "1", "chat streams always end with the usage chunk"),
-    ("cache_read", "int", "N", "cache-read input tokens reported in usage"),
-)
-_KEY_KINDS: Final[dict[str, _Kind]] = {key: kind for key, kind, _, _ in _KEYS}
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ScriptError(message)
-
-
-@dataclass(frozen=True, slots=True)
-class Script:
-    """What one emulated answer does; every field is an ``x-emulator`` key of the same name.
-
-    Units: ``delay``, ``stall``, ``stall_headers`` in seconds (float, 0-3600);
-    ``overflow_above``, ``long_line`` in bytes; ``retry_after`` in whole seconds;
-    ``context``, ``cache_read`` in tokens; ``stall_after``, ``cut_after`` in events.
-    The module docstring documents each key. Raises :class:`ScriptError` on an
-    invalid combination or value.
-    """
-
-    chunks: int = DEFAULT_CHUNKS
-    delay: float = 0.0
-    text: str = DEFAULT_TEXT
-    status: int | None = None
-    plain: bool = False
-    retry_after: int | None = None
-    overflow_above: int | None = None
-    context: int | None = None
-    stall_headers: float = 0.0
-    stall_after: int | None = None
-    stall: float = 0.0
-    hold: str | None = None
-    cut_after: int | None = None
-    long_line: int | None = None
-    split_utf8: bool = False
-    crlf: bool = False
-    comments: bool = False
-    ping: bool = False
-    unknown_event: bool = False
-    gzip: bool = False
-    empty: bool = False
-    empty_times: int | None = None
-    usage: bool = False
-    cache_read: int = 0
-
-    def __post_init__(self) -> None:
-        _require(1 <= self.chunks <= 1_000_000, "chunks must be 1..1000000")
-        for name in ("delay", "stall", "stall_headers"):
-            value = getattr(self, name)
-            _require(math.isfinite(value) and 0 <= value <= 3600, f"{name} must be 0..3600 s")
-        _require(self.text != "", "text must not be empty")
-        _require(self.status is None or 400 <= self.status <= 599, "status must be 400..599")
-        for name in ("retry_after", "overflow_above", "stall_after", "cut_after", "empty_times"):
-            value = getattr(self, name)
-            _require(value is None or value >= 0, f"{name} must be >= 0")
-        _require(self.context is None or self.context >= 1, "context must be >= 1")
-        _require(self.cache_read >= 0, "cache_read must be >= 0")
-        _require(
-            self.long_line is None or 1 <= self.long_line <= 1 << 31, "long_line must be 1..2^31"
-        )
-        _require(
-            self.hold is None or _HOLD_KEY_RE.fullmatch(self.hold) is not None,
-            "hold must be 1-128 characters of A-Z a-z 0-9 . _ ~ -",
-        )
-        _require(
-            self.stall_after is None or self.stall > 0 or self.hold is not None,
-            "stall_after needs stall or hold",
-        )
-
-    @property
-    def pause_point(self) -> int:
-        """Event count (int) after which ``stall`` and ``hold`` apply: ``stall_after`` or 1."""
-        return 1 if self.stall_after is None else self.stall_after
-
-    def delta_count(self) -> int:
-        """Number of text deltas a non-empty answer emits (= its ``output_tokens``)."""
-        return self.chunks + (self.long_line is not None) + self.split_utf8
-
-    def expected_text(self) -> str:
-        """The full answer text a client reassembles from a non-empty answer (str).
-
-        Materializes the ``long_line`` filler; meant for tests.
-        """
-        return "".join(piece for delta in _iter_deltas(self) for piece in delta.pieces())
-
-    def to_header(self) -> str:
-        """This script as an ``x-emulator`` header value (fields that differ from defaults)."""
-        items: list[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value == f.default:
-                continue
-            if isinstance(value, bool):
-                rendered = "1" if value else "0"
-            elif f.name == "text":
-                rendered = quote(value, safe="")
-            else:
-                rendered = str(value)
-            items.append(f"{f.name}={rendered}")
-        return "; ".join(items)
-
-
-def _convert(key: str, kind: _Kind, value: str, has_value: bool) -> Any:
-    if kind == "bool":
-        lowered = value.lower()
-        if not has_value or lowered in _TRUE:
-            return True
-        if lowered in _FALSE:
-            return False
-        raise ScriptError(f"{key} must be a boolean (1/0), got {value!r}")
-    if not has_value:
-        raise ScriptError(f"{key} needs a value ({key}=...)")
-    if kind == "int":
-        try:
-            return int(value)
-        except ValueError:
-            raise ScriptError(f"{key} must be an integer, got {value!r}") from None
-    if kind == "float":
-        try:
-            return float(value)
-        except ValueError:
-            raise ScriptError(f"{key} must be a number of seconds, got {value!r}") from None
-    if kind == "text":
-        try:
-            return unquote(value, errors="strict")
-        except UnicodeDecodeError:
-            raise ScriptError(f"{key} is not valid percent-encoded UTF-8") from None
-    return value
-
-
-def parse_script(header: str, *, base: Script | None = None) -> Script:
-    """Parse an ``x-emulator`` header value (``key=value; key=value``) into a :class:`Script`.
-
-    Keys not given keep their value from ``base`` (default: :class:`Script` defaults).
-    Raises :class:`ScriptError` for an unknown or repeated key or an invalid value.
-    """
-    values: dict[str, Any] = {}
-    for raw in header.split(";"):
-        item = raw.strip()
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        key = key.strip().lower()
-        kind = _KEY_KINDS.get(key)
-        if kind is None:
-            raise ScriptError(f"unknown x-emulator key {key!r}")
-        if key in values:
-            raise ScriptError(f"x-emulator key {key!r} given twice")
-        values[key] = _convert(key, kind, value.strip(), bool(sep))
-    return dataclasses.replace(base if base is not None else Script(), **values)
-
-
-def script_help() -> str:
-    """A markdown table of every ``x-emulator`` key (key, value, effect), for the README."""
-    lines = ["| key | value | effect |", "|---|---|---|"]
-    lines.extend(f"| `{key}` | {form} | {text} |" for key, _, form, text in _KEYS)
-    return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- answer text
-
-
-@dataclass(frozen=True, slots=True)
-class _Delta:
-    """One text delta: literal ``text``, or ``filler`` ASCII characters made on demand."""
-
-    text: str
-    filler: int = 0
-    split: bool = False
-
-    def pieces(self) -> Iterator[str]:
-        if not self.filler:
-            yield self.text
-            return
-        left = self.filler
-        while left > 0:
-            size = min(left, len(_FILLER_BLOCK))
-            yield _FILLER_BLOCK[:size]
-            left -= size
-
-
-def _split_text(text: str, count: int) -> Iterator[str]:
-    if count > len(text):
-        text = text * -(-count // len(text))
-    length = len(text)
-    for index in range(count):
-        yield text[index * length // count : (index + 1) * length // count]
-
-
-def _iter_deltas(script: Script) -> Iterator[_Delta]:
-    for index, piece in enumerate(_split_text(script.text, script.chunks)):
-        yield _Delta(piece)
-        if index == 0 and script.long_line is not None:
-            yield _Delta("", filler=script.long_line)
-    if script.split_utf8:
-        yield _Delta(_SPLIT_UTF8_TEXT, split=True)
-
-
-def _escape(piece: str) -> bytes:
-    """JSON string-body escaping of one piece; escaping is per character, so pieces concatenate."""
-    return json.dumps(piece, ensure_ascii=False)[1:-1].encode()
-
-
-def _dumps(payload: Any) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-# --------------------------------------------------------------------------- frames
-
-
-@dataclass(frozen=True, slots=True)
-class _Text:
-    """Streamed JSON string content: ``source()`` yields raw text pieces to escape and write."""
-
-    source: Callable[[], Iterator[str]]
-
-
-_Part = bytes | _Text
-
-
-@dataclass(frozen=True, slots=True)
-class _Frame:
-    """One write unit: an SSE event (``counted``), a comment, or half of a JSON body."""
-
-    parts: tuple[_Part, ...]
-    counted: bool = True
-    delta: bool = False
-    split_utf8: bool = False
-
-
-def _frame_from(
-    prefix: bytes, data: bytes, suffix: bytes, text: _Text | None, **flags: bool
-) -> _Frame:
-    if text is None:
-        return _Frame((prefix + data + suffix,), **flags)
-    before, after = data.split(_SLOT_BYTES, 1)
-    return _Frame((prefix + before, text, after + suffix), **flags)
-
-
-class _SSE:
-    """Builds SSE frames with the script's line ending."""
-
-    __slots__ = ("_nl",)
-
-    def __init__(self, crlf: bool) -> None:
-        self._nl = b"\r\n" if crlf else b"\n"
-
-    def event(
-        self,
-        name: str | None,
-        payload: dict[str, Any],
-        *,
-        text: _Text | None = None,
-        delta: bool = False,
-        split: bool = False,
-    ) -> _Frame:
-        nl = self._nl
-        head = b"event: " + name.encode() + nl if name else b""
-        return _frame_from(
-            head + b"data: ", _dumps(payload), nl + nl, text, delta=delta, split_utf8=split
-        )
-
-    def done(self) -> _Frame:
-        return _Frame((b"data: [DONE]" + self._nl + self._nl,))
-
-    def comment(self, text: str) -> _Frame:
-        return _Frame((b": " + text.encode() + self._nl + self._nl,), counted=False)
-
-
-def _json_frames(payload: dict[str, Any], text: _Text | None) -> list[_Frame]:
-    """A JSON body as two counted frames: before the answer text, and the rest."""
-    data = _dumps(payload)
-    if text is not None and _SLOT_BYTES in data:
-        before, after = data.split(_SLOT_BYTES, 1)
-        return [_Frame((before,)), _Frame((text, after))]
-    middle = len(data) // 2
-    return [_Frame((data[:middle],)), _Frame((data[middle:],))]
-
-
-def _frames_length(frames: Iterable[_Frame]) -> int:
-    total = 0
-    for frame in frames:
-        for part in frame.parts:
-            if isinstance(part, bytes):
-                total += len(part)
-            else:
-                total += sum(len(_escape(piece)) for piece in part.source())
-    return total
 
 
 # --------------------------------------------------------------------------- records
@@ -853,454 +541,8 @@ def _scan_ends(head: bytes, tail: bytes, body: _Body) -> None:
 
 # --------------------------------------------------------------------------- answers
 
-_Route = Literal["chat", "responses", "messages", "count_tokens", "models", "root"]
-_Shape = Literal["openai", "anthropic", "plain"]
 
-
-@dataclass(slots=True)
-class _Plan:
-    """A decided answer: status, headers and the frames to write."""
-
-    status: int
-    content_type: str
-    frames: Iterable[_Frame]
-    sse: bool = False
-    paced: bool = False
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Ctx:
-    """Per-answer values shared by the protocol renderers."""
-
-    script: Script
-    rid: int
-    model: str
-    input_tokens: int
-    include_usage: bool
-    empty: bool
-    sse: _SSE
-    created: int = field(default_factory=lambda: int(time.time()))
-    sequence: int = 0
-
-    @property
-    def output_tokens(self) -> int:
-        return 0 if self.empty else self.script.delta_count()
-
-    def deltas(self) -> Iterator[_Delta]:
-        return iter(()) if self.empty else _iter_deltas(self.script)
-
-    def full_text(self) -> _Text:
-        def source() -> Iterator[str]:
-            for delta in self.deltas():
-                yield from delta.pieces()
-
-        return _Text(source)
-
-    def next_sequence(self) -> int:
-        value = self.sequence
-        self.sequence += 1
-        return value
-
-
-def _fill(value: Any, text: str) -> Any:
-    """A copy of ``value`` with every :data:`_SLOT` string replaced by ``text``."""
-    if value == _SLOT:
-        return text
-    if isinstance(value, dict):
-        return {key: _fill(item, text) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_fill(item, text) for item in value]
-    return value
-
-
-def _delta_frame(ctx: _Ctx, delta: _Delta, name: str | None, payload: dict[str, Any]) -> _Frame:
-    """A text-delta event; ``payload`` holds :data:`_SLOT` where the delta text goes."""
-    if delta.filler:
-        return ctx.sse.event(name, payload, text=_Text(delta.pieces), delta=True)
-    return ctx.sse.event(name, _fill(payload, delta.text), delta=True, split=delta.split)
-
-
-# OpenAI chat -----------------------------------------------------------------
-
-
-def _chat_usage(ctx: _Ctx) -> dict[str, Any]:
-    return {
-        "prompt_tokens": ctx.input_tokens,
-        "completion_tokens": ctx.output_tokens,
-        "total_tokens": ctx.input_tokens + ctx.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": ctx.script.cache_read, "audio_tokens": 0},
-        "completion_tokens_details": {
-            "reasoning_tokens": 0,
-            "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
-
-
-def _chat_stream(ctx: _Ctx) -> Iterator[_Frame]:
-    with_usage = ctx.include_usage or ctx.script.usage
-    base: dict[str, Any] = {
-        "id": f"chatcmpl-emu{ctx.rid:06d}",
-        "object": "chat.completion.chunk",
-        "created": ctx.created,
-        "model": ctx.model,
-        "service_tier": "default",
-        "system_fingerprint": "fp_emulator",
-    }
-
-    def chunk(delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        payload = {**base, "choices": [choice]}
-        if with_usage:
-            payload["usage"] = None
-        return payload
-
-    yield ctx.sse.event(None, chunk({"role": "assistant", "content": "", "refusal": None}, None))
-    for delta in ctx.deltas():
-        yield _delta_frame(ctx, delta, None, chunk({"content": _SLOT}, None))
-    yield ctx.sse.event(None, chunk({}, "stop"))
-    if with_usage:
-        yield ctx.sse.event(None, {**base, "choices": [], "usage": _chat_usage(ctx)})
-    yield ctx.sse.done()
-
-
-def _chat_json(ctx: _Ctx) -> list[_Frame]:
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": _SLOT,
-        "refusal": None,
-        "annotations": [],
-    }
-    payload: dict[str, Any] = {
-        "id": f"chatcmpl-emu{ctx.rid:06d}",
-        "object": "chat.completion",
-        "created": ctx.created,
-        "model": ctx.model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": "stop"}],
-        "usage": _chat_usage(ctx),
-        "service_tier": "default",
-        "system_fingerprint": "fp_emulator",
-    }
-    return _json_frames(payload, ctx.full_text())
-
-
-# OpenAI Responses ------------------------------------------------------------
-
-
-def _responses_usage(ctx: _Ctx) -> dict[str, Any]:
-    return {
-        "input_tokens": ctx.input_tokens,
-        "input_tokens_details": {"cached_tokens": ctx.script.cache_read},
-        "output_tokens": ctx.output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": ctx.input_tokens + ctx.output_tokens,
-    }
-
-
-def _response_object(
-    ctx: _Ctx,
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": f"resp_emu{ctx.rid:06d}",
-        "object": "response",
-        "created_at": ctx.created,
-        "status": status,
-        "background": False,
-        "error": error,
-        "incomplete_details": None,
-        "instructions": None,
-        "max_output_tokens": None,
-        "model": ctx.model,
-        "output": output,
-        "parallel_tool_calls": True,
-        "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
-        "service_tier": "default",
-        "store": True,
-        "temperature": 1.0,
-        "text": {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
-        "top_p": 1.0,
-        "truncation": "disabled",
-        "usage": usage,
-        "user": None,
-        "metadata": {},
-    }
-
-
-def _output_text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "annotations": [], "logprobs": [], "text": text}
-
-
-def _message_item(ctx: _Ctx, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-    item_id = f"msg_emu{ctx.rid:06d}"
-    return {
-        "id": item_id,
-        "type": "message",
-        "status": status,
-        "content": content,
-        "role": "assistant",
-    }
-
-
-def _responses_prelude(ctx: _Ctx) -> Iterator[_Frame]:
-    for kind in ("response.created", "response.in_progress"):
-        payload = {
-            "type": kind,
-            "sequence_number": ctx.next_sequence(),
-            "response": _response_object(ctx, "in_progress", [], None),
-        }
-        yield ctx.sse.event(kind, payload)
-
-
-def _responses_stream(ctx: _Ctx) -> Iterator[_Frame]:
-    sse = ctx.sse
-    yield from _responses_prelude(ctx)
-    output: list[dict[str, Any]] = []
-    if not ctx.empty:
-        item_id = f"msg_emu{ctx.rid:06d}"
-        where = {"item_id": item_id, "output_index": 0, "content_index": 0}
-        kind = "response.output_item.added"
-        item = _message_item(ctx, "in_progress", [])
-        payload = {
-            "type": kind,
-            "sequence_number": ctx.next_sequence(),
-            "output_index": 0,
-            "item": item,
-        }
-        yield sse.event(kind, payload)
-        kind = "response.content_part.added"
-        payload = {
-            "type": kind,
-            "sequence_number": ctx.next_sequence(),
-            **where,
-            "part": _output_text_part(""),
-        }
-        yield sse.event(kind, payload)
-        kind = "response.output_text.delta"
-        for delta in ctx.deltas():
-            payload = {
-                "type": kind,
-                "sequence_number": ctx.next_sequence(),
-                **where,
-                "delta": _SLOT,
-                "logprobs": [],
-            }
-            yield _delta_frame(ctx, delta, kind, payload)
-        kind = "response.output_text.done"
-        payload = {
-            "type": kind,
-            "sequence_number": ctx.next_sequence(),
-            **where,
-            "text": _SLOT,
-            "logprobs": [],
-        }
-        yield sse.event(kind, payload, text=ctx.full_text())
-        kind = "response.content_part.done"
-        payload = {
-            "type": kind,
-            "sequence_number": ctx.next_sequence(),
-            **where,
-            "part": _output_text_part(_SLOT),
-        }
-        yield sse.event(kind, payload, text=ctx.full_text())
-        kind = "response.output_item.done"
-        output = [_message_item(ctx, "completed", [_output_text_part(_SLOT)])]
-        payload = {
-            "type": kind,
-            "sequence_number": ctx.next_sequence(),
-            "output_index": 0,
-            "item": output[0],
-        }
-        yield sse.event(kind, payload, text=ctx.full_text())
-    kind = "response.completed"
-    response = _response_object(ctx, "completed", output, _responses_usage(ctx))
-    payload = {"type": kind, "sequence_number": ctx.next_sequence(), "response": response}
-    yield sse.event(kind, payload, text=ctx.full_text() if output else None)
-
-
-def _responses_json(ctx: _Ctx) -> list[_Frame]:
-    output = [] if ctx.empty else [_message_item(ctx, "completed", [_output_text_part(_SLOT)])]
-    payload = _response_object(ctx, "completed", output, _responses_usage(ctx))
-    return _json_frames(payload, ctx.full_text())
-
-
-def _responses_failed_stream(ctx: _Ctx, message: str) -> Iterator[_Frame]:
-    yield from _responses_prelude(ctx)
-    error = {"code": "context_length_exceeded", "message": message}
-    kind = "response.failed"
-    response = _response_object(ctx, "failed", [], None, error)
-    yield ctx.sse.event(
-        kind, {"type": kind, "sequence_number": ctx.next_sequence(), "response": response}
-    )
-
-
-# Anthropic messages ----------------------------------------------------------
-
-
-def _anthropic_usage(ctx: _Ctx, output_tokens: int) -> dict[str, Any]:
-    return {
-        "input_tokens": ctx.input_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": ctx.script.cache_read,
-        "output_tokens": output_tokens,
-    }
-
-
-def _anthropic_message(ctx: _Ctx, content: list[dict[str, Any]], **rest: Any) -> dict[str, Any]:
-    return {
-        "id": f"msg_emu{ctx.rid:06d}",
-        "type": "message",
-        "role": "assistant",
-        "model": ctx.model,
-        "content": content,
-        **rest,
-    }
-
-
-def _messages_stream(ctx: _Ctx) -> Iterator[_Frame]:
-    sse = ctx.sse
-    message = _anthropic_message(
-        ctx, [], stop_reason=None, stop_sequence=None, usage=_anthropic_usage(ctx, 1)
-    )
-    yield sse.event("message_start", {"type": "message_start", "message": message})
-    if ctx.empty:
-        yield sse.event("ping", {"type": "ping"})
-    else:
-        block = {"type": "text", "text": ""}
-        payload = {"type": "content_block_start", "index": 0, "content_block": block}
-        yield sse.event("content_block_start", payload)
-        yield sse.event("ping", {"type": "ping"})
-        for delta in ctx.deltas():
-            payload = {
-                "type": "content_block_delta",
-                "index": 0,
-                "delta": {"type": "text_delta", "text": _SLOT},
-            }
-            yield _delta_frame(ctx, delta, "content_block_delta", payload)
-        yield sse.event("content_block_stop", {"type": "content_block_stop", "index": 0})
-    payload = {
-        "type": "message_delta",
-        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-        "usage": _anthropic_usage(ctx, ctx.output_tokens),
-    }
-    yield sse.event("message_delta", payload)
-    yield sse.event("message_stop", {"type": "message_stop"})
-
-
-def _messages_json(ctx: _Ctx) -> list[_Frame]:
-    content = [] if ctx.empty else [{"type": "text", "text": _SLOT}]
-    payload = _anthropic_message(
-        ctx,
-        content,
-        stop_reason="end_turn",
-        stop_sequence=None,
-        usage=_anthropic_usage(ctx, ctx.output_tokens),
-    )
-    return _json_frames(payload, ctx.full_text())
-
-
-# decoration shared by all streams ----------------------------------------------
-
-
-def _decorate(frames: Iterator[_Frame], ctx: _Ctx, route: _Route) -> Iterator[_Frame]:
-    """Add the script's comments, pings and unknown event around a protocol's frames."""
-    script, sse = ctx.script, ctx.sse
-    unknown_pending = script.unknown_event
-    for frame in frames:
-        if script.comments and frame.counted:
-            yield sse.comment("keep-alive")
-        yield frame
-        if frame.delta and script.ping:
-            if route == "messages":
-                yield sse.event("ping", {"type": "ping"})
-            else:
-                yield sse.comment("ping")
-        if unknown_pending and (frame.delta or ctx.output_tokens == 0):
-            unknown_pending = False
-            payload: dict[str, Any] = {"type": "emulator.unknown"}
-            if route == "responses":
-                payload["sequence_number"] = ctx.next_sequence()
-            payload["note"] = "an event type no client knows (x-emulator unknown_event=1)"
-            if script.comments:
-                yield sse.comment("keep-alive")
-            yield sse.event("emulator.unknown", payload)
-
-
-# errors ----------------------------------------------------------------------
-
-_ANTHROPIC_ERROR_TYPES: Final = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-_REASONS: Final = {529: "Overloaded"}
-
-
-def _reason(status: int) -> str:
-    if status in _REASONS:
-        return _REASONS[status]
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-
-
-def _error_plan(
-    shape: _Shape,
-    status: int,
-    message: str,
-    *,
-    rid: int,
-    error_type: str | None = None,
-    param: str | None = None,
-    code: str | None = None,
-) -> _Plan:
-    """An error answer in a protocol's shape.
-
-    OpenAI: ``{"error": {"message", "type", "param", "code"}}``; Anthropic:
-    ``{"type": "error", "error": {"type", "message"}, "request_id"}`` (types per
-    Anthropic's "Errors" page); plain: the message as ``text/plain``.
-    """
-    if shape == "plain":
-        frame = _Frame((message.encode(),))
-        return _Plan(status, "text/plain; charset=utf-8", [frame])
-    if shape == "anthropic":
-        kind = error_type or _ANTHROPIC_ERROR_TYPES.get(
-            status, "api_error" if status >= 500 else "invalid_request_error"
-        )
-        payload: dict[str, Any] = {
-            "type": "error",
-            "error": {"type": kind, "message": message},
-            "request_id": f"req_emu{rid:06d}",
-        }
-    else:
-        if error_type is None:
-            if status == 429:
-                error_type, code = "requests", code or "rate_limit_exceeded"
-            elif status == 401:
-                error_type, code = "invalid_request_error", code or "invalid_api_key"
-            else:
-                error_type = "server_error" if status >= 500 else "invalid_request_error"
-        payload = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return _Plan(status, "application/json", [_Frame((_dumps(payload),))])
-
-
-def _shape_of(route: _Route, request: web.BaseRequest) -> _Shape:
+def _shape_of(route: Route, request: web.BaseRequest) -> Shape:
     if route in ("messages", "count_tokens"):
         return "anthropic"
     if route == "models":
@@ -1310,80 +552,19 @@ def _shape_of(route: _Route, request: web.BaseRequest) -> _Shape:
     return "openai"
 
 
-def _overflow_plan(route: _Route, ctx: _Ctx, body: _Body, stream: bool) -> _Plan:
-    script, tokens = ctx.script, body.size // 4
-    if script.plain:
-        limit = script.context or _OPENAI_CONTEXT
-        text = (
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{tokens} tokens ({tokens} in the messages, 0 in the completion). Please reduce "
-            "the length of the messages or completion."
-        )
-        return _error_plan("plain", 400, text, rid=ctx.rid)
-    if route == "messages":
-        limit = script.context or _ANTHROPIC_CONTEXT
-        text = f"prompt is too long: {tokens} tokens > {limit} maximum"
-        return _error_plan("anthropic", 400, text, rid=ctx.rid)
-    if route == "responses" and stream:
-        text = (
-            "Your input exceeds the context window of this model. "
-            "Please adjust your input and try again."
-        )
-        frames = _decorate(_responses_failed_stream(ctx, text), ctx, route)
-        return _Plan(200, "text/event-stream; charset=utf-8", frames, sse=True, paced=True)
-    limit = script.context or _OPENAI_CONTEXT
-    text = (
-        f"This model's maximum context length is {limit} tokens. However, your messages "
-        f"resulted in {tokens} tokens. Please reduce the length of the messages."
-    )
-    return _error_plan(
-        "openai",
-        400,
-        text,
-        rid=ctx.rid,
-        error_type="invalid_request_error",
-        param="input" if route == "responses" else "messages",
-        code="context_length_exceeded",
-    )
-
-
-def _models_payload(shape: _Shape) -> dict[str, Any]:
-    model: dict[str, Any]
-    if shape == "anthropic":
-        model = {
-            "type": "model",
-            "id": DEFAULT_MODEL,
-            "display_name": "Emulator 1",
-            "created_at": "2025-01-01T00:00:00Z",
-        }
-        return {
-            "data": [model],
-            "has_more": False,
-            "first_id": DEFAULT_MODEL,
-            "last_id": DEFAULT_MODEL,
-        }
-    model = {
-        "id": DEFAULT_MODEL,
-        "object": "model",
-        "created": 1735689600,
-        "owned_by": "context-proxy-emulator",
-    }
-    return {"object": "list", "data": [model]}
-
-
 def _plan_answer(
-    route: _Route,
+    route: Route,
     request: web.BaseRequest,
     state: EmulatorState,
     script: Script,
     body: _Body,
     rid: int,
-) -> _Plan:
+) -> Plan:
     shape = _shape_of(route, request)
     if script.status is not None:
-        reason = _reason(script.status)
+        reason = reason_phrase(script.status)
         message = f"Emulated {script.status} error (x-emulator status={script.status})."
-        plan = _error_plan(
+        plan = error_plan(
             "plain" if script.plain else shape,
             script.status,
             reason if script.plain else message,
@@ -1393,11 +574,11 @@ def _plan_answer(
             plan.headers["Retry-After"] = str(script.retry_after)
         return plan
     if route == "root":
-        return _Plan(200, "text/plain; charset=utf-8", [_Frame((b"ok\n",))])
+        return Plan(200, "text/plain; charset=utf-8", [Frame((b"ok\n",))])
     if route == "models":
-        return _Plan(200, "application/json", [_Frame((_dumps(_models_payload(shape)),))])
+        return Plan(200, "application/json", [Frame((dumps(models_payload(shape)),))])
     if body.error is not None:
-        return _error_plan(
+        return error_plan(
             shape,
             400,
             "We could not parse the JSON body of your request. "
@@ -1406,29 +587,29 @@ def _plan_answer(
         )
     tokens = body.size // 4
     if route == "count_tokens":
-        return _Plan(200, "application/json", [_Frame((_dumps({"input_tokens": tokens}),))])
+        return Plan(200, "application/json", [Frame((dumps({"input_tokens": tokens}),))])
     if script.empty_times is not None:
         key = request.headers.get(SCRIPT_KEY_HEADER, "")
         empty = state.take_empty(key, script.empty_times)
     else:
         empty = script.empty
-    ctx = _Ctx(
+    ctx = AnswerContext(
         script=script,
         rid=rid,
         model=body.model or DEFAULT_MODEL,
         input_tokens=tokens,
         include_usage=body.include_usage,
         empty=empty,
-        sse=_SSE(script.crlf),
+        sse=SSEFrames(script.crlf),
     )
     if script.overflow_above is not None and body.size > script.overflow_above:
-        return _overflow_plan(route, ctx, body, body.stream)
+        return overflow_plan(route, ctx, body.size, body.stream)
     if body.stream:
-        render = {"chat": _chat_stream, "responses": _responses_stream}.get(route, _messages_stream)
-        frames = _decorate(render(ctx), ctx, route)
-        return _Plan(200, "text/event-stream; charset=utf-8", frames, sse=True, paced=True)
-    build = {"chat": _chat_json, "responses": _responses_json}.get(route, _messages_json)
-    return _Plan(200, "application/json", build(ctx), paced=True)
+        render = {"chat": chat_stream, "responses": responses_stream}.get(route, messages_stream)
+        frames = decorate(render(ctx), ctx, route)
+        return Plan(200, "text/event-stream; charset=utf-8", frames, sse=True, paced=True)
+    build = {"chat": chat_json, "responses": responses_json}.get(route, messages_json)
+    return Plan(200, "application/json", build(ctx), paced=True)
 
 
 # --------------------------------------------------------------------------- delivery
@@ -1472,7 +653,7 @@ class _Wire:
             self._record.bytes_sent += len(data)
         self._hasher.update(plain)
 
-    async def send_frame(self, frame: _Frame) -> None:
+    async def send_frame(self, frame: Frame) -> None:
         if frame.split_utf8:
             await self._send_split(b"".join(p for p in frame.parts if isinstance(p, bytes)))
             return
@@ -1482,8 +663,8 @@ class _Wire:
                 buffer += part
                 continue
             for piece in part.source():
-                buffer += _escape(piece)
-                if len(buffer) >= _WRITE_CHUNK:
+                buffer += escape_text(piece)
+                if len(buffer) >= WRITE_CHUNK:
                     await self._send(bytes(buffer))
                     buffer.clear()
         if buffer:
@@ -1532,7 +713,7 @@ def _cut_connection(request: web.BaseRequest) -> None:
 
 async def _deliver(
     request: web.BaseRequest,
-    plan: _Plan,
+    plan: Plan,
     script: Script,
     state: EmulatorState,
     record: RequestRecord,
@@ -1542,13 +723,13 @@ async def _deliver(
         headers["Cache-Control"] = "no-cache"
     if script.gzip:
         headers["Content-Encoding"] = "gzip"
-    frames: Iterable[_Frame] = plan.frames
+    frames: Iterable[Frame] = plan.frames
     response = web.StreamResponse(
-        status=plan.status, reason=_REASONS.get(plan.status), headers=headers
+        status=plan.status, reason=REASON_PHRASES.get(plan.status), headers=headers
     )
     if not plan.sse and not script.gzip:
         frames = list(frames)
-        response.content_length = _frames_length(frames)
+        response.content_length = frames_length(frames)
     if request.method == "HEAD":
         # StreamResponse does not drop a HEAD body by itself (web.Response would).
         frames = ()
@@ -1587,7 +768,7 @@ async def _deliver(
     return response
 
 
-async def _handle(request: web.Request, route: _Route) -> web.StreamResponse:
+async def _handle(request: web.Request, route: Route) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     record = state.open_record(request)
     try:
@@ -1606,7 +787,7 @@ async def _handle(request: web.Request, route: _Route) -> web.StreamResponse:
         record.received = True
         state.notify()
         if script_error is not None:
-            plan = _error_plan(
+            plan = error_plan(
                 _shape_of(route, request), 400, f"x-emulator: {script_error}", rid=record.id
             )
             return await _deliver(request, plan, Script(), state, record)
@@ -1632,7 +813,7 @@ async def _handle(request: web.Request, route: _Route) -> web.StreamResponse:
         state.notify()
 
 
-def _route_handler(route: _Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def _route_handler(route: Route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         return await _handle(request, route)
 

@@ -21,6 +21,8 @@ PURE = frozenset(
         "proxy.cluster.keys",
         "proxy.cluster.scripts",
         "proxy.coding",
+        "proxy.emulator_frames",
+        "proxy.emulator_script",
         "proxy.protocols",
         "proxy.session_ids",
         "proxy.sse",
@@ -29,7 +31,7 @@ PURE = frozenset(
     }
 )
 # Pure too, once they exist (each is added by its own branch).
-PURE_WHEN_PRESENT = frozenset({"proxy.emulator_frames", "proxy.stream"})
+PURE_WHEN_PRESENT = frozenset({"proxy.stream"})
 PURE_PACKAGES = frozenset({"proxy.protocols"})  # every submodule is pure as well
 
 # The I/O edges: a pure module importing one of these is the bug this test is for.
@@ -235,3 +237,13 @@ def test_the_real_graph_has_the_edges_the_layout_promises() -> None:
     assert "proxy.wire" in graph["proxy.app"]  # `from . import protocols, wire`
     assert "proxy.sse" in graph["proxy.protocols._common"]  # `from ..sse import SSEEvent`
     assert "proxy" not in graph["proxy.app"]  # the package itself only via a named import
+
+
+def test_the_emulator_shares_no_protocol_code_with_the_proxy() -> None:
+    """The upstream emulator is an independent implementation: it must not agree with our bugs."""
+    graph = import_graph(module_files())
+    for name in ("proxy.emulator", "proxy.emulator_frames", "proxy.emulator_script"):
+        reached = reachable(graph, name).keys()
+        shared = {m for m in reached if m in {"proxy.sse", "proxy.protocols"} or is_pure(m)}
+        shared -= {"proxy.emulator_frames", "proxy.emulator_script"}
+        assert shared == set(), f"{name} reaches {sorted(shared)}"
