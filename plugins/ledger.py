@@ -29,6 +29,15 @@ seconds later every unsaved session is written in a single transaction (a
 burst of 100 commits costs one write). Counter-only changes (identical
 retries) never start the timer; they ride along with the next write, and
 ``session_closed`` / ``shutdown`` write them explicitly.
+
+Cluster mode (``redis_url``, given by the proxy's own ``redis_url`` setting
+unless the ``[plugin.ledger]`` table sets it): the gate lives in one Redis hash
+per session and each commit passes it in one Lua script
+(``proxy.cluster.scripts.LEDGER_GATE``), so two nodes committing for one
+session at once still bump ``revision_epoch`` once. SQLite is not used then;
+an identical retry writes nothing at all (its counters are not kept), and a
+commit while Redis is unreachable is logged, counted in ``write_errors`` and
+skipped (the request itself is unaffected). Durability is Redis's (enable AOF).
 """
 
 from __future__ import annotations
@@ -44,7 +53,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Final, TypeVar
 
+from cachetools import LRUCache
+
 from proxy import ExchangeRecord, Plugin, Scalar
+from proxy.cluster import ClusterUnavailable, RedisStore
 
 __all__ = ["SCHEMA_VERSION", "GateOutcome", "LedgerError", "LedgerPlugin", "hash_gate"]
 
@@ -54,6 +66,10 @@ SCHEMA_VERSION: Final = 1
 """``PRAGMA user_version`` of a ledger database created by this module."""
 
 _T = TypeVar("_T")
+
+# Seconds per Redis command in cluster mode; a commit runs after the answer was
+# sent, so a slow Redis delays bookkeeping, never a client.
+_REDIS_TIMEOUT: Final = 1.0
 
 # Column order of the ``sessions`` table and of every row tuple below.
 _COLUMNS: Final = (
@@ -337,6 +353,9 @@ class LedgerPlugin(Plugin):
     ``lock_timeout`` (float, seconds, > 0)
         How long SQLite waits for another connection's lock before giving up.
         Default 5.0.
+    ``redis_url`` (str or None)
+        Keep the gate in Redis instead of SQLite (cluster mode, see above);
+        ``path`` is then unused. Default: the proxy's ``redis_url`` setting.
 
     Raises:
         ValueError: on construction, for an out-of-range option (the proxy
@@ -352,6 +371,7 @@ class LedgerPlugin(Plugin):
         debounce: float = 0.5,
         cache_sessions: int = 10_000,
         lock_timeout: float = 5.0,
+        redis_url: str | None = None,
     ) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError("path: expected a non-empty string")
@@ -376,6 +396,12 @@ class LedgerPlugin(Plugin):
         self._in_flight: set[asyncio.Task[Exception | None]] = set()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._db: _Database | None = None
+        if redis_url is not None and not isinstance(redis_url, str):
+            raise ValueError("redis_url: expected a redis:// URL or nothing")
+        self.redis_url: Final = redis_url
+        self._redis: RedisStore | None = None
+        # Cluster mode: the last gate state seen per session, for session_state().
+        self._seen: LRUCache[str, dict[str, Scalar]] = LRUCache(maxsize=cache_sessions)
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -388,8 +414,12 @@ class LedgerPlugin(Plugin):
                 connection for longer than ``lock_timeout``, holds a foreign
                 schema, or cannot be opened. Nothing is ever reset.
         """
-        if self._executor is not None:
+        if self._executor is not None or self._redis is not None:
             raise LedgerError(f"ledger {self.path}: startup() called twice")
+        if self.redis_url is not None:
+            self._redis = RedisStore(self.redis_url, timeout=_REDIS_TIMEOUT, max_connections=16)
+            log.info("ledger: hash gate in Redis (cluster mode)")
+            return
         # One thread: SQLite work is serialized in submission order, so a read
         # queued after a write sees it, and one connection is never shared.
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -422,6 +452,9 @@ class LedgerPlugin(Plugin):
         """
         sid = record.session_id
         if sid is None or record.outcome != "ok":
+            return
+        if self._redis is not None:
+            await self._commit_redis(self._redis, sid, record)
             return
         entry = await self._lookup(sid)
         if entry is None:
@@ -459,6 +492,7 @@ class LedgerPlugin(Plugin):
             LedgerError: the write failed; the session stays in memory, unsaved,
                 and is retried by the next flush.
         """
+        self._seen.pop(session_id, None)
         if session_id not in self._entries:
             return
         await self._flush([session_id] if session_id in self._unsaved else [])
@@ -473,6 +507,8 @@ class LedgerPlugin(Plugin):
         ``dirty``, ``requests``, ``bytes_in`` / ``bytes_out`` (bytes),
         ``last_activity`` (Unix seconds), ``saved`` (False while ahead of the disk).
         """
+        if self._redis is not None:
+            return dict(self._seen.get(session_id, {}))
         entry = self._entries.get(session_id)
         if entry is None:
             return {}
@@ -495,6 +531,10 @@ class LedgerPlugin(Plugin):
             LedgerError: the final write failed (the database is closed anyway;
                 the message says how many sessions were lost).
         """
+        if self._redis is not None:
+            redis, self._redis = self._redis, None
+            await redis.close()
+            return
         if self._executor is None:
             return
         try:
@@ -519,6 +559,11 @@ class LedgerPlugin(Plugin):
         Raises:
             LedgerError: the plugin is not started, or the lookup failed.
         """
+        if self._redis is not None:
+            try:
+                return await self._redis.ledger_mark_clean(session_id, epoch)
+            except ClusterUnavailable as exc:
+                raise LedgerError(f"ledger: Redis unreachable: {exc}") from exc
         entry = await self._lookup(session_id)
         if entry is None or not entry.dirty:
             return False
@@ -570,6 +615,30 @@ class LedgerPlugin(Plugin):
         return len(self._entries)
 
     # -- internals -------------------------------------------------------------------------
+
+    async def _commit_redis(self, redis: RedisStore, sid: str, record: ExchangeRecord) -> None:
+        """The gate in one Lua script (atomic across nodes); an outage skips it."""
+        try:
+            outcome, epoch, dirty = await redis.ledger_gate(
+                sid,
+                digest=record.wire_digest,
+                comparable=record.comparable,
+                request_bytes=record.request_bytes,
+                response_bytes=record.response_bytes,
+                last_activity=record.started_at + record.duration_s,
+            )
+        except ClusterUnavailable as exc:
+            self.write_errors += 1
+            log.warning("ledger: Redis unreachable (%s); this commit skipped the gate", exc)
+            return
+        self.writes += outcome != GateOutcome.IDENTICAL.value
+        self._seen[sid] = {
+            "digest": record.wire_digest[:12],
+            "comparable": record.comparable,
+            "revision_epoch": epoch,
+            "dirty": dirty,
+            "gate": outcome,
+        }
 
     def _run(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
         if self._executor is None:

@@ -419,7 +419,13 @@ def build_app(
         proxy.plugins.PluginError: a configured plugin cannot be loaded.
     """
     if host is None:
-        host = load_plugins(settings.plugins, settings.plugin, timeout=settings.plugin_timeout)
+        host = load_plugins(
+            settings.plugins,
+            settings.plugin,
+            timeout=settings.plugin_timeout,
+            # Cluster mode: a plugin taking redis_url (the ledger) shares the proxy's Redis.
+            shared={"redis_url": settings.redis_url} if settings.redis_url else None,
+        )
     app = web.Application(client_max_size=settings.max_body_bytes)
     state = AppState(settings, host, clock=clock)
     app[STATE] = state

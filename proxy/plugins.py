@@ -33,6 +33,7 @@ import dataclasses
 import enum
 import importlib
 import importlib.metadata
+import inspect
 import logging
 import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -301,12 +302,18 @@ def _resolve(spec: str) -> tuple[type[Plugin], str]:
 
 
 def load_plugins(
-    specs: Sequence[str], options: Mapping[str, Mapping[str, Any]], *, timeout: float
+    specs: Sequence[str],
+    options: Mapping[str, Mapping[str, Any]],
+    *,
+    timeout: float,
+    shared: Mapping[str, Any] | None = None,
 ) -> PluginHost:
     """Import and construct the plugins named in ``specs``, in order.
 
     ``options[spec]`` (the ``[plugin.<spec>]`` config table) is passed as
-    keyword arguments.
+    keyword arguments. ``shared``: proxy settings offered to every plugin whose
+    constructor has a keyword parameter of that name, unless its table sets
+    it (e.g. ``redis_url``, so the ledger joins cluster mode with the proxy).
 
     Raises:
         PluginError: a plugin is unknown, not a :class:`Plugin`, or rejected its
@@ -316,6 +323,11 @@ def load_plugins(
     for spec in specs:
         cls, target = _resolve(spec)
         kwargs = dict(options.get(spec, {}))
+        if shared:
+            accepted = inspect.signature(cls).parameters
+            for name, value in shared.items():
+                if name in accepted and name not in kwargs:
+                    kwargs[name] = value
         try:
             plugins.append(cls(**kwargs))
         except (TypeError, ValueError) as exc:

@@ -319,3 +319,55 @@ async def test_redis_down_policy_and_reconcile(redis_server: RedisServer) -> Non
     finally:
         await a.stop()
         await b.stop()
+
+
+# ----------------------------------------------------------------------------- ledger
+
+
+async def test_the_ledger_gate_in_redis_is_shared_and_atomic(redis_server: RedisServer) -> None:
+    from plugins.ledger import LedgerPlugin
+    from proxy.testing import make_record
+
+    ledgers = [LedgerPlugin(path=":memory:", redis_url=redis_server.url) for _ in range(2)]
+    for ledger in ledgers:
+        await ledger.startup()
+    try:
+        one, two = ledgers
+        await one.commit(make_record(session_id="s", wire_digest="d0", comparable=True))
+        # A reformat on the other node: the digest moves, nothing is dirty.
+        await two.commit(make_record(session_id="s", wire_digest="d1", comparable=True))
+        assert two.session_state("s")["dirty"] is False
+        # Both nodes see the same flip at once: the epoch moves once.
+        flip = make_record(session_id="s", wire_digest="d2", comparable=False)
+        await asyncio.gather(one.commit(flip), two.commit(flip))
+        gates = sorted(str(ledger.session_state("s")["gate"]) for ledger in ledgers)
+        assert gates == ["identical", "revision"]
+        assert {ledger.session_state("s")["revision_epoch"] for ledger in ledgers} == {1}
+        assert not await one.mark_clean("s", epoch=0)  # moved on since epoch 0
+        assert await two.mark_clean("s", epoch=1)
+        state = await one._redis.ledger_state("s")  # type: ignore[union-attr]
+        assert (state["dirty"], state["revision_epoch"], state["digest"]) == ("0", "1", "d2")
+        # Outcomes other than ok and records without a session never reach the gate.
+        await one.commit(make_record(session_id="s", wire_digest="d9", outcome="client_gone"))
+        assert (await two._redis.ledger_state("s"))["digest"] == "d2"  # type: ignore[union-attr]
+    finally:
+        for ledger in ledgers:
+            await ledger.shutdown()
+
+
+async def test_the_ledger_joins_cluster_mode_through_the_proxy_setting(
+    redis_server: RedisServer,
+) -> None:
+    from plugins.ledger import LedgerPlugin
+    from proxy.plugins import load_plugins
+
+    host = load_plugins(
+        ["ledger", "usage"],
+        {"ledger": {"path": ":memory:"}},
+        timeout=1.0,
+        shared={"redis_url": redis_server.url},
+    )
+    ledger = host.plugins[0]
+    assert isinstance(ledger, LedgerPlugin) and ledger.redis_url == redis_server.url
+    plain = load_plugins(["ledger"], {"ledger": {"path": ":memory:"}}, timeout=1.0)
+    assert isinstance(plain.plugins[0], LedgerPlugin) and plain.plugins[0].redis_url is None

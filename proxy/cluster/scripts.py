@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["ADMIT", "BEGIN_CLOSE", "DEREGISTER", "LEDGER_GATE", "PRUNE", "REFRESH"]
+__all__ = [
+    "ADMIT",
+    "BEGIN_CLOSE",
+    "DEREGISTER",
+    "LEDGER_GATE",
+    "LEDGER_MARK_CLEAN",
+    "PRUNE",
+    "REFRESH",
+]
 
 _NOW: Final = """
 local t = redis.call('TIME')
@@ -141,4 +149,14 @@ if outcome ~= 'identical' then
 end
 local now = redis.call('HMGET', KEYS[1], 'revision_epoch', 'dirty')
 return {outcome, tonumber(now[1]), tonumber(now[2])}
+"""
+
+LEDGER_MARK_CLEAN: Final = """
+-- KEYS: ledger. ARGV: epoch ('' for any). Clears dirty if set and, with an epoch,
+-- only at that revision_epoch (a flip during the consumer's rebuild keeps it dirty).
+local saved = redis.call('HMGET', KEYS[1], 'dirty', 'revision_epoch')
+if saved[1] ~= '1' then return 0 end
+if ARGV[1] ~= '' and saved[2] ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'dirty', 0)
+return 1
 """

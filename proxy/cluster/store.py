@@ -112,6 +112,7 @@ class RedisStore:
             "begin_close": register(scripts.BEGIN_CLOSE),
             "prune": register(scripts.PRUNE),
             "ledger_gate": register(scripts.LEDGER_GATE),
+            "ledger_mark_clean": register(scripts.LEDGER_MARK_CLEAN),
         }
 
     def tail_client(self, block_s: float) -> aioredis.Redis:
@@ -282,6 +283,13 @@ class RedisStore:
             (digest, int(comparable), request_bytes, response_bytes, repr(last_activity)),
         )
         return str(outcome), int(epoch), int(dirty) == 1
+
+    async def ledger_mark_clean(self, sid: str, epoch: int | None) -> bool:
+        """Clear the ledger's ``dirty`` flag (only at ``epoch`` if given); whether it was."""
+        cleared = await self._run(
+            "ledger_mark_clean", (SessionKeys(sid).ledger,), ("" if epoch is None else epoch,)
+        )
+        return int(cleared) == 1
 
     async def ledger_state(self, sid: str) -> dict[str, str]:
         """The raw ledger hash of ``sid`` (empty for an unknown session)."""
