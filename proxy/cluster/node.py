@@ -387,6 +387,7 @@ class ClusterNode:
     async def _reconcile(self) -> None:
         """After an outage: re-add live entries, retry deregistrations, replay closes."""
         store = self.store
+        await store.reset()
         await store.refresh(dict(self._entries), self.heartbeat_ttl, readd=True)
         await self._flush_pending()
         if self._tip is None:

@@ -6,7 +6,8 @@ script from :mod:`proxy.cluster.scripts`, or one command) and raises
 (:mod:`proxy.cluster.node`) has one exception to turn into its degraded mode.
 The connection pool is bounded and blocking (a burst waits for a free
 connection up to the command timeout instead of opening thousands), and every
-command has that timeout; the client never retries on its own, because a
+command has that timeout; the client retries only once, on a fresh
+connection, when a pooled one turns out broken (Redis restarted), because a
 request waiting on Redis is a request the proxy is not serving.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 from . import scripts
@@ -100,7 +102,10 @@ class RedisStore:
             timeout=timeout,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
+            # One retry, on a fresh connection, for a connection that broke while
+            # idle (Redis restarted); a timeout is never retried.
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
             decode_responses=True,
         )
         self._client: Final = aioredis.Redis(connection_pool=self._pool)
@@ -137,6 +142,10 @@ class RedisStore:
             raise
         except (RedisError, OSError, TimeoutError) as exc:
             raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+
+    async def reset(self) -> None:
+        """Drop every pooled connection (after an outage: they may all be stale)."""
+        await self._pool.disconnect()
 
     async def ping(self) -> None:
         """One ``PING``."""
