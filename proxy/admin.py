@@ -31,7 +31,10 @@ def _allowed(request: web.Request, state: AppState) -> bool:
     if token:
         auth = request.headers.get("Authorization", "")
         scheme, _, value = auth.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(value.strip(), token):
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters
+        # (TypeError, a 500), and a header may carry any byte (surrogate-escaped).
+        offered = value.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() == "bearer" and hmac.compare_digest(offered, token.encode("utf-8")):
             return True
     peer = request.transport.get_extra_info("peername") if request.transport else None
     host = peer[0] if isinstance(peer, tuple) and peer else None

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from typing import Final
 
@@ -30,7 +32,7 @@ from .cancel import orderly_cancel_reason
 from .config import Settings
 from .exchange import Exchange, Outcome, Phase, Preparer, null_lock
 from .headers import forward_headers
-from .plugins import ExchangeRecord, PluginHost, load_plugins
+from .plugins import PluginHost, load_plugins
 from .protocols import Protocol
 from .relay import ClientGone, Upstream, error_response, relay
 from .server import ProxyRunner
@@ -150,8 +152,8 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError as exc:
         reason = orderly_cancel_reason(exc)
         if reason is not None:
-            if ex.phase in (Phase.STREAMING, Phase.COMMITTED):
-                raise  # the answer is out (cut in its commit): nothing left to tell the client
+            if ex.phase is Phase.STREAMING:
+                raise  # the answer is out: nothing left to tell the client
             # An orderly stop (session shutdown, drain) before the relay answered, e.g.
             # in prepare: the client gets a 503 in its protocol, not a dropped connection.
             task.uncancel()
@@ -165,17 +167,54 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         else:
             _client_gone(state, ex)
         raise
+    except Exception as exc:
+        return _internal_error(request, state, ex, exc)
     finally:
         del state.exchanges[ex.id]
         state.handlers.discard(task)
         state.metrics.in_flight.dec()
-        if ex.meta is not None and ex.phase is not Phase.COMMITTED:
-            # Not committed inline (an early answer, an error, a client gone):
-            # commit in the background so a cancelled handler still books it.
-            state.spawn(_commit(state, ex.begin_commit()))
+        if ex.meta is not None:
+            # Every exchange whose body was read is booked exactly once, here, as
+            # tracked work of its own (proxy/commits.py): a client that hangs up now
+            # cannot cancel it, and the keep-alive connection's next request does not
+            # wait for it. Synchronous with leaving the session's track() span, so a
+            # session shutdown that waited for this exchange finds its commit pending.
+            state.commits.start(ex.begin_commit())
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
+
+
+def _internal_error(
+    request: web.Request, state: AppState, ex: Exchange, exc: Exception
+) -> web.StreamResponse:
+    """A bug or an unforeseen failure in the proxy's own code: 500, never a traceback page.
+
+    Logged once with the exception's class, the exchange id and the code location
+    (file, line, function) that raised, never the exception's text, which may
+    quote a header value or a piece of the body. Counted in
+    ``context_proxy_internal_errors``; the exchange is committed with outcome
+    ``error``. When the answer has already begun, a 500 can no longer be sent:
+    the connection is closed so the client sees a truncated answer, not a spliced one.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
+    log.error("%s %s: internal error %s at %s", ex.id, ex.protocol, type(exc).__name__, where)
+    del frames, exc  # the traceback holds the handler's frames (and the body they reach)
+    state.metrics.internal_errors.labels(str(ex.protocol)).inc()
+    ex.conclude(500, Outcome.ERROR, "internal_error")
+    if ex.phase is Phase.STREAMING:
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        cut = web.Response(status=500)
+        cut.force_close()
+        return cut
+    resp = error_response(
+        ex.protocol, 500, f"internal proxy error (exchange {ex.id})", code="internal_error"
+    )
+    resp.force_close()  # the request may not have been read to its end
+    return resp
 
 
 def _gone_mid_body(state: AppState, ex: Exchange) -> None:
@@ -188,18 +227,6 @@ def _gone_mid_body(state: AppState, ex: Exchange) -> None:
 def _client_gone(state: AppState, ex: Exchange) -> None:
     ex.client_gone()
     state.metrics.disconnects.labels(ex.phase.value).inc()
-
-
-async def _commit(state: AppState, record: ExchangeRecord) -> None:
-    """Commit hooks after the response was forwarded, with a scalars-only record."""
-    sid = record.session_id
-    try:
-        async with state.registry.locked(sid) if sid else null_lock():
-            await state.host.run_commit(record)
-    except SessionClosed:
-        log.info(
-            "%s: session closed before its commit; plugins were told already", record.exchange_id
-        )
 
 
 _BUSY: Final = "too many request bodies are being read at once; retry later"
@@ -311,14 +338,13 @@ async def _run_exchange(
             settings=settings,
         )
         if response.prepared:
-            # The client has every byte once write_eof returns: commit now, inside
-            # the tracked span, so a session shutdown waits for the bookkeeping.
+            # Every byte of the answer is with the connection: a hang-up from now on
+            # (an SDK closing at the last byte) does not make it a failed exchange.
+            ex.response_complete()
             # A connection already closed (the client left after the last byte, or
             # the relay cut a broken body) has nothing more to receive.
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
-            if ex.meta is not None:
-                await _commit(state, ex.begin_commit())
         return response
 
 

@@ -145,6 +145,12 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+        self.internal_errors = Counter(
+            "context_proxy_internal_errors",
+            "Unexpected exceptions in the proxy's own request handling (answered 500)",
+            ["protocol"],
+            registry=r,
+        )
         self.request_bytes = Counter(
             "context_proxy_request_bytes", "Request body bytes received (decoded)", registry=r
         )

@@ -104,7 +104,8 @@ class ExchangeRecord:
     counts come from the protocol's usage events and are ``None`` when the
     upstream reported none. ``outcome`` is one of ``ok``, ``upstream_error``,
     ``client_gone``, ``upstream_unreachable``, ``upstream_timeout``,
-    ``stream_error``, ``rejected``, ``cancelled``.
+    ``stream_error``, ``rejected``, ``cancelled``, ``error`` (see
+    :class:`proxy.exchange.Outcome`).
 
     Raises:
         TypeError: on construction, if any field is not a str, int, float,

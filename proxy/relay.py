@@ -327,6 +327,8 @@ class _Relay:
                     ex.set_outcome(Outcome.UPSTREAM_ERROR)
                 await self._start_client(resp)
             elif isinstance(action, Linger):
+                # The final event is out: a hang-up from now on is no failure.
+                ex.response_complete()
                 self.linger_until = asyncio.get_running_loop().time() + action.seconds
             elif isinstance(action, Usage):
                 ex.set_usage(action.input_tokens, action.output_tokens, action.cache_read_tokens)

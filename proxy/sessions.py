@@ -413,12 +413,17 @@ class SessionRegistry:
         on_close: awaited with the session id when a session is archived (the
             plugins' ``session_closed``); runs under the session's lock. If it
             raises, the session is kept and the error is reported.
+        before_close: awaited with the session id before a shutdown or
+            ``close_all`` takes the session's lock to archive it, holding no
+            lock (the app waits there for the session's pending commits, which
+            take that lock themselves). Must not raise.
 
     Raises:
         ValueError: a negative or non-finite argument.
     """
 
     __slots__ = (
+        "_before_close",
         "_clock",
         "_closing",
         "_detached",
@@ -441,6 +446,7 @@ class SessionRegistry:
         clock: Callable[[], float] = time.monotonic,
         on_close: Callable[[str], Awaitable[None]] | None = None,
         tombstones: TombstoneStore | None = None,
+        before_close: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         _check_non_negative("idle_cap", idle_cap)
         if tombstones is None:
@@ -452,6 +458,7 @@ class SessionRegistry:
         self._idle_cap = idle_cap
         self._clock = clock
         self._on_close = on_close
+        self._before_close = before_close
         self._sessions: dict[str, _Session] = {}
         self._detached: dict[str, _Session] = {}
         # Subset of _sessions that may be evicted, least recently used first. Only
@@ -825,6 +832,8 @@ class SessionRegistry:
         # The entry seen when the tombstone was set may have been archived since
         # (by a close_all): it must not be archived twice. Without an entry
         # (unknown or evicted id) on_close still runs, as plugins may hold state.
+        if self._before_close is not None:
+            await self._before_close(sid)
         archived = target is not None and target.state is _State.ARCHIVED
         hold = None if archived else await self._hold_sid(sid, for_shutdown=True)
         if hold is not None:
@@ -881,6 +890,8 @@ class SessionRegistry:
             for session in detached:
                 if session.sid in self._closing:
                     continue  # its shutdown_session archives it; awaited below
+                if self._before_close is not None:
+                    await self._before_close(session.sid)
                 failure = await self._close_detached(session)
                 if failure is not None:
                     failures.append(failure)

@@ -9,18 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
 from ._alloc import Allocator
 from .cancel import SHUTDOWN_CANCEL
+from .commits import CommitTracker
 from .config import Settings
 from .exchange import Exchange
 from .metrics import Metrics
-from .plugins import PluginHost
+from .plugins import ExchangeRecord, PluginHost
 from .relay import Upstream
 from .sessions import SessionRegistry
 
@@ -39,12 +41,16 @@ class AppState:
     handler removes them in ``finally``), so nothing here outlives a request.
     ``clock`` (monotonic seconds) is the session registry's, for tombstone TTLs
     and idle times; tests inject one to expire tombstones without sleeping.
+
+    ``commits`` owns every pending commit (see :mod:`proxy.commits`): one
+    commit may take ``plugin_timeout`` per plugin plus as much again for the
+    session lock, and session close and the drain wait for that long at most.
     """
 
     __slots__ = (
         "allocator",
-        "background",
         "cluster",
+        "commits",
         "draining",
         "exchanges",
         "handlers",
@@ -72,26 +78,44 @@ class AppState:
             tombstone_cap=settings.tombstone_cap,
             clock=clock,
             on_close=host.run_session_closed,
+            before_close=self._session_commits,
         )
         #: Cluster mode (``redis_url`` set): this node's part; ``None`` for one embedded node.
         self.cluster: ClusterNode | None = _cluster_node(settings, self.registry)
         self.upstream: Upstream | None = None
         self.exchanges: dict[str, Exchange] = {}
         self.handlers: set[asyncio.Task[object]] = set()
-        self.background: set[asyncio.Task[None]] = set()
         self.draining = False
         #: Declared Content-Length of the bodies being read right now, bytes.
         self.reading_bytes = 0
         self.stop = asyncio.Event()
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
-        self.metrics: Final = Metrics(self)  # last: it reads the state when registering
+        self.metrics: Final = Metrics(self)  # it reads the state when registering
+        per_hook = settings.plugin_timeout if settings.plugin_timeout > 0 else math.inf
+        self.commits: Final = CommitTracker(
+            self._book,
+            timeout=per_hook * (len(host.plugins) + 1),
+            registry=self.metrics.registry,
+        )
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` in the background, kept referenced until it finishes."""
-        task = asyncio.create_task(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
+    async def _book(self, record: ExchangeRecord) -> None:
+        """Run the commit hooks for ``record`` under its session's lock (DESIGN section 6, rule 2).
+
+        A session whose shutdown has already completed (its commit outlived the
+        wait, see :meth:`_session_commits`) is not recreated for it: entering
+        the lock raises :class:`~proxy.sessions.SessionClosed` and the commit
+        counts as failed (the plugins were told the session closed).
+        """
+        sid = record.session_id
+        async with self.registry.locked(sid) if sid else contextlib.nullcontext():
+            await self.host.run_commit(record)
+
+    async def _session_commits(self, sid: str) -> None:
+        """Before a session is archived: wait for its pending commits (bounded)."""
+        left = await self.commits.wait(sid, timeout=self.commits.timeout)
+        if left:
+            log.warning("session %s closed with %d commit(s) still running", sid, left)
 
     @contextlib.asynccontextmanager
     async def admitted(
@@ -120,8 +144,9 @@ class AppState:
         """Stop admitting, give in-flight handlers ``grace`` seconds, then cancel them.
 
         Cancelled streams end with an in-band protocol error event (the relay
-        recognises :data:`SHUTDOWN_CANCEL`). Then every session is closed, the
-        background commits finish and the plugins are flushed.
+        recognises :data:`SHUTDOWN_CANCEL`). Then the pending commits finish
+        (each bounded, see :attr:`commits`), every session is closed and the
+        plugins are flushed.
         """
         self.draining = True
         pending = {t for t in self.handlers if not t.done()}
@@ -135,8 +160,9 @@ class AppState:
                     "cancelled %d stream(s) still running after the grace period", len(late)
                 )
                 await asyncio.wait(late, timeout=5.0)
-        if self.background:
-            await asyncio.wait(set(self.background), timeout=10.0)
+        left = await self.commits.wait(timeout=self.commits.timeout)
+        if left:
+            log.warning("shutting down with %d commit(s) still running", left)
         if self.cluster is not None:
             # Before close_all: no close from the stream may start while it runs.
             await self.cluster.stop()

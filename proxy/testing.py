@@ -89,8 +89,8 @@ class Harness:
         A client has the last byte of an answer before the proxy runs the
         ``commit`` hooks, so call this between receiving an answer and asserting
         on what a plugin booked. Covers every request whose handler has started
-        (in particular every one whose answer was received), and the background
-        commits of exchanges that ended early.
+        (in particular every one whose answer was received), and the pending
+        commits (which run after the handler has returned).
 
         Raises:
             TimeoutError: still busy after ``within`` seconds (a hung stream or hook).
@@ -100,7 +100,9 @@ class Harness:
         async with asyncio.timeout(within):
             while True:  # bounded by the timeout; each pass waits for real work
                 busy: set[asyncio.Task[Any]] = {
-                    t for t in (*state.handlers, *state.background) if t is not me and not t.done()
+                    t
+                    for t in (*state.handlers, *state.commits.pending)
+                    if t is not me and not t.done()
                 }
                 if not busy:
                     return
