@@ -7,12 +7,15 @@ buffer      held from                                       dropped by
 ==========  ==============================================  ==========================
 raw         :meth:`Exchange.attach_body` (the wire bytes)   :meth:`_drop_raw` (via
                                                             prepare, release, close)
+draft       :meth:`Exchange._prepare_at` (the body as       the end of
+            plugins see it during one prepare run: the      :meth:`_prepare_at`
+            structural view, or the parsed object)
 parsed      :meth:`Exchange._prepare_at` (only when a       :meth:`release`, :meth:`close`
-            plugin wants the body, or on refold)
-outbound    raw itself, or the re-serialized body           :meth:`release` unless a
-                                                            resend is still possible;
-                                                            :meth:`drop_outbound`,
-                                                            :meth:`close`
+            plugin took the whole object and changed it)
+outbound    raw itself; a :class:`~proxy.structure.Splice`  :meth:`release` unless a
+            (slices of raw plus replacement pieces: raw     resend is still possible;
+            lives while it does); or the re-serialized      :meth:`drop_outbound`,
+            body (whole-object path)                        :meth:`close`
 preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :meth:`close`
 response    the relay's held stream head, JSON head and     the relay; accounted here
             partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
@@ -44,13 +47,14 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Final
+from typing import Final
 
 import xxhash
 
 from . import wire
 from .plugins import ExchangeRecord, PluginHost, PrepareContext
 from .protocols import Protocol
+from .structure import Draft, ParsedHolder, Splice
 from .wire import WireMetadata
 
 __all__ = [
@@ -156,21 +160,6 @@ class BodyHolder:
         return len(self.data)
 
 
-class ParsedHolder:
-    """Weak-referenceable owner of the parsed request body (a JSON object as ``dict``).
-
-    ``estimate`` is the wire size the object was decoded from, in bytes: the
-    object graph of a text-heavy JSON body is of the same order, and measuring
-    it exactly would cost a walk over the whole body.
-    """
-
-    __slots__ = ("__weakref__", "body", "estimate")
-
-    def __init__(self, body: dict[str, Any], estimate: int) -> None:
-        self.body = body
-        self.estimate = estimate
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class HeldBytes:
     """Bytes an exchange holds right now, by kind. ``parsed`` is an estimate.
@@ -239,6 +228,7 @@ class Exchange:
 
     __slots__ = (
         "_complete",
+        "_draft",
         "_outbound",
         "_parsed",
         "_phase",
@@ -299,7 +289,8 @@ class Exchange:
         self.started_wall: Final = time.time()
         self._raw: BodyHolder | None = None
         self._parsed: ParsedHolder | None = None
-        self._outbound: BodyHolder | None = None
+        self._draft: Draft | None = None
+        self._outbound: BodyHolder | Splice | None = None
         self._preparer: Preparer | None = None
         self.meta: WireMetadata | None = None
         self.session_id: str | None = None
@@ -391,7 +382,10 @@ class Exchange:
 
     @property
     def parsed_holder(self) -> ParsedHolder | None:
-        """The holder of the parsed body, or ``None`` when never parsed or dropped."""
+        """The holder of the parsed body (while prepare runs: the one a plugin took),
+        or ``None`` when never parsed or dropped."""
+        if self._draft is not None and self._draft.object_holder is not None:
+            return self._draft.object_holder
         return self._parsed
 
     @property
@@ -400,8 +394,9 @@ class Exchange:
         return self._preparer is not None and self.meta is not None
 
     @property
-    def outbound_holder(self) -> BodyHolder | None:
-        """The holder of the body to send upstream, or ``None`` once dropped."""
+    def outbound_holder(self) -> BodyHolder | Splice | None:
+        """The body to send upstream (raw's holder, a splice over raw, or the
+        re-serialized body's holder), or ``None`` once dropped."""
         return self._outbound
 
     # ---------------------------------------------------------------- preparing
@@ -439,45 +434,62 @@ class Exchange:
         self.fold_level = level
         host = preparer.host
         wants = host.wants_body(meta, level)
-        changed = False
         async with preparer.lock():
-            if any(wants) and self._parsed is None:
-                self._parse_raw()
+            # Each run starts from the body as received (raw), or from the object a
+            # whole-object plugin changed at an earlier level (raw is gone then).
+            if self._raw is not None:
+                draft = Draft(meta.protocol, base=self._raw.data)
+            elif self._parsed is not None:
+                draft = Draft(meta.protocol, obj=self._parsed)
+            else:
+                raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
+            self._draft = draft
             ctx = PrepareContext(
                 meta=meta,
                 fold_level=level,
                 session_id=preparer.session_id,
                 path=self.path,
-                body=self._parsed.body if self._parsed is not None else None,
+                draft=draft,
             )
             try:
-                changed = await host.run_prepare(ctx, wants)
+                reported = await host.run_prepare(ctx, wants)
+                result = draft.result(reported)
             finally:
                 ctx._close()
-        if changed:
-            self._reserialize()
+                self._draft = None
+                draft.release()
+                del draft
+        if isinstance(result, Splice):
+            self._adopt_splice(result)
+        elif result is not None:
+            self._reserialize(result)
         self._move(Phase.PREPARED)
-        return changed
+        return result is not None
 
-    def _parse_raw(self) -> None:
-        """Materialize the full parsed body from the raw bytes (once per exchange)."""
-        raw = self._raw
-        if raw is None:
-            raise RuntimeError(f"{self.id}: the raw body is gone; cannot parse it again")
-        self._parsed = ParsedHolder(wire.decode_body(raw.data), len(raw.data))
+    def _adopt_splice(self, splice: Splice) -> None:
+        """Edits made through the view: the splice over raw becomes the outbound body.
 
-    def _reserialize(self) -> None:
-        """A plugin changed the parsed body: it becomes the outbound body.
+        Raw stays (the splice's slices are views of it; a refold builds a new
+        splice from it); only the previous outbound body goes.
+        """
+        before = self._held_total()
+        self._outbound = splice
+        self.outbound_size = splice.nbytes
+        self.outbound_digest = splice.digest
+        self._freed(before)
+
+    def _reserialize(self, parsed: ParsedHolder) -> None:
+        """A plugin changed the whole parsed object: it becomes the outbound body.
 
         The raw buffer is dropped first, so the peak is parsed + new outbound,
         not raw + parsed + outbound (the parsed object stays for refolds).
         """
-        assert self._parsed is not None
         before = self._held_total()
+        self._parsed = parsed
         self._drop_raw()
         self._outbound = None
         self._freed(before)
-        data = wire.encode_body(self._parsed.body)
+        data = wire.encode_body(parsed.body)
         self._outbound = BodyHolder(data)
         self.outbound_size = len(data)
         self.outbound_digest = xxhash.xxh3_128_hexdigest(data)
@@ -500,6 +512,11 @@ class Exchange:
         holder = self._outbound
         if holder is None:
             raise RuntimeError(f"{self.id}: outbound body already released")
+        if isinstance(holder, Splice):
+            # Segment by segment, never joined; the slices are views of raw.
+            for chunk in holder.chunks(SEND_SLICE_BYTES):
+                yield chunk
+            return
         view = memoryview(holder.data)
         del holder
         try:
@@ -586,9 +603,17 @@ class Exchange:
         """``held_bytes().total`` without building the record (several calls per exchange)."""
         raw = len(self._raw) if self._raw is not None else self.reading_bytes
         parsed = self._parsed.estimate if self._parsed is not None else 0
-        out = self._outbound
-        outbound = len(out) if out is not None and out is not self._raw else 0
-        return raw + parsed + outbound
+        return raw + parsed + self._outbound_extra()
+
+    def _outbound_extra(self) -> int:
+        """Bytes the outbound body holds beyond the raw buffer (which counts once)."""
+        out, raw = self._outbound, self._raw
+        if out is None or out is raw:
+            return 0
+        if isinstance(out, Splice):
+            on_raw = raw is not None and out.base is raw.data
+            return out.owned_bytes + (0 if on_raw else out.base_bytes)
+        return len(out)
 
     def _freed(self, before: int) -> None:
         """Tell ``on_release`` how many bytes the last drop let go (if any)."""
@@ -602,9 +627,7 @@ class Exchange:
         when it is also the outbound body)."""
         raw = len(self._raw) if self._raw is not None else self.reading_bytes
         parsed = self._parsed.estimate if self._parsed is not None else 0
-        out = self._outbound
-        outbound = len(out) if out is not None and out is not self._raw else 0
-        return HeldBytes(raw, parsed, outbound, self.response_held)
+        return HeldBytes(raw, parsed, self._outbound_extra(), self.response_held)
 
     # ------------------------------------------------------------- bookkeeping
 

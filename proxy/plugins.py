@@ -10,7 +10,9 @@ Hooks, in the order an exchange meets them (DESIGN section 5):
 ``prepare(ctx) -> bool``
     Runs under the session's lock (when the request has a session), before the
     request is sent upstream, and again at fold level +1 after each context
-    overflow. Return ``True`` if you changed ``ctx.body``.
+    overflow. Edit through ``ctx.view`` (the structural view, no copy of the
+    body) or, if granted, ``ctx.body`` (the whole object). Return ``True`` if
+    you changed the body; edits made through the view are sent either way.
 ``commit(record)``
     Runs under the session's lock after the response has been forwarded (or has
     failed). ``record`` is an :class:`ExchangeRecord` of scalars only.
@@ -39,6 +41,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
+from .structure import BodyView, Draft, ParsedHolder
 from .wire import WireMetadata
 
 __all__ = [
@@ -153,15 +156,30 @@ class ExchangeRecord:
 
 
 class PrepareContext:
-    """What a ``prepare`` hook sees: wire metadata, fold level and, on request, the body.
+    """What a ``prepare`` hook sees: wire metadata, fold level and the request body.
 
-    ``body`` is the parsed JSON request (a ``dict``) shared by all plugins of
-    this send attempt; mutate it in place. It is only available while the hook
-    runs and only if the plugin's ``wants_body`` returned ``True``; reading it
-    otherwise raises :class:`BodyUnavailable`, so a plugin cannot keep it.
+    Two ways to the body (DESIGN section 5):
+
+    ``view``
+        The structural view (:class:`proxy.structure.BodyView`): history items
+        and their values located by byte range in the raw buffer, each decoded
+        only when asked and replaced piece by piece. The outbound body is then
+        the raw buffer's slices plus the replacement pieces (peak ~1.0x the
+        body). Available to every plugin while its hook runs.
+    ``body``
+        The whole parsed JSON object (a ``dict``), only for a plugin whose
+        ``wants_body`` returned ``True``; mutate it in place. Costs a transient
+        ~2x the body size (the parsed tree, then the re-serialized body).
+
+    Both show the same request: edits made through the view are in ``body``
+    for a later plugin, and changes to ``body`` are in a later plugin's view.
+    Each prepare run at a new fold level starts from the body as received
+    (or, once a plugin took the whole object, from that object). Reading
+    either after the hook returned raises :class:`BodyUnavailable`, so a
+    plugin cannot keep them.
     """
 
-    __slots__ = ("_body", "_open", "fold_level", "meta", "path", "session_id")
+    __slots__ = ("_closed", "_draft", "_open", "fold_level", "meta", "path", "session_id")
 
     def __init__(
         self,
@@ -170,31 +188,47 @@ class PrepareContext:
         fold_level: int,
         session_id: str | None,
         path: str,
-        body: dict[str, Any] | None,
+        body: dict[str, Any] | None = None,
+        draft: Draft | None = None,
     ) -> None:
         self.meta: Final = meta
         self.fold_level: Final = fold_level
         self.session_id: Final = session_id
         self.path: Final = path
-        self._body = body
+        if draft is None and body is not None:
+            draft = Draft(meta.protocol, obj=ParsedHolder(body, meta.byte_length))
+        self._draft = draft
         self._open = False
+        self._closed = False
 
     @property
     def body(self) -> dict[str, Any]:
-        """The parsed request body. Raises :class:`BodyUnavailable` outside the hook."""
-        if not self._open or self._body is None:
+        """The parsed request body. Raises :class:`BodyUnavailable` outside the hook.
+
+        Also raises :class:`proxy.wire.WireError` if the body is not a JSON object.
+        """
+        if not self._open or self._draft is None:
             raise BodyUnavailable(
                 "the request body is only available inside prepare() to a plugin "
                 "whose wants_body() returned True"
             )
-        return self._body
+        return self._draft.body()
+
+    @property
+    def view(self) -> BodyView:
+        """The structural view of the request body. Raises :class:`BodyUnavailable`
+        after prepare, or when the exchange has no body."""
+        if self._closed or self._draft is None:
+            raise BodyUnavailable("the body view is only available inside prepare()")
+        return self._draft.view()
 
     def _grant(self, granted: bool) -> None:
         self._open = granted
 
     def _close(self) -> None:
         self._open = False
-        self._body = None
+        self._closed = True
+        self._draft = None
 
 
 class Plugin:
@@ -212,7 +246,7 @@ class Plugin:
         return False
 
     async def prepare(self, ctx: PrepareContext) -> bool:
-        """Inspect or change the request; return ``True`` if ``ctx.body`` was changed."""
+        """Inspect or change the request; return ``True`` if the body was changed."""
         return False
 
     async def commit(self, record: ExchangeRecord) -> None:

@@ -46,6 +46,7 @@ __all__ = [
     "Draft",
     "EditConflict",
     "Node",
+    "ParsedHolder",
     "Splice",
     "history_key",
 ]
@@ -266,11 +267,13 @@ class Splice:
     segment by segment.
     """
 
-    __slots__ = ("__weakref__", "base_bytes", "digest", "nbytes", "owned_bytes", "segments")
+    __slots__ = ("__weakref__", "base", "base_bytes", "digest", "nbytes", "owned_bytes", "segments")
 
-    def __init__(self, segments: list[memoryview | bytes], base_bytes: int) -> None:
+    def __init__(self, segments: list[memoryview | bytes], base: bytes | bytearray) -> None:
         self.segments: Final = tuple(segments)
-        self.base_bytes: Final = base_bytes
+        #: The buffer the slices view (the raw body, or a re-encoded one).
+        self.base: Final = base
+        self.base_bytes: Final = len(base)
         self.nbytes: Final = sum(len(s) for s in segments)
         self.owned_bytes: Final = sum(len(s) for s in segments if isinstance(s, bytes))
         hasher = xxhash.xxh3_128()
@@ -512,7 +515,7 @@ class BodyView:
             pos = end
         if pos < len(body._buf):
             segments.append(body._mv[pos:])
-        return Splice(segments, len(body._buf))
+        return Splice(segments, body._buf)
 
     def release(self) -> None:
         """Drop the nodes and edits and release the buffer view (idempotent)."""
@@ -520,6 +523,21 @@ class BodyView:
         self._body._starts.clear()
         self._body._edits.clear()
         self._body._mv.release()
+
+
+class ParsedHolder:
+    """Weak-referenceable owner of a parsed request body (a JSON object as ``dict``).
+
+    ``estimate`` is the wire size the object was decoded from, in bytes: the
+    object graph of a text-heavy JSON body is of the same order, and measuring
+    it exactly would cost a walk over the whole body.
+    """
+
+    __slots__ = ("__weakref__", "body", "estimate")
+
+    def __init__(self, body: dict[str, Any], estimate: int) -> None:
+        self.body = body
+        self.estimate = estimate
 
 
 class Draft:
@@ -543,7 +561,7 @@ class Draft:
         protocol: str,
         *,
         base: bytes | bytearray | None = None,
-        obj: dict[str, Any] | None = None,
+        obj: ParsedHolder | None = None,
     ) -> None:
         if (base is None) == (obj is None):
             raise ValueError("a draft starts from exactly one of base or obj")
@@ -555,15 +573,15 @@ class Draft:
         self._derived = False
 
     @property
-    def has_object(self) -> bool:
-        """Whether the body is currently held as a parsed object."""
-        return self._object is not None
+    def object_holder(self) -> ParsedHolder | None:
+        """The holder of the parsed object while the body is held as one, else None."""
+        return self._object
 
     def view(self) -> BodyView:
         """The structural view of the current body (built on first use)."""
         if self._view is None:
             if self._object is not None:
-                self._base = wire.encode_body(self._object)
+                self._base = wire.encode_body(self._object.body)
                 self._object = None
                 self._derived = True
             assert self._base is not None
@@ -579,23 +597,23 @@ class Draft:
                 joined = view.splice().join()
                 self._derived = True
                 view.release()
-                self._object = wire.decode_body(joined)
+                self._object = ParsedHolder(wire.decode_body(joined), len(joined))
                 del joined
             else:
                 if view is not None:
                     view.release()
-                self._object = wire.decode_body(base)
+                self._object = ParsedHolder(wire.decode_body(base), len(base))
             self._view = None
             self._base = None
-        return self._object
+        return self._object.body
 
-    def result(self, reported: bool) -> Splice | dict[str, Any] | None:
+    def result(self, reported: bool) -> Splice | ParsedHolder | None:
         """What to send after the run: ``None`` for the body as received.
 
         ``reported`` is whether a plugin's ``prepare`` said it changed the body.
         An object that was handed out counts as changed only when reported (or
         when it was decoded from edits); view edits always count. A
-        :class:`Splice` shares the base buffer; a ``dict`` must be serialized.
+        :class:`Splice` shares the base buffer; a parsed object must be serialized.
         """
         if self._object is not None:
             return self._object if (reported or self._derived) else None
@@ -604,7 +622,7 @@ class Draft:
             return view.splice()
         if self._derived and reported:
             assert self._base is not None
-            return Splice([memoryview(self._base).toreadonly()], len(self._base))
+            return Splice([memoryview(self._base).toreadonly()], self._base)
         return None
 
     def release(self) -> None:

@@ -40,6 +40,7 @@ from proxy.emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.exchange import SEND_SLICE_BYTES, Exchange, HeldBytes, Phase, Preparer, null_lock
 from proxy.plugins import BodyUnavailable, ExchangeRecord, Plugin, PluginHost, PrepareContext
 from proxy.protocols import Protocol
+from proxy.structure import Splice
 from proxy.testing import proxy_with_emulator
 from proxy.wire import WireMetadata
 from tests.test_lifetime_support import (
@@ -172,9 +173,9 @@ async def test_reading_plugin_parses_once_and_changes_nothing(counted: dict[str,
     body = encode(conversation(CHAT))
     ex = exchange_for(body, [Reader()])
     await ex.prepare()
-    held = ex.held_bytes()
-    assert (held.raw, held.outbound) == (len(body), 0)
-    assert held.parsed == len(body)  # the estimate: the wire size it came from
+    # The object the plugin only read is not kept: raw is still the outbound body.
+    assert ex.held_bytes() == HeldBytes(raw=len(body), parsed=0, outbound=0)
+    assert ex.outbound_holder is ex.raw_holder and ex.parsed_holder is None
     ex.mark_sent()
     ex.accept()
     assert ex.held_bytes() == HeldBytes(0, 0, 0)
@@ -201,6 +202,49 @@ async def test_changed_body_replaces_the_raw_buffer_and_is_serialized_once(
     ex.accept()
     assert ex.held_bytes() == HeldBytes(0, 0, 0)
     assert counted == {"parse": 1, "encode": 1}
+
+
+class ViewEditor(Plugin):
+    """Edits the last user message through the structural view, never the whole object."""
+
+    name = "view-editor"
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        last = ctx.view.items()[-1]["content"]
+        last.replace(f"{last.text()} (level {ctx.fold_level})")
+        return True
+
+
+async def test_view_edit_sends_slices_of_the_raw_buffer_and_refolds_from_it(
+    counted: dict[str, int],
+) -> None:
+    body = encode(conversation(CHAT, turns=40, turn_bytes=30_000))
+    ex = exchange_for(body, [ViewEditor()])
+    raw = ex.raw_holder
+    assert raw is not None
+    await ex.prepare()
+    splice = ex.outbound_holder
+    assert isinstance(splice, Splice) and ex.raw_holder is raw
+    # Held: raw once plus the replacement piece; nothing parsed, nothing joined.
+    assert ex.held_bytes() == HeldBytes(raw=len(body), parsed=0, outbound=splice.owned_bytes)
+    assert splice.owned_bytes < 200
+    chunks = [chunk async for chunk in ex.outbound_chunks()]
+    assert sum(chunk.obj is raw.data for chunk in chunks) == len(chunks) - 1
+    sent = b"".join(chunks)
+    assert ex.outbound_digest == xxhash.xxh3_128_hexdigest(sent)
+    expected = json.loads(body)
+    expected["messages"][-1]["content"] += " (level 0)"
+    assert json.loads(sent) == expected
+    ex.mark_sent()
+    # The refold edits the body as received again, not the level-0 result.
+    assert await ex.refold() is False  # one byte longer: not smaller, so no resend
+    again = ex.outbound_holder
+    assert isinstance(again, Splice) and again is not splice
+    assert json.loads(again.join())["messages"][-1]["content"].endswith("? (level 1)")
+    del splice, again, chunks
+    ex.accept()
+    assert ex.held_bytes() == HeldBytes(0, 0, 0) and ex.raw_holder is None
+    assert counted == {"parse": 0, "encode": 0}
 
 
 async def test_outbound_is_kept_for_a_resend_only_until_streaming() -> None:
@@ -441,10 +485,10 @@ class GrabOnPrepare(Plugin):
     async def prepare(self, ctx: PrepareContext) -> bool:
         (ex,) = [ex for ex in self.state.exchanges.values() if ex.meta is ctx.meta]
         self.exchange_id = ex.id
+        ctx.body["temperature"] = 0.5  # the body is parsed on first access
         weakref.finalize(ex.raw_holder, self.fired.append, "raw")
         weakref.finalize(ex.parsed_holder, self.fired.append, "parsed")
         self.traced_in_prepare = traced_now()
-        ctx.body["temperature"] = 0.5
         return True
 
 
@@ -921,11 +965,12 @@ class Hoarder(Plugin):
 
     name = "hoarder"
 
-    def __init__(self) -> None:
+    def __init__(self, spy: Spy) -> None:
         self.ctx: PrepareContext | None = None
         self.seen_in_prepare = 0
         self.at_commit: list[object] = []
         self.record: ExchangeRecord | None = None
+        self.spy = spy
 
     def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
         return True
@@ -933,6 +978,8 @@ class Hoarder(Plugin):
     async def prepare(self, ctx: PrepareContext) -> bool:
         self.ctx = ctx
         self.seen_in_prepare = len(ctx.body["messages"])
+        ex = self.spy[-1]
+        ex.trace.watch("parsed", ex.parsed_holder)
         return False
 
     async def commit(self, record: ExchangeRecord) -> None:
@@ -947,7 +994,7 @@ class Hoarder(Plugin):
 async def test_commit_gets_scalars_and_a_kept_context_has_no_body(
     spy: Spy, http: aiohttp.ClientSession
 ) -> None:
-    hoarder = Hoarder()
+    hoarder = Hoarder(spy)
     # Chat streams carry usage only when asked (stream_options.include_usage).
     body = encode({**conversation(CHAT), "stream_options": {"include_usage": True}})
     async with proxy_with_emulator(plugins=[hoarder]) as h:
