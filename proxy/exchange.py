@@ -602,8 +602,12 @@ class Exchange:
     def _held_sum(self) -> int:
         """``held_bytes().total`` without building the record (several calls per exchange)."""
         raw = len(self._raw) if self._raw is not None else self.reading_bytes
-        parsed = self._parsed.estimate if self._parsed is not None else 0
-        return raw + parsed + self._outbound_extra()
+        return raw + self._parsed_estimate() + self._outbound_extra()
+
+    def _parsed_estimate(self) -> int:
+        """The parsed object's estimate: the kept one, or the one a plugin took in prepare."""
+        parsed = self.parsed_holder
+        return parsed.estimate if parsed is not None else 0
 
     def _outbound_extra(self) -> int:
         """Bytes the outbound body holds beyond the raw buffer (which counts once)."""
@@ -626,8 +630,7 @@ class Exchange:
         """What this exchange holds now, by kind (the raw buffer counts once even
         when it is also the outbound body)."""
         raw = len(self._raw) if self._raw is not None else self.reading_bytes
-        parsed = self._parsed.estimate if self._parsed is not None else 0
-        return HeldBytes(raw, parsed, self._outbound_extra(), self.response_held)
+        return HeldBytes(raw, self._parsed_estimate(), self._outbound_extra(), self.response_held)
 
     # ------------------------------------------------------------- bookkeeping
 

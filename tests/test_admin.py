@@ -161,6 +161,7 @@ class Gate(Plugin):
 
     async def prepare(self, ctx: PrepareContext) -> bool:
         if ctx.meta.model == "gated":
+            assert ctx.body["messages"]  # the body is parsed on first access
             self.entered.set()
             await self.proceed.wait()
         return False
