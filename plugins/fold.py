@@ -5,6 +5,11 @@ refolds: it runs every ``prepare`` hook again at the next fold level and resends
 (DESIGN section 1). This plugin turns the fold level into a smaller request while
 keeping it valid for the protocol. Pure: no I/O and nothing from aiohttp.
 
+It works on the structural view (``ctx.view``): it never asks for the whole
+parsed object, reads each bulky piece's size from its bytes, and replaces the
+pieces it elides in place, so the refolded body the proxy sends is the raw
+buffer's slices with the placeholders spliced in (peak about 1.0x the body).
+
 Vocabulary
 ----------
 *Entries* are the items of ``messages`` (OpenAI chat, Anthropic messages and
@@ -44,10 +49,10 @@ defaults: level 1 folds the older half of the bulky head turns, level 2 all of
 them, level 3 also the older half of the bulky tail turns, level 4
 (:attr:`FoldPlugin.max_level`) everything but the protected end. So every level
 elides more than the one before while anything is left, and a higher level
-never keeps more than a lower one. Because placeholders are recognized, folding
-the already folded body of level ``L - 1`` at level ``L`` (a refold that
-reuses the parsed body it changed, DESIGN section 2) gives the same body as folding the
-original at level ``L``. If a step's turns yield no change after all (their
+never keeps more than a lower one. The proxy refolds from the raw bytes at each
+level; because placeholders are recognized (in the JSON text), folding an
+already folded body of level ``L - 1`` at level ``L`` gives the same body as
+folding the original at level ``L`` too. If a step's turns yield no change after all (their
 arguments hold no bulky value, or they only quote a placeholder), the next step
 is applied in the same call, so ``True`` always means a smaller body.
 
@@ -93,9 +98,7 @@ import string
 from collections.abc import Callable
 from typing import Any, Final
 
-from proxy.plugins import Plugin, PrepareContext
-from proxy.protocols import Protocol
-from proxy.wire import WireMetadata
+from proxy import BodyView, Node, Plugin, PrepareContext, Protocol, WireError, WireMetadata
 
 __all__ = ["DEFAULT_PLACEHOLDER", "FoldPlugin"]
 
@@ -118,65 +121,45 @@ _CHAT_USER_ROLES: Final = frozenset({"user", "tool", "function"})
 # Deeper structures are left alone rather than walked: no real request nests this
 # far, and the bound keeps a hostile body from costing recursion.
 _MAX_DEPTH: Final = 64
-# Non-ASCII text is measured in slices so that sizing a huge string never makes a
-# full UTF-8 copy of it.
-_MEASURE_SLICE: Final = 1 << 16
 # The widest {n} the placeholder must fit under min_bytes with (19 digits).
 _LARGEST_N: Final = 10**18
 
 
 def _utf8_len(text: str) -> int:
-    """Size of ``text`` in UTF-8 bytes, with at most a 64 Ki-character transient copy."""
-    if text.isascii():
-        return len(text)
-    return sum(
-        len(text[i : i + _MEASURE_SLICE].encode("utf-8", "surrogatepass"))
-        for i in range(0, len(text), _MEASURE_SLICE)
-    )
+    """Size of ``text`` in UTF-8 bytes."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
-def _weight(value: Any, depth: int = 0) -> int:
-    """UTF-8 bytes of the string values inside ``value``: the text and data it carries.
+def _weight(node: Node, depth: int = 0) -> int:
+    """UTF-8 bytes of the string values inside ``node``: the text and data it carries.
 
     Keys, numbers and the values of ``type`` keys (structural tags such as
-    ``"image"``) are not counted.
+    ``"image"``) are not counted. Strings are measured without decoding unless
+    they hold escapes.
     """
-    if isinstance(value, str):
-        return _utf8_len(value)
+    if node.kind == "string":
+        return node.text_bytes()
     if depth >= _MAX_DEPTH:
         return 0
-    if isinstance(value, dict):
-        return sum(_weight(v, depth + 1) for k, v in value.items() if k != "type")
-    if isinstance(value, list):
-        return sum(_weight(v, depth + 1) for v in value)
+    if node.kind == "object":
+        return sum(_weight(v, depth + 1) for k, v in node.items() if k != "type")
+    if node.kind == "array":
+        return sum(_weight(v, depth + 1) for v in node)
     return 0
 
 
-def _holds(value: Any, pattern: re.Pattern[str], depth: int = 0) -> bool:
-    """Whether any string value inside ``value`` contains a match of ``pattern``."""
-    if isinstance(value, str):
-        return pattern.search(value) is not None
-    if depth >= _MAX_DEPTH:
-        return False
-    if isinstance(value, dict):
-        return any(_holds(v, pattern, depth + 1) for v in value.values())
-    if isinstance(value, list):
-        return any(_holds(v, pattern, depth + 1) for v in value)
-    return False
+def _placeholder_pattern(template: str) -> re.Pattern[bytes]:
+    """A bytes regex finding what ``template`` formats to, for any ``n``, in JSON text.
 
-
-def _placeholder_pattern(template: str) -> re.Pattern[str]:
-    """A regex finding what ``template`` formats to, for any ``n``, raw or JSON-escaped.
-
-    The JSON-escaped form is how a placeholder looks inside tool-call arguments,
-    which are a JSON document held in a string.
+    It matches the placeholder as it appears inside a JSON string (escaped
+    once, raw UTF-8 or ASCII-escaped) and inside tool-call arguments, which are
+    a JSON document held in a JSON string (escaped twice).
 
     Raises:
         ValueError: the template is malformed, has a field other than a bare
             ``{n}``, or has no literal text besides it.
     """
-    raw: list[str] = []
-    escaped: list[str] = []
+    forms: list[list[bytes]] = [[], [], [], []]
     literal_text = ""
     try:
         pieces = list(string.Formatter().parse(template))
@@ -184,39 +167,58 @@ def _placeholder_pattern(template: str) -> re.Pattern[str]:
         raise ValueError(f"fold: placeholder is not a valid format string: {exc}") from None
     for literal, field, spec, conversion in pieces:
         literal_text += literal
-        raw.append(re.escape(literal))
-        escaped.append(re.escape(json.dumps(literal, ensure_ascii=False)[1:-1]))
+        for index, ascii_only in enumerate((False, True)):
+            once = json.dumps(literal, ensure_ascii=ascii_only)[1:-1]
+            twice = json.dumps(once, ensure_ascii=ascii_only)[1:-1]
+            forms[2 * index].append(re.escape(once.encode("utf-8", "surrogatepass")))
+            forms[2 * index + 1].append(re.escape(twice.encode("utf-8", "surrogatepass")))
         if field is None:
             continue
         if field != "n" or spec or conversion:
             raise ValueError(f"fold: placeholder may only use the field {{n}}, found {{{field}}}")
-        raw.append(r"\d+")
-        escaped.append(r"\d+")
+        for form in forms:
+            form.append(rb"\d+")
     if not literal_text.strip():
         # Anthropic rejects empty text blocks, and a bare number could not be told
         # apart from real content on a refold.
         raise ValueError("fold: placeholder needs some text besides {n}")
-    plain, in_json = "".join(raw), "".join(escaped)
-    return re.compile(plain if plain == in_json else f"{plain}|{in_json}")
+    alternatives = list(dict.fromkeys(b"".join(form) for form in forms))
+    return re.compile(b"|".join(alternatives))
 
 
-def _side(entry: Any, protocol: str) -> int:
-    """Which side speaks ``entry``: ``_USER``, ``_ASSISTANT`` or ``_SYSTEM``."""
-    if not isinstance(entry, dict):
-        return _ASSISTANT
+def _holds(node: Node, pattern: re.Pattern[bytes]) -> bool:
+    """Whether the JSON text of ``node`` contains a placeholder (searched in the bytes)."""
+    with node.raw() as data:
+        return pattern.search(data) is not None
+
+
+def _role(entry: Node) -> str | None:
     role = entry.get("role")
+    return role.short_text() if role is not None else None
+
+
+def _type(node: Node) -> str | None:
+    kind = node.get("type")
+    return kind.short_text() if kind is not None else None
+
+
+def _side(entry: Node, protocol: str) -> int:
+    """Which side speaks ``entry``: ``_USER``, ``_ASSISTANT`` or ``_SYSTEM``."""
+    if entry.kind != "object":
+        return _ASSISTANT
+    role = _role(entry)
     if role in _SYSTEM_ROLES:
         return _SYSTEM
     if role == "user" or (protocol == _CHAT and role in _CHAT_USER_ROLES):
         return _USER
-    if protocol == _RESPONSES and role is None:
-        kind = entry.get("type")
-        if isinstance(kind, str) and kind.endswith("_output"):
+    if protocol == _RESPONSES and entry.get("role") is None:
+        kind = _type(entry)
+        if kind is not None and kind.endswith("_output"):
             return _USER
     return _ASSISTANT
 
 
-def _turns(entries: list[Any], protocol: str) -> list[tuple[int, list[int]]]:
+def _turns(entries: list[Node], protocol: str) -> list[tuple[int, list[int]]]:
     """Group the non-system entries into turns: ``[(side, [entry index, ...]), ...]``."""
     turns: list[tuple[int, list[int]]] = []
     for index, entry in enumerate(entries):
@@ -235,12 +237,24 @@ def _share(count: int, steps: int, of: int) -> int:
     return -(-count * steps // of)
 
 
+def _truthy(node: Node) -> bool:
+    """Python truthiness of the JSON value, without decoding a container."""
+    if node.kind in ("object", "array"):
+        return len(node) > 0
+    if node.kind == "string":
+        return node.size > 2
+    if node.kind == "number":
+        return bool(node.value())
+    return node.kind == "true"
+
+
 class _Elider:
     """One pass over some entries: turns bulky pieces into placeholders, counting them.
 
-    Every method works in place on the parsed body and returns whether it found
-    (and, unless ``dry``, replaced) at least one bulky piece. A dry elider only
-    looks: it tells which turns are bulky without changing anything.
+    Every method works on nodes of the structural view, replacing values through
+    it, and returns whether it found (and, unless ``dry``, replaced) at least
+    one bulky piece. A dry elider only looks: it tells which turns are bulky
+    without changing anything.
     """
 
     __slots__ = ("_dry", "_min_bytes", "_placeholder", "elided_bytes", "pieces")
@@ -252,7 +266,7 @@ class _Elider:
         self.pieces = 0
         self.elided_bytes = 0
 
-    def for_protocol(self, protocol: str) -> Callable[[dict[str, Any]], bool]:
+    def for_protocol(self, protocol: str) -> Callable[[Node], bool]:
         """The method that folds one entry of ``protocol``."""
         if protocol == _CHAT:
             return self.chat_message
@@ -265,206 +279,194 @@ class _Elider:
         self.elided_bytes += n
         return self._placeholder.format(n=n)
 
-    def _put(self, container: Any, key: Any, value: Any) -> bool:
+    def _put(self, node: Node, value: Any) -> bool:
         if not self._dry:
-            container[key] = value
+            node.replace(value)
         return True
 
     # -- generic pieces ---------------------------------------------------------------
 
-    def field(self, holder: dict[str, Any], key: str) -> bool:
-        """A string field, replaced by the placeholder string."""
-        value = holder.get(key)
-        if not isinstance(value, str):
+    def string(self, value: Node | None) -> bool:
+        """A string value, replaced by the placeholder string."""
+        if value is None or value.kind != "string":
             return False
-        n = _utf8_len(value)
+        n = value.text_bytes()
         if n < self._min_bytes:
             return False
-        return self._put(holder, key, self._spend(n))
+        return self._put(value, self._spend(n))
 
-    def unit(self, holder: dict[str, Any], key: str, text_type: str | None) -> bool:
+    def unit(self, value: Node | None, text_type: str | None) -> bool:
         """A content value taken whole: a string, or (with ``text_type``) a list of parts."""
-        value = holder.get(key)
-        if isinstance(value, str):
-            return self.field(holder, key)
-        if text_type is None or not isinstance(value, list):
+        if value is None:
+            return False
+        if value.kind == "string":
+            return self.string(value)
+        if text_type is None or value.kind != "array":
             return False
         n = _weight(value)
         if n < self._min_bytes:
             return False
-        return self._put(holder, key, [{"type": text_type, "text": self._spend(n)}])
+        return self._put(value, [{"type": text_type, "text": self._spend(n)}])
 
-    def media(self, parts: list[Any], index: int, text_type: str) -> bool:
+    def media(self, part: Node, text_type: str) -> bool:
         """An image/audio/file part, replaced by a text part of type ``text_type``."""
-        part = parts[index]
         n = _weight(part)
         if n < self._min_bytes:
             return False
         replacement: dict[str, Any] = {"type": text_type, "text": self._spend(n)}
-        if "cache_control" in part:
+        marker = part.get("cache_control")
+        if marker is not None:
             # Keeps the request's Anthropic cache breakpoints where the client put them.
-            replacement["cache_control"] = part["cache_control"]
-        return self._put(parts, index, replacement)
+            replacement["cache_control"] = marker.value()
+        return self._put(part, replacement)
 
-    def tree(self, node: Any, depth: int = 0) -> bool:
-        """Every bulky string value inside a dict/list, keys and small values kept."""
-        if depth >= _MAX_DEPTH:
+    def tree(self, node: Node | None, depth: int = 0) -> bool:
+        """Every bulky string value inside an object/array, keys and small values kept."""
+        if node is None or depth >= _MAX_DEPTH or node.kind not in ("object", "array"):
             return False
         changed = False
-        if isinstance(node, dict):
-            for key, value in node.items():
-                # Assigning an existing key does not resize the dict: iteration stays valid.
-                if isinstance(value, str):
-                    changed = self.field(node, key) or changed
-                elif isinstance(value, dict | list):
-                    changed = self.tree(value, depth + 1) or changed
-        elif isinstance(node, list):
-            for index, value in enumerate(node):
-                if isinstance(value, str):
-                    n = _utf8_len(value)
-                    if n >= self._min_bytes:
-                        changed = self._put(node, index, self._spend(n))
-                elif isinstance(value, dict | list):
-                    changed = self.tree(value, depth + 1) or changed
+        for value in node:
+            if value.kind == "string":
+                changed = self.string(value) or changed
+            elif value.kind in ("object", "array"):
+                changed = self.tree(value, depth + 1) or changed
         return changed
 
-    def arguments(self, holder: dict[str, Any], key: str) -> bool:
+    def arguments(self, value: Node | None) -> bool:
         """Tool-call arguments held as a JSON string (OpenAI chat and Responses).
 
         A dry pass counts any arguments of ``min_bytes`` or more as bulky without
-        parsing them; the real pass may then find no bulky value inside.
+        reading them; the real pass may then find no bulky value inside. The
+        arguments document is edited through a view of its own, so its text
+        outside the elided values stays as the client wrote it.
         """
-        raw = holder.get(key)
-        if not isinstance(raw, str):
+        if value is None or value.kind != "string":
             return False
-        n = _utf8_len(raw)
+        n = value.text_bytes()
         if n < self._min_bytes:
             return False
         if self._dry:
             self._spend(n)
             return True
+        text = value.text()
         try:
-            parsed: Any = json.loads(raw)
-        except (ValueError, RecursionError):
-            return self.field(holder, key)
-        if isinstance(parsed, str):
-            inner = _utf8_len(parsed)
-            if inner < self._min_bytes:
+            inner = BodyView.of_value(text.encode("utf-8"))
+        except (UnicodeEncodeError, WireError):
+            # Not JSON (or a lone surrogate that cannot travel as UTF-8): elided whole.
+            return self.string(value)
+        top = inner.top
+        if top.kind == "string":
+            size = top.text_bytes()
+            if size < self._min_bytes:
                 return False
-            parsed = self._spend(inner)
-        elif not self.tree(parsed):
+            top.replace(self._spend(size))
+        elif not self.tree(top):
             return False
-        # Compact separators: re-encoding must never grow what eliding shrank.
-        text = json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            # A lone surrogate (legal as a JSON escape) cannot travel as raw UTF-8.
-            text = json.dumps(parsed, separators=(",", ":"))
-        holder[key] = text
+        value.replace(inner.splice().join().decode("utf-8"))
         return True
 
     # -- protocols --------------------------------------------------------------------
 
-    def chat_message(self, message: dict[str, Any]) -> bool:
+    def chat_message(self, message: Node) -> bool:
         """One OpenAI chat message (user, assistant, tool or legacy function)."""
         changed = False
-        if message.get("role") in ("tool", "function"):
-            changed = self.unit(message, "content", "text")
-        else:
-            content = message.get("content")
-            if isinstance(content, str):
-                changed = self.field(message, "content")
-            elif isinstance(content, list):
-                for index, part in enumerate(content):
-                    if not isinstance(part, dict):
-                        continue
-                    kind = part.get("type")
-                    if kind in ("text", "refusal"):
-                        changed = self.field(part, kind) or changed
-                    elif kind in ("image_url", "input_audio", "file"):
-                        changed = self.media(content, index, "text") or changed
+        content = message.get("content")
+        if _role(message) in ("tool", "function"):
+            changed = self.unit(content, "text")
+        elif content is not None and content.kind == "string":
+            changed = self.string(content)
+        elif content is not None and content.kind == "array":
+            for part in content:
+                kind = _type(part) if part.kind == "object" else None
+                if kind in ("text", "refusal"):
+                    changed = self.string(part.get(kind)) or changed
+                elif kind in ("image_url", "input_audio", "file"):
+                    changed = self.media(part, "text") or changed
         calls = message.get("tool_calls")
-        if isinstance(calls, list):
+        if calls is not None and calls.kind == "array":
             for call in calls:
-                function = call.get("function") if isinstance(call, dict) else None
-                if isinstance(function, dict):
-                    changed = self.arguments(function, "arguments") or changed
+                function = call.get("function") if call.kind == "object" else None
+                if function is not None and function.kind == "object":
+                    changed = self.arguments(function.get("arguments")) or changed
         legacy = message.get("function_call")
-        if isinstance(legacy, dict):
-            changed = self.arguments(legacy, "arguments") or changed
+        if legacy is not None and legacy.kind == "object":
+            changed = self.arguments(legacy.get("arguments")) or changed
         return changed
 
-    def anthropic_message(self, message: dict[str, Any]) -> bool:
+    def anthropic_message(self, message: Node) -> bool:
         """One Anthropic message (user or assistant), string or list of content blocks."""
         content = message.get("content")
-        if isinstance(content, str):
-            return self.field(message, "content")
-        if not isinstance(content, list):
+        if content is None:
+            return False
+        if content.kind == "string":
+            return self.string(content)
+        if content.kind != "array":
             return False
         changed = False
-        for index, block in enumerate(content):
-            if not isinstance(block, dict):
+        for block in content:
+            if block.kind != "object":
                 continue
-            kind = block.get("type")
+            kind = _type(block)
             if kind == "text":
-                changed = self.field(block, "text") or changed
+                changed = self.string(block.get("text")) or changed
             elif kind == "image":
-                changed = self.media(content, index, "text") or changed
+                changed = self.media(block, "text") or changed
             elif kind == "document":
                 changed = self._document(block) or changed
             elif kind == "tool_result":
-                changed = self.unit(block, "content", "text") or changed
+                changed = self.unit(block.get("content"), "text") or changed
             elif kind == "tool_use":
                 changed = self.tree(block.get("input")) or changed
         return changed
 
-    def _document(self, block: dict[str, Any]) -> bool:
+    def _document(self, block: Node) -> bool:
         # A document stays a document (a citation may refer to it by index); only its
         # source becomes a short plain-text one.
-        n = _weight(block.get("source"))
-        if n < self._min_bytes:
+        source = block.get("source")
+        n = _weight(source) if source is not None else 0
+        if source is None or n < self._min_bytes:
             return False
-        source = {"type": "text", "media_type": "text/plain", "data": self._spend(n)}
-        return self._put(block, "source", source)
+        replacement = {"type": "text", "media_type": "text/plain", "data": self._spend(n)}
+        return self._put(source, replacement)
 
-    def responses_item(self, item: dict[str, Any]) -> bool:
+    def responses_item(self, item: Node) -> bool:
         """One OpenAI Responses input item (message, call or call output)."""
-        kind = item.get("type")
-        if kind is None and "role" in item:
+        kind = _type(item)
+        if kind is None and item.get("role") is not None:
             kind = "message"
         if kind == "message":
             content = item.get("content")
-            if isinstance(content, str):
-                return self.field(item, "content")
-            if isinstance(content, list):
+            if content is not None and content.kind == "string":
+                return self.string(content)
+            if content is not None and content.kind == "array":
                 return self._responses_parts(content)
             return False
         if kind == "function_call":
-            return self.arguments(item, "arguments")
+            return self.arguments(item.get("arguments"))
         if kind == "custom_tool_call":
-            return self.field(item, "input")
+            return self.string(item.get("input"))
         if kind in ("function_call_output", "custom_tool_call_output"):
-            return self.unit(item, "output", "input_text")
+            return self.unit(item.get("output"), "input_text")
         if kind == "local_shell_call_output":
-            return self.field(item, "output")
+            return self.string(item.get("output"))
         return False
 
-    def _responses_parts(self, parts: list[Any]) -> bool:
+    def _responses_parts(self, parts: Node) -> bool:
         changed = False
-        for index, part in enumerate(parts):
-            if not isinstance(part, dict):
+        for part in parts:
+            if part.kind != "object":
                 continue
-            kind = part.get("type")
+            kind = _type(part)
             if kind in ("input_text", "output_text"):
-                if self.field(part, "text"):
+                if self.string(part.get("text")):
                     changed = True
-                    if part.get("annotations") and not self._dry:
-                        part["annotations"] = []
+                    annotations = part.get("annotations")
+                    if annotations is not None and _truthy(annotations) and not self._dry:
+                        annotations.replace([])
             elif kind == "refusal":
-                changed = self.field(part, "refusal") or changed
+                changed = self.string(part.get("refusal")) or changed
             elif kind in ("input_image", "input_audio", "input_file"):
-                changed = self.media(parts, index, "input_text") or changed
+                changed = self.media(part, "input_text") or changed
         return changed
 
 
@@ -534,44 +536,47 @@ class FoldPlugin(Plugin):
         """The highest fold level that can still elide more; higher ones act like it."""
         return 2 * self.levels_per_stage
 
-    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+    def folds(self, meta: WireMetadata, fold_level: int) -> bool:
         """True at fold level >= 1 for chat, Responses, Anthropic messages and count_tokens.
 
         At level 0, and for a request of at most one entry (nothing but its
-        protected end), the body is never parsed on this plugin's account.
+        protected end), :meth:`prepare` does nothing and never reads the body.
         """
         return fold_level > 0 and meta.protocol in _FOLDABLE and meta.message_count > 1
 
     async def prepare(self, ctx: PrepareContext) -> bool:
-        """Fold ``ctx.body`` in place at ``ctx.fold_level``; see :meth:`fold`.
+        """Fold the request at ``ctx.fold_level`` through ``ctx.view``; see :meth:`fold`.
 
-        Returns False without touching ``ctx.body`` where :meth:`wants_body` said no
-        (the host still calls ``prepare`` then, with the body withheld).
+        Never asks for the whole object (``wants_body`` stays ``False``): the
+        view edits the bulky values where they are, so a refold of a 64 MB
+        history holds the raw bytes plus the placeholders.
         """
-        if not self.wants_body(ctx.meta, ctx.fold_level):
+        if not self.folds(ctx.meta, ctx.fold_level):
             return False
-        return self.fold(ctx.body, protocol=ctx.meta.protocol, level=ctx.fold_level)
+        return self.fold(ctx.view, level=ctx.fold_level)
 
-    def fold(self, body: dict[str, Any], *, protocol: str, level: int) -> bool:
-        """Elide the bulky pieces that fold level ``level`` selects, in place.
+    def fold(self, view: BodyView, *, level: int) -> bool:
+        """Replace, through ``view``, the bulky pieces that fold level ``level`` selects.
 
-        ``body`` is the parsed request (JSON object); ``protocol`` a
-        :class:`proxy.protocols.Protocol` value. Called again on a body it
-        already folded at ``level - 1`` it elides only what the new level adds.
-        If the selected turns yield no change after all (large arguments without
-        a large value, a quoted placeholder), the next steps of the schedule are
-        tried, so ``True`` always means the body shrank. Never raises on an
-        unexpected shape: what it does not recognize it leaves alone.
+        ``view`` is the structural view of the request (its ``protocol`` picks
+        the history field and shapes). Folding a body already folded at
+        ``level - 1`` at ``level`` elides only what the new level adds (its
+        placeholders are recognized in the bytes). If the selected turns yield
+        no change after all (large arguments without a large value, a quoted
+        placeholder), the next steps of the schedule are tried, so ``True``
+        always means the body shrank. Never raises on an unexpected shape:
+        what it does not recognize it leaves alone.
 
         Returns:
             True iff the body changed; False at level <= 0, for other protocols,
             and when nothing foldable is left (the proxy then hands the
             upstream's overflow error to the client).
         """
-        if level <= 0 or protocol not in _FOLDABLE or not isinstance(body, dict):
+        protocol = view.protocol
+        if level <= 0 or protocol not in _FOLDABLE:
             return False
-        entries = body.get("input" if protocol == _RESPONSES else "messages")
-        if not isinstance(entries, list):
+        entries = view.items()
+        if not entries:
             return False
         turns = _turns(entries, protocol)
         protected = max(
@@ -586,7 +591,7 @@ class FoldPlugin(Plugin):
         def bulky(indices: list[int]) -> bool:
             for index in indices:
                 entry = entries[index]
-                if isinstance(entry, dict) and (probe(entry) or _holds(entry, self._pattern)):
+                if entry.kind == "object" and (probe(entry) or _holds(entry, self._pattern)):
                     return True
             return False
 
@@ -604,7 +609,7 @@ class FoldPlugin(Plugin):
             for indices in head[head_done:head_want] + tail[tail_done:tail_want]:
                 for index in indices:
                     entry = entries[index]
-                    if isinstance(entry, dict):
+                    if entry.kind == "object":
                         fold_entry(entry)
             head_done, tail_done, applied = head_want, tail_want, step
             if elider.pieces:

@@ -1,7 +1,9 @@
 """context-proxy: a streaming LLM proxy with a strict request-memory lifetime.
 
 The public API: the plugin interface (:class:`Plugin`, :class:`PrepareContext`,
-:class:`ExchangeRecord`, :class:`WireMetadata`), settings (:class:`Settings`,
+:class:`ExchangeRecord`, :class:`WireMetadata`, :class:`Protocol`), the structural
+view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
+:class:`WireError`), settings (:class:`Settings`,
 :func:`load_settings`) and the application (:func:`build_app` to embed the proxy
 in an aiohttp server, :func:`serve` to run it until SIGTERM). Test helpers live in
 :mod:`proxy.testing`; everything else is internal.
@@ -10,16 +12,23 @@ in an aiohttp server, :func:`serve` to run it until SIGTERM). Test helpers live 
 from .app import build_app, serve
 from .config import ConfigError, Settings, load_settings
 from .plugins import BodyUnavailable, ExchangeRecord, Plugin, PrepareContext, Scalar
-from .wire import WireMetadata
+from .protocols import Protocol
+from .structure import BodyView, EditConflict, Node
+from .wire import WireError, WireMetadata
 
 __all__ = [
     "BodyUnavailable",
+    "BodyView",
     "ConfigError",
+    "EditConflict",
     "ExchangeRecord",
+    "Node",
     "Plugin",
     "PrepareContext",
+    "Protocol",
     "Scalar",
     "Settings",
+    "WireError",
     "WireMetadata",
     "build_app",
     "load_settings",

@@ -465,9 +465,29 @@ class BodyView:
         """Size of the viewed body in bytes."""
         return len(self._body._buf)
 
+    @classmethod
+    def of_value(cls, data: bytes | bytearray, protocol: str = "") -> BodyView:
+        """A view of ``data`` after checking that it is exactly one JSON value.
+
+        For JSON held inside a string (tool-call arguments); bodies that wire
+        metadata accepted need no check. Reach the value with :attr:`top`.
+
+        Raises:
+            WireError: ``data`` is not one JSON value (or not UTF-8).
+        """
+        try:
+            wire._decode_json(_CHECK, data)
+        except (msgspec.DecodeError, RecursionError):
+            raise WireError("not one JSON value") from None
+        return cls(data, protocol)
+
     @property
-    def root(self) -> Node:
-        """The top-level JSON object."""
+    def top(self) -> Node:
+        """The top-level JSON value, whatever its kind.
+
+        Raises:
+            WireError: the buffer holds only whitespace.
+        """
         if self._root is None:
             buf = self._body._buf
             pos = _WS.match(buf, 0)
@@ -475,10 +495,22 @@ class BodyView:
             end = len(buf)
             while end > start and buf[end - 1] in b" \t\n\r":
                 end -= 1
-            if start >= end or buf[start] != _LBRACE:
-                raise WireError("request body is not a JSON object")
+            if start >= end:
+                raise WireError("empty JSON text")
             self._root = Node(self._body, start, end)
         return self._root
+
+    @property
+    def root(self) -> Node:
+        """The top-level JSON object.
+
+        Raises:
+            WireError: the body is not a JSON object.
+        """
+        top = self.top
+        if top.kind != "object":
+            raise WireError("request body is not a JSON object")
+        return top
 
     @property
     def history(self) -> Node | None:

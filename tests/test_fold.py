@@ -16,6 +16,7 @@ import pytest
 from plugins.fold import DEFAULT_PLACEHOLDER, FoldPlugin
 from proxy.plugins import PluginError, PluginHost, PrepareContext, load_plugins
 from proxy.protocols import Protocol
+from proxy.structure import Draft, Splice
 from proxy.wire import WireMetadata
 
 MARK = DEFAULT_PLACEHOLDER.split("{n}")[0]  # "[elided by context-proxy: "
@@ -54,25 +55,55 @@ def walk(value: Any) -> Iterator[Any]:
             stack.extend(node)
 
 
+@dataclasses.dataclass
+class Folding:
+    """A prepare context over ``body``'s JSON bytes, and where to put the result."""
+
+    ctx: PrepareContext
+    draft: Draft
+    body: dict[str, Any]
+
+
 def make_ctx(
     protocol: str, body: dict[str, Any], level: int, path: str, message_count: int | None = None
-) -> PrepareContext:
+) -> Folding:
     if message_count is None:
         entries = body.get("input", body.get("messages"))
         message_count = len(entries) if isinstance(entries, list) else 0
+    data = encode(body)
     meta = WireMetadata(
         protocol=protocol,
         model="test-model",
         stream=True,
         message_count=message_count,
-        byte_length=len(encode(body)),
+        byte_length=len(data),
         digest="0" * 32,
         comparable=False,
         session_hint=None,
     )
-    ctx = PrepareContext(meta=meta, fold_level=level, session_id=None, path=path, body=body)
-    ctx._grant(True)  # as PluginHost.run_prepare does for a plugin that wants the body
-    return ctx
+    draft = Draft(protocol, base=data)
+    ctx = PrepareContext(meta=meta, fold_level=level, session_id=None, path=path, draft=draft)
+    return Folding(ctx, draft, body)
+
+
+async def run(plugin: FoldPlugin, folding: Folding) -> bool:
+    """``plugin.prepare`` on the view; the spliced result replaces ``folding.body`` in place.
+
+    Checks on the way that fold never asks for the whole object and that the
+    outbound body is the input bytes outside the replaced values.
+    """
+    assert plugin.wants_body(folding.ctx.meta, folding.ctx.fold_level) is False
+    changed = await plugin.prepare(folding.ctx)
+    result = folding.draft.result(changed)
+    folding.ctx._close()
+    if result is None:
+        assert changed is False
+        return False
+    assert isinstance(result, Splice) and changed is True
+    edited = json.loads(result.join())
+    folding.body.clear()
+    folding.body.update(edited)
+    return changed
 
 
 # -- realistic conversations ------------------------------------------------------------
@@ -492,8 +523,7 @@ class Case:
     ) -> tuple[bool, dict[str, Any]]:
         """(changed, body) after prepare at ``level`` on ``body`` (a fresh one by default)."""
         body = self.build() if body is None else body
-        ctx = make_ctx(self.protocol, body, level, self.path)
-        return await FoldPlugin().prepare(ctx), body
+        return await run(FoldPlugin(), make_ctx(self.protocol, body, level, self.path)), body
 
 
 CASES = [
@@ -753,7 +783,7 @@ async def test_nothing_bulky_returns_false_and_leaves_bytes_identical(
     before = encode(body)
     plugin = FoldPlugin()
     for level in (1, 2, 3, 4, 10):
-        assert await plugin.prepare(make_ctx(protocol, body, level, "/v1/x")) is False
+        assert await run(plugin, make_ctx(protocol, body, level, "/v1/x")) is False
     assert encode(body) == before
 
 
@@ -774,7 +804,7 @@ async def test_unexpected_shapes_are_left_alone(body: dict[str, Any]) -> None:
     plugin = FoldPlugin()
     for protocol in (Protocol.CHAT, Protocol.MESSAGES, Protocol.RESPONSES):
         ctx = make_ctx(protocol.value, body, 3, "/v1/x", message_count=5)
-        assert await plugin.prepare(ctx) is False
+        assert await run(plugin, ctx) is False
     assert body == before
 
 
@@ -783,10 +813,10 @@ async def test_last_user_turn_is_protected_even_with_keep_last_zero() -> None:
     original = anthropic_body()
     plugin = FoldPlugin(keep_last=0)
     # With no tail, the whole history before the last user turn goes in two levels.
-    assert await plugin.prepare(make_ctx(Protocol.MESSAGES.value, body, 2, "/v1/messages"))
+    assert await run(plugin, make_ctx(Protocol.MESSAGES.value, body, 2, "/v1/messages"))
     assert body["messages"][10] == original["messages"][10]
     assert body["messages"][8]["content"][0]["content"][0]["text"].startswith(MARK)
-    assert await plugin.prepare(make_ctx(Protocol.MESSAGES.value, body, 3, "/v1/messages")) is False
+    assert await run(plugin, make_ctx(Protocol.MESSAGES.value, body, 3, "/v1/messages")) is False
 
 
 async def test_trailing_assistant_prefill_is_protected() -> None:
@@ -821,7 +851,7 @@ async def test_a_level_whose_turns_yield_nothing_moves_on() -> None:
         ]
     }
     plugin = FoldPlugin(keep_last=0)
-    assert await plugin.prepare(make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
+    assert await run(plugin, make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
     assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == many_small
     assert body["messages"][2]["content"] == "[elided by context-proxy: 6000 bytes]"
 
@@ -837,7 +867,7 @@ async def test_custom_placeholder_and_thresholds() -> None:
         ]
     }
     plugin = FoldPlugin(keep_last=0, min_bytes=100, placeholder='<cut "{n}">', levels_per_stage=1)
-    assert await plugin.prepare(make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
+    assert await run(plugin, make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
     assert body["messages"][0]["content"] == '<cut "150">'
     assert body["messages"][1]["content"] == "y" * 99  # under min_bytes
     assert body["messages"][2]["content"] == [{"type": "text", "text": '<cut "120">'}]
@@ -863,10 +893,10 @@ async def test_placeholder_inside_arguments_is_recognized_on_refold() -> None:
     refolded = build()
     for level in (1, 2, 3):
         ctx = make_ctx(Protocol.CHAT.value, refolded, level, "/v1/chat/completions")
-        assert await FoldPlugin(**options).prepare(ctx)
+        assert await run(FoldPlugin(**options), ctx)
         fresh = build()
         ctx = make_ctx(Protocol.CHAT.value, fresh, level, "/v1/chat/completions")
-        assert await FoldPlugin(**options).prepare(ctx)
+        assert await run(FoldPlugin(**options), ctx)
         assert refolded == fresh
     args = json.loads(refolded["messages"][4]["tool_calls"][0]["function"]["arguments"])
     assert args == {"path": "f2.py", "content": 'cut "3000"'}
@@ -886,31 +916,33 @@ async def test_non_json_arguments_are_replaced_whole() -> None:
         ]
     }
     plugin = FoldPlugin(keep_last=0)
-    assert await plugin.prepare(make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
+    assert await run(plugin, make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
     function = body["messages"][0]["tool_calls"][0]["function"]
     assert function == {"name": "f", "arguments": "[elided by context-proxy: 4010 bytes]"}
 
 
-async def test_folds_in_place_without_copying_the_body() -> None:
+async def test_folds_through_the_view_without_copying_the_body() -> None:
     messages: list[dict[str, Any]] = []
     for i in range(100):
         messages.append({"role": "user", "content": text(f"user {i}", 40_000)})
         messages.append({"role": "assistant", "content": text(f"assistant {i}", 40_000)})
     body: dict[str, Any] = {"messages": messages}
-    kept = messages[-4:]
-    ctx = make_ctx(Protocol.CHAT.value, body, 2, "/v1/chat/completions")
+    folding = make_ctx(Protocol.CHAT.value, body, 2, "/v1/chat/completions")
     tracemalloc.start()
     try:
-        changed = await FoldPlugin().prepare(ctx)
+        changed = await FoldPlugin().prepare(folding.ctx)
+        splice = folding.draft.result(changed)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert changed is True
-    assert body["messages"] is messages
-    assert all(a is b for a, b in zip(body["messages"][-4:], kept, strict=True))
-    # 8 MB of text folded; a copy of the body would show as megabytes of peak.
+    assert changed is True and isinstance(splice, Splice)
+    # 8 MB of text folded; a copy of the body (or its parsed tree) would show as
+    # megabytes of peak. The replacement pieces are all the new bytes there are.
     assert peak < 512 * 1024, peak
-    assert sum(m["content"].startswith(MARK) for m in messages) == 196
+    assert splice.owned_bytes < 196 * 60
+    folded = json.loads(splice.join())
+    assert folded["messages"][-4:] == messages[-4:]
+    assert sum(m["content"].startswith(MARK) for m in folded["messages"]) == 196
 
 
 # -- wants_body, host integration, options ------------------------------------------------
@@ -930,32 +962,39 @@ def _meta(protocol: str, message_count: int = 12) -> WireMetadata:
 
 
 @pytest.mark.parametrize("protocol", [p.value for p in Protocol])
-def test_wants_body_only_when_folding_a_conversation(protocol: str) -> None:
+def test_folds_only_a_conversation_and_never_asks_for_the_whole_object(protocol: str) -> None:
     plugin = FoldPlugin()
     foldable = protocol in {"openai-chat", "openai-responses", "anthropic-messages"} or (
         protocol == "anthropic-count-tokens"
     )
-    assert plugin.wants_body(_meta(protocol), 0) is False
-    assert plugin.wants_body(_meta(protocol), 1) is foldable
-    assert plugin.wants_body(_meta(protocol), 3) is foldable
-    assert plugin.wants_body(_meta(protocol, message_count=1), 2) is False
+    assert plugin.folds(_meta(protocol), 0) is False
+    assert plugin.folds(_meta(protocol), 1) is foldable
+    assert plugin.folds(_meta(protocol), 3) is foldable
+    assert plugin.folds(_meta(protocol, message_count=1), 2) is False
+    for level in range(5):
+        assert plugin.wants_body(_meta(protocol), level) is False
 
 
 async def test_runs_under_the_plugin_host() -> None:
     host = PluginHost([FoldPlugin()], timeout=5.0)
     body = anthropic_body()
     meta = _meta(Protocol.MESSAGES.value, len(body["messages"]))
-    ctx = PrepareContext(meta=meta, fold_level=0, session_id="s", path="/v1/messages", body=body)
-    wants = host.wants_body(meta, 0)
-    assert wants == [False]
-    assert await host.run_prepare(ctx, wants) is False
-    assert host.failures == {}  # prepare did not touch the body it was not granted
-    assert body == anthropic_body()
-    ctx = PrepareContext(meta=meta, fold_level=1, session_id="s", path="/v1/messages", body=body)
-    wants = host.wants_body(meta, 1)
-    assert await host.run_prepare(ctx, wants) is True
+    results = []
+    for level in (0, 1):
+        draft = Draft(meta.protocol, base=encode(body))
+        ctx = PrepareContext(
+            meta=meta, fold_level=level, session_id="s", path="/v1/messages", draft=draft
+        )
+        wants = host.wants_body(meta, level)
+        assert wants == [False]
+        results.append((await host.run_prepare(ctx, wants), draft.result(True)))
+        ctx._close()
     assert host.failures == {}
-    assert body["messages"][2]["content"][0]["content"].startswith(MARK)
+    (zero, unchanged), (one, splice) = results
+    assert zero is False and unchanged is None  # level 0 never touches the body
+    assert one is True and isinstance(splice, Splice)
+    folded = json.loads(splice.join())
+    assert folded["messages"][2]["content"][0]["content"].startswith(MARK)
 
 
 def test_load_plugins_passes_config_options() -> None:

@@ -305,21 +305,55 @@ async def test_outbound_chunks_are_views_of_the_one_buffer() -> None:
     assert b"".join([piece async for piece in ex.outbound_chunks()]) == body
 
 
-async def test_fold_refolds_parse_once_and_serialize_per_change(counted: dict[str, int]) -> None:
+async def test_fold_refolds_through_the_view_without_a_tree_or_a_joined_copy(
+    counted: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from plugins.fold import FoldPlugin
 
-    ex = exchange_for(encode(conversation(CHAT)), [FoldPlugin()])
+    def no_join(self: Splice) -> bytes:
+        raise AssertionError("the outbound body was joined into one buffer")
+
+    monkeypatch.setattr(Splice, "join", no_join)
+    body = big_chat_body(16 * MIB)
+    ex = exchange_for(body, [FoldPlugin()])
+    raw = ex.raw_holder
+    assert raw is not None
+    fired: list[str] = []
+    weakref.finalize(raw, fired.append, "raw")
     await ex.prepare()
-    assert counted == {"parse": 0, "encode": 0}  # fold wants nothing at level 0
+    assert ex.outbound_holder is raw  # level 0: fold reads nothing
     sizes = [ex.outbound_size]
-    for _ in range(2):
+    splices: list[Splice] = []
+    for level in (1, 2):
         ex.mark_sent()  # a refold answers an overflow of the body just sent
-        assert await ex.refold()
+        tracemalloc.start()
+        try:
+            assert await ex.refold()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        # A parsed tree or a second copy would be megabytes; a refold holds one decoded
+        # string at most (the view measures unescaped ASCII text without decoding it).
+        assert peak < len(body) // 20, (level, peak)
+        outbound = ex.outbound_holder
+        assert isinstance(outbound, Splice) and outbound.base is raw.data
+        assert ex.held_bytes() == HeldBytes(len(body), 0, outbound.owned_bytes)
+        weakref.finalize(outbound, fired.append, f"splice {level}")
+        splices.append(outbound)
         sizes.append(ex.outbound_size)
-    # One full parse for both refolds (the second folds the already folded body).
-    assert counted == {"parse": 1, "encode": 2}
+        del outbound
     assert sizes[0] > sizes[1] > sizes[2]
     assert (ex.refolds, ex.fold_level) == (2, 2)
+    sent = b"".join([bytes(chunk) async for chunk in ex.outbound_chunks()])
+    folded = json.loads(sent)
+    assert len(folded["messages"]) == len(json.loads(body)["messages"])
+    del splices, sent, folded, raw
+    assert fired == ["splice 1"]  # the level-1 splice went when level 2 replaced it
+    ex.mark_sent()
+    ex.accept()
+    assert sorted(fired) == ["raw", "splice 1", "splice 2"]
+    assert ex.held_bytes() == HeldBytes(0, 0, 0)
+    assert counted == {"parse": 0, "encode": 0}  # no full parse, no serialization
 
 
 def test_commit_record_refuses_anything_but_scalars() -> None:

@@ -29,11 +29,11 @@ import xxhash
 
 from plugins.fold import FoldPlugin
 from proxy import stream as stream_module
-from proxy import wire
 from proxy.emulator import DEFAULT_TEXT, start_emulator
 from proxy.exchange import Exchange, HeldBytes, Phase
 from proxy.plugins import Plugin, PrepareContext
 from proxy.protocols import Protocol
+from proxy.structure import BodyView, Splice
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_lifetime_support import (
     CHAT,
@@ -183,14 +183,14 @@ async def test_overflow_is_refolded_and_the_smaller_body_resent(name: str, spy: 
 def refolded_bodies(raw: bytes, protocol: Protocol, levels: int) -> list[bytes]:
     """``raw`` and what the fold plugin makes of it at levels 1..``levels``, as the proxy does.
 
-    The proxy parses once and folds the same object again at each level.
+    The proxy folds the raw bytes through a fresh structural view at each level.
     """
-    parsed = wire.decode_body(raw)
     bodies = [raw]
     fold = FoldPlugin()
     for level in range(1, levels + 1):
-        assert fold.fold(parsed, protocol=protocol.value, level=level)
-        bodies.append(wire.encode_body(parsed))
+        view = BodyView(raw, protocol.value)
+        assert fold.fold(view, level=level)
+        bodies.append(view.splice().join())
     return bodies
 
 
@@ -232,8 +232,8 @@ async def test_after_the_last_refold_the_client_gets_the_upstream_error_unchange
     sent = refolded_bodies(raw, shape.protocol, 2)
     assert [r.body_digest for r in upstream] == [xxhash.xxh3_128_hexdigest(b) for b in sent]
     assert upstream[0].body_bytes > upstream[1].body_bytes > upstream[2].body_bytes
-    # One full parse for the two refolds, one serialization per refold.
-    assert by_the_proxy == {"parse": 1, "encode": 2}
+    # Both refolds went through the structural view: no full parse, no serialization.
+    assert by_the_proxy == {"parse": 0, "encode": 0}
     # The client gets exactly what the upstream answered the last send.
     expected = await replayed(http, shape.path, sent, every_send)
     assert (got[0], got[1], _CREATED_AT.sub(b'"created_at":0', got[2])) == expected
@@ -488,14 +488,18 @@ class Counting(FoldPlugin):
 async def test_parsed_body_is_let_go_before_the_last_send(
     spy: Spy, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # max_refolds=1: after one refold no other can follow, so the parsed body
-    # (and the raw bytes) must be gone before the second upload even starts.
-    at_upload: list[tuple[Phase, int, HeldBytes, list[str]]] = []
+    # max_refolds=1: after one refold no other can follow, so the raw holder and the
+    # preparer must be gone before the second upload even starts.
+    at_upload: list[tuple[Phase, int, HeldBytes, list[str], int]] = []
     chunks = Exchange.outbound_chunks
 
     async def watched_chunks(self: Exchange) -> AsyncIterator[memoryview]:
         assert isinstance(self, TracedExchange)
-        at_upload.append((self.phase, self.releases, self.held_bytes(), sorted(self.trace.fired)))
+        out = self.outbound_holder
+        owned = out.owned_bytes if isinstance(out, Splice) else -1
+        fired = sorted(self.trace.fired)
+        at_upload.append((self.phase, self.releases, self.held_bytes(), fired, owned))
+        del out
         async for piece in chunks(self):
             yield piece
 
@@ -512,10 +516,17 @@ async def test_parsed_body_is_let_go_before_the_last_send(
     assert fold.asked == [0, 1]
     first_upload, second_upload = at_upload
     # The first send may still be refolded: everything is kept.
-    assert first_upload == (Phase.SENT, 0, HeldBytes(raw=len(raw), parsed=0, outbound=0), [])
-    assert second_upload == (
+    assert first_upload == (
         Phase.SENT,
-        1,
-        HeldBytes(raw=0, parsed=0, outbound=second.body_bytes),
-        ["parsed", "raw"],
+        0,
+        HeldBytes(raw=len(raw), parsed=0, outbound=0),
+        [],
+        -1,
     )
+    phase, releases, held, fired, owned = second_upload
+    assert (phase, releases, fired) == (Phase.SENT, 1, ["raw"])
+    # The refolded body is a splice over the raw buffer: its slices keep that one
+    # buffer alive for this last send (counted as outbound), and no parsed tree
+    # was ever built.
+    assert 0 < owned < second.body_bytes < len(raw)
+    assert held == HeldBytes(raw=0, parsed=0, outbound=len(raw) + owned)
