@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Mapping
 from typing import Final
 
@@ -23,6 +24,7 @@ from multidict import CIMultiDict
 
 from . import protocols
 from .cancel import orderly_cancel_reason
+from .coding import BodyError, ContentDecoder, parse_content_encoding
 from .config import Settings
 from .exchange import Exchange, Outcome
 from .headers import response_headers
@@ -33,6 +35,7 @@ from .stream import (
     Fail,
     Finish,
     Forward,
+    GateState,
     Linger,
     Open,
     Refold,
@@ -50,6 +53,13 @@ __all__ = [
 ]
 
 log = logging.getLogger("context_proxy.relay")
+
+#: Bytes one decoder call may produce from a content-coded upstream answer.
+DECODE_PIECE_BYTES: Final = 256 * 1024
+# Decoded answers have no size limit (a long stream is fine); the decoders want one.
+_NO_LIMIT: Final = 1 << 62
+# aiohttp's parser message for a line over its limit (the number is the limit, in bytes).
+_LINE_LIMIT: Final = re.compile(r"Got more than (\d+) bytes")
 
 
 class ClientGone(Exception):
@@ -91,7 +101,9 @@ class Upstream:
             ),
             # A proxy must not carry one client's cookies into another's requests.
             cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=True,
+            # Decoded by the relay, which checks that a coded body really ended
+            # (aiohttp relays a gzip body without its trailer as complete).
+            auto_decompress=False,
             trust_env=False,
         )
 
@@ -119,6 +131,53 @@ def error_response(
         content_type="application/json",
         headers=headers,
     )
+
+
+def _bad_head(exc: aiohttp.ClientResponseError) -> str:
+    """What was wrong with an upstream response head aiohttp could not parse."""
+    text = exc.message
+    limit = _LINE_LIMIT.search(text)
+    if limit is not None:
+        return f"upstream response headers over the parser's limit ({limit.group(1)} bytes a line)"
+    if "Too many headers" in text:
+        return "upstream response headers over the parser's limit (too many fields)"
+    return "upstream sent a response head that could not be parsed"
+
+
+class _Decoder:
+    """Undoes the upstream answer's content codings; knows whether the coded body ended.
+
+    Raises :class:`~proxy.coding.BodyError` from :meth:`feed` (corrupt data) and
+    :meth:`finish` (the coded data stopped before its end, e.g. no gzip trailer).
+    """
+
+    __slots__ = ("_decoder", "_out", "codings")
+
+    def __init__(self, codings: tuple[str, ...]) -> None:
+        self.codings = codings
+        self._out: list[bytes] = []
+        self._decoder = ContentDecoder(
+            codings, self._out.append, piece=DECODE_PIECE_BYTES, limit=_NO_LIMIT
+        )
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Decoded pieces of the next wire bytes (maybe none)."""
+        self._decoder.feed(data)
+        return self._take()
+
+    def finish(self) -> list[bytes]:
+        """The last decoded pieces at the end of the wire body."""
+        self._decoder.finish()
+        return self._take()
+
+    def _take(self) -> list[bytes]:
+        out, self._out[:] = list(self._out), []
+        return out
+
+    def release(self) -> None:
+        """Drop the codec state (idempotent)."""
+        self._decoder.release()
+        self._out.clear()
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -192,6 +251,10 @@ class _Relay:
             raise _UpstreamFailure(
                 504, Outcome.UPSTREAM_TIMEOUT, "upstream sent no response headers in time"
             ) from None
+        except aiohttp.ClientResponseError as exc:
+            # The response head could not be parsed. Its text quotes upstream bytes
+            # (a header value): only our own words go to the client and the log.
+            raise _UpstreamFailure(502, Outcome.UPSTREAM_ERROR, _bad_head(exc)) from None
         except aiohttp.ClientError as exc:
             raise _UpstreamFailure(
                 502, Outcome.UPSTREAM_UNREACHABLE, f"upstream unreachable: {type(exc).__name__}"
@@ -270,6 +333,16 @@ class _Relay:
         ex = self.ex
         ex.upstream_answered(resp.status)
         meta = ex.meta
+        try:
+            codings = parse_content_encoding(",".join(resp.headers.getall("Content-Encoding", ())))
+        except BodyError:
+            # Not one the upstream client offered (it sends Accept-Encoding itself).
+            message = "upstream answered with a content coding the proxy cannot decode"
+            ex.release()
+            ex.conclude(502, Outcome.UPSTREAM_ERROR, message)
+            log.warning("%s %s: %s", ex.id, ex.protocol, message)
+            self.rejection = error_response(ex.protocol, 502, message)
+            return "done"
         # Each attempt starts clean: a refold or resend discards what the last one saw.
         gate = self.gate = StreamGate(
             ex.protocol,
@@ -282,28 +355,54 @@ class _Relay:
         self.linger_until = None
         verdict = await self._perform(gate.start(), resp=resp)
         ex.hold_response(gate.held_bytes())
-        content = resp.content
-        while verdict is None:
-            try:
-                if self.linger_until is None:
-                    chunk = await content.readany()
-                else:
-                    async with asyncio.timeout_at(self.linger_until):
-                        chunk = await content.readany()
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-                if self.linger_until is not None:
-                    log.info(
-                        "%s: upstream did not end its body after the final event (%s); closed it",
-                        ex.id,
-                        type(exc).__name__,
-                    )
-                actions = gate.end(clean=False, reason=type(exc).__name__)
-            else:
-                actions = gate.feed(chunk) if chunk else gate.end(clean=True)
-            verdict = await self._perform(actions, resp=resp)
-            # The response side's buffers (held head, partial-event tail, JSON head).
-            ex.hold_response(gate.held_bytes())
+        if verdict is not None:
+            return verdict
+        decoder = _Decoder(codings) if codings else None
+        try:
+            while verdict is None:
+                verdict = await self._perform(await self._next(resp, gate, decoder), resp=resp)
+                # The response side's buffers (held head, partial-event tail, JSON head).
+                ex.hold_response(gate.held_bytes())
+        finally:
+            if decoder is not None:
+                decoder.release()
         return verdict
+
+    async def _next(
+        self, resp: aiohttp.ClientResponse, gate: StreamGate, decoder: _Decoder | None
+    ) -> list[Action]:
+        """Read the next chunk of the answer and give it (decoded) to the gate."""
+        try:
+            if self.linger_until is None:
+                chunk = await resp.content.readany()
+            else:
+                async with asyncio.timeout_at(self.linger_until):
+                    chunk = await resp.content.readany()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            if self.linger_until is not None:
+                log.info(
+                    "%s: upstream did not end its body after the final event (%s); closed it",
+                    self.ex.id,
+                    type(exc).__name__,
+                )
+            return gate.end(clean=False, reason=type(exc).__name__)
+        try:
+            if decoder is None:
+                return gate.feed(chunk) if chunk else gate.end(clean=True)
+            pieces = decoder.feed(chunk) if chunk else decoder.finish()
+        except BodyError:
+            assert decoder is not None
+            coding = "+".join(decoder.codings)
+            what = "truncated" if not chunk else "corrupt"
+            return gate.end(clean=False, reason=f"{what} {coding} body")
+        actions: list[Action] = []
+        for piece in pieces:
+            actions += gate.feed(piece)
+            if gate.state in (GateState.DONE, GateState.REFOLDING):
+                return actions
+        if not chunk:
+            actions += gate.end(clean=True)
+        return actions
 
     # ------------------------------------------------------------------ actions
 

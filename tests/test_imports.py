@@ -23,6 +23,7 @@ PURE = frozenset(
         "proxy.coding",
         "proxy.emulator_frames",
         "proxy.emulator_script",
+        "proxy.headers",
         "proxy.protocols",
         "proxy.session_ids",
         "proxy.sse",
