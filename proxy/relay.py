@@ -422,7 +422,7 @@ class _Relay:
                 ex.accept()
             elif isinstance(action, Open):
                 assert resp is not None
-                if resp.status >= 400:
+                if action.upstream_error:
                     ex.set_outcome(Outcome.UPSTREAM_ERROR)
                 await self._start_client(resp)
             elif isinstance(action, Linger):

@@ -53,8 +53,10 @@ ERROR_HEAD    end, otherwise                               Accept, Open, Forward
 GATED         feed, overflow event, refold possible        Refold                     REFOLDING
 GATED         feed, output / overflow / head over          Accept, Open, Forward      STREAMING or
               HEAD_HOLD_CAP                                                           TERMINAL
-GATED         feed, terminal event without output,         Resend                     DONE
-              resend possible
+GATED         feed, terminal event, no output, head        Resend                     DONE
+              within HEAD_HOLD_CAP, resend possible
+GATED         feed, terminal event otherwise               Accept, Open, Forward,     TERMINAL
+                                                           Linger
 GATED         end(clean), no output, resend possible       Resend                     DONE
 GATED         end, otherwise                               Accept, Open, then as      DONE
                                                            STREAMING's end
@@ -136,7 +138,13 @@ class Accept:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Open:
-    """Answer the client with this upstream answer's status and headers."""
+    """Answer the client with this upstream answer's status and headers.
+
+    ``upstream_error``: the answer is the upstream's own error (status >= 400),
+    relayed as it came; the exchange's outcome says so.
+    """
+
+    upstream_error: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -545,7 +553,7 @@ class StreamGate:
         self._accept(actions)
         self._opened = True
         self._state = GateState.STREAMING
-        actions.append(Open())
+        actions.append(Open(upstream_error=self._status >= 400))
         if self._framer is None and self._buf:
             # An error head (not framed): it goes out whole.
             actions.append(Forward(bytes(self._buf)))

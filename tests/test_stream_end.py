@@ -163,12 +163,18 @@ def framed(body: bytes, framing: str) -> bytes:
     """A whole upstream answer carrying ``body`` as an event stream.
 
     ``chunked``: chunked with its end marker (a clean end); ``close``: HTTP/1.0,
-    delimited by the close (a clean end); ``cut``: chunked without its end marker.
+    delimited by the close (a clean end); ``length``: a ``Content-Length`` that
+    matches (a clean end); ``cut``: chunked without its end marker.
     """
     if framing == "chunked":
         return SSE_HEAD + chunked(body)
     if framing == "close":
         return b"HTTP/1.0 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + body
+    if framing == "length":
+        return (
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
     assert framing == "cut"
     return SSE_HEAD + chunked(body)[: -len(b"0\r\n\r\n")]
 
@@ -227,7 +233,7 @@ async def raw_body(url: str, path: str) -> bytes:
 # ------------------------------------------------------------------------------ R1
 
 
-@pytest.mark.parametrize("framing", ["chunked", "close"])
+@pytest.mark.parametrize("framing", ["chunked", "close", "length"])
 @pytest.mark.parametrize("ending", [b"", b"\n"], ids=["no-newline", "one-newline"])
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 async def test_r1_a_terminal_event_without_its_blank_line_ends_the_answer(
@@ -259,7 +265,7 @@ async def test_r1_bytes_after_the_terminal_event_are_relayed_as_is(path: str) ->
 # ------------------------------------------------------------------------------ R2
 
 
-@pytest.mark.parametrize("framing", ["chunked", "close", "cut"])
+@pytest.mark.parametrize("framing", ["chunked", "close", "length", "cut"])
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 async def test_r2_a_body_ending_mid_event_gets_one_error_the_sdk_raises(
     path: str, framing: str

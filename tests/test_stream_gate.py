@@ -325,6 +325,20 @@ def test_the_held_head_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 # --------------------------------------------------------------------- resend
 
 
+def test_a_head_over_the_hold_cap_opens_rather_than_resends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes past the cap go to the client: no resend, even for an empty completion."""
+    monkeypatch.setattr(stream, "HEAD_HOLD_CAP", 8)
+    g = gate(Protocol.CHAT, may_resend=True)
+    g.start()
+    assert g.feed(CHAT_ROLE + CHAT_DONE) == [
+        Open(),
+        Forward(CHAT_ROLE + CHAT_DONE),
+        Linger(TERMINAL_EOF_GRACE),
+    ]
+
+
 def test_an_empty_completion_asks_for_a_resend() -> None:
     g = gate(Protocol.CHAT, may_resend=True)
     # Chat has no in-stream refold: the release boundary is at once.
@@ -387,14 +401,16 @@ def test_an_overflow_answer_asks_for_a_refold() -> None:
     assert g.feed(OVERFLOW_400[:10]) == []
     assert g.feed(OVERFLOW_400[10:]) == []
     assert g.end(clean=True) == [Refold("context overflow")]
-    assert g.refold_declined() == [Accept(), Open(), Forward(OVERFLOW_400), NO_USAGE, Finish()]
+    relayed = [Accept(), Open(upstream_error=True), Forward(OVERFLOW_400), NO_USAGE, Finish()]
+    assert g.refold_declined() == relayed
 
 
 def test_an_error_answer_without_a_refold_is_relayed_whole() -> None:
     g = gate(status=400, content_type="application/json", can_refold=False)
     g.start()
     g.feed(OVERFLOW_400)
-    assert g.end(clean=True) == [Accept(), Open(), Forward(OVERFLOW_400), NO_USAGE, Finish()]
+    relayed = [Accept(), Open(upstream_error=True), Forward(OVERFLOW_400), NO_USAGE, Finish()]
+    assert g.end(clean=True) == relayed
 
 
 def test_a_large_error_answer_is_not_classified() -> None:
@@ -402,7 +418,7 @@ def test_a_large_error_answer_is_not_classified() -> None:
     g.start()
     head = b"e" * ERROR_BODY_CAP
     assert g.feed(head) == []
-    assert g.feed(b"ee") == [Accept(), Open(), Forward(head + b"ee")]
+    assert g.feed(b"ee") == [Accept(), Open(upstream_error=True), Forward(head + b"ee")]
     assert g.feed(b"more") == [Forward(b"more")]
     assert g.end(clean=True) == [NO_USAGE, Finish()]
 
@@ -413,7 +429,7 @@ def test_an_error_answer_cut_short_cuts_the_client() -> None:
     g.feed(b"data: overloa")
     assert g.end(clean=False, reason="ClientPayloadError") == [
         Accept(),
-        Open(),
+        Open(upstream_error=True),
         Forward(b"data: overloa"),
         NO_USAGE,
         Fail("upstream stream failed: ClientPayloadError", cut=True),
