@@ -13,6 +13,7 @@ rule, usage) is the gate's; this module only does the I/O around it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import re
 from collections.abc import Mapping
@@ -147,37 +148,38 @@ def _bad_head(exc: aiohttp.ClientResponseError) -> str:
 class _Decoder:
     """Undoes the upstream answer's content codings; knows whether the coded body ended.
 
-    Raises :class:`~proxy.coding.BodyError` from :meth:`feed` (corrupt data) and
-    :meth:`finish` (the coded data stopped before its end, e.g. no gzip trailer).
+    Decoded pieces wait in :attr:`pending` until the gate takes them, one at a
+    time, so a piece decoded after a refold request is not lost when the refold
+    is declined. :meth:`feed` (corrupt data) and :meth:`finish` (the coded data
+    stopped before its end, e.g. a gzip body without its trailer) raise
+    :class:`~proxy.coding.BodyError`.
     """
 
-    __slots__ = ("_decoder", "_out", "codings")
+    __slots__ = ("_decoder", "codings", "ended", "failure", "pending")
 
     def __init__(self, codings: tuple[str, ...]) -> None:
         self.codings = codings
-        self._out: list[bytes] = []
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.ended = False
+        #: Why the coded data is unusable past :attr:`pending` (``None``: it is fine).
+        self.failure: str | None = None
         self._decoder = ContentDecoder(
-            codings, self._out.append, piece=DECODE_PIECE_BYTES, limit=_NO_LIMIT
+            codings, self.pending.append, piece=DECODE_PIECE_BYTES, limit=_NO_LIMIT
         )
 
-    def feed(self, data: bytes) -> list[bytes]:
-        """Decoded pieces of the next wire bytes (maybe none)."""
+    def feed(self, data: bytes) -> None:
+        """Decode the next wire bytes into :attr:`pending`."""
         self._decoder.feed(data)
-        return self._take()
 
-    def finish(self) -> list[bytes]:
-        """The last decoded pieces at the end of the wire body."""
+    def finish(self) -> None:
+        """The wire body ended: flush into :attr:`pending`, check the coded data ended."""
+        self.ended = True
         self._decoder.finish()
-        return self._take()
-
-    def _take(self) -> list[bytes]:
-        out, self._out[:] = list(self._out), []
-        return out
 
     def release(self) -> None:
-        """Drop the codec state (idempotent)."""
+        """Drop the codec state and what was not taken (idempotent)."""
         self._decoder.release()
-        self._out.clear()
+        self.pending.clear()
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -371,7 +373,9 @@ class _Relay:
     async def _next(
         self, resp: aiohttp.ClientResponse, gate: StreamGate, decoder: _Decoder | None
     ) -> list[Action]:
-        """Read the next chunk of the answer and give it (decoded) to the gate."""
+        """Give the gate the next piece of the answer (decoded), reading when none waits."""
+        if decoder is not None and (decoder.pending or decoder.ended):
+            return self._drain(gate, decoder)
         try:
             if self.linger_until is None:
                 chunk = await resp.content.readany()
@@ -386,22 +390,32 @@ class _Relay:
                     type(exc).__name__,
                 )
             return gate.end(clean=False, reason=type(exc).__name__)
+        if decoder is None:
+            return gate.feed(chunk) if chunk else gate.end(clean=True)
         try:
-            if decoder is None:
-                return gate.feed(chunk) if chunk else gate.end(clean=True)
-            pieces = decoder.feed(chunk) if chunk else decoder.finish()
+            if chunk:
+                decoder.feed(chunk)
+            else:
+                decoder.finish()
         except BodyError:
-            assert decoder is not None
-            coding = "+".join(decoder.codings)
-            what = "truncated" if not chunk else "corrupt"
-            return gate.end(clean=False, reason=f"{what} {coding} body")
+            # What decoded before the damage still goes to the gate, then the end.
+            decoder.ended = True
+            what = "corrupt" if chunk else "truncated"
+            decoder.failure = f"{what} {'+'.join(decoder.codings)} body"
+        return self._drain(gate, decoder)
+
+    @staticmethod
+    def _drain(gate: StreamGate, decoder: _Decoder) -> list[Action]:
+        """Feed the waiting decoded pieces until the gate stops to decide; end after the last."""
         actions: list[Action] = []
-        for piece in pieces:
-            actions += gate.feed(piece)
+        pending = decoder.pending
+        while pending:
+            actions += gate.feed(pending.popleft())
             if gate.state in (GateState.DONE, GateState.REFOLDING):
                 return actions
-        if not chunk:
-            actions += gate.end(clean=True)
+        if decoder.ended:
+            failure = decoder.failure
+            actions += gate.end(clean=failure is None, reason=failure or "")
         return actions
 
     # ------------------------------------------------------------------ actions

@@ -510,3 +510,31 @@ async def test_no_refold_once_the_client_is_gone_even_before_the_cancel_lands() 
     assert record.outcome == "client_gone"
     assert levels.levels == [0]
     assert record.refolds == 0
+
+
+async def test_a_declined_refold_loses_nothing_of_a_coded_answer() -> None:
+    """One gzip chunk decodes to several pieces; the overflow in the first asks for a
+    refold, which nothing can shrink (no plugin): every later piece still goes out."""
+    failed = _event(
+        "response.failed",
+        {
+            "type": "response.failed",
+            "sequence_number": 1,
+            "response": {
+                **_RESPONSE,
+                "status": "failed",
+                "error": {"code": "context_length_exceeded", "message": "too long"},
+            },
+        },
+    )
+    created = STREAMS[RESPONSES_PATH][0]
+    stream = created + failed + b": " + b"x" * 600_000 + b"\n\n" + b": the end\n\n"
+    packed = gzip.compress(stream)
+    reply = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Encoding: gzip\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(packed), packed)
+    )
+    async with RawUpstream(lambda target: reply) as upstream, proxy_for(upstream.url) as url:
+        assert await raw_body(url, RESPONSES_PATH) == stream
+        # Prepare ran again at level 1 and changed nothing: one upstream request.
+        assert len(upstream.heads) == 1
