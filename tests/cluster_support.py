@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -135,54 +136,45 @@ class RedisServer:
         _stop(self.proc, signal.SIGKILL)
 
 
-def nginx_config(listen: int, nodes: Sequence[int], workdir: Path) -> str:
-    """The nginx configuration of docs/cluster.md, with test paths and ports."""
-    servers = "\n".join(
-        f"        server 127.0.0.1:{port} max_fails=1 fail_timeout=2s;" for port in nodes
-    )
-    return f"""
-worker_processes 1;
-daemon off;
-pid {workdir}/nginx.pid;
-error_log {workdir}/nginx-error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {workdir}/body;
-    proxy_temp_path {workdir}/proxy;
-    fastcgi_temp_path {workdir}/fastcgi;
-    uwsgi_temp_path {workdir}/uwsgi;
-    scgi_temp_path {workdir}/scgi;
+DOCS: Final = Path(__file__).resolve().parent.parent / "docs" / "cluster.md"
+_DOC_NODE_RE: Final = re.compile(r"^( *)server 127\.0\.0\.1:878\d (.*)\n", re.MULTILINE)
 
-    # The session id: the first of the proxy's session headers that is set.
-    map "$http_x_session_id|$http_x_claude_code_session_id|$http_session_id" $session_key {{
-        "~^(?<sk>[^|]+)\\|"         $sk;
-        "~^\\|(?<sk>[^|]+)\\|"      $sk;
-        "~^\\|\\|(?<sk>.+)$"        $sk;
-        default                  $request_id;
-    }}
-    upstream context_proxy {{
-        hash $session_key consistent;
-{servers}
-        keepalive 64;
-    }}
-    server {{
-        listen 127.0.0.1:{listen};
-        client_max_body_size 0;
-        location / {{
-            proxy_pass http://context_proxy;
-            proxy_http_version 1.1;
-            proxy_set_header Connection "";
-            proxy_buffering off;
-            proxy_request_buffering off;
-            proxy_read_timeout 1h;
-            proxy_send_timeout 1h;
-            proxy_next_upstream error timeout;
-            add_header X-Upstream-Node $upstream_addr always;
-        }}
-    }}
-}}
-"""
+
+def nginx_config(listen: int, nodes: Sequence[int], workdir: Path) -> str:
+    """The nginx configuration of docs/cluster.md with this test's ports and paths.
+
+    The ``nginx`` block is read from the document, so the tests run exactly the
+    configuration users copy. Substituted: the node ``server`` lines (one per
+    port in ``nodes``), the ``listen`` port, pid/log/temp paths under
+    ``workdir``, and an ``X-Upstream-Node`` header naming the node that answered.
+
+    Raises:
+        AssertionError: the document no longer has the block or its landmarks.
+    """
+    text = DOCS.read_text()
+    block = text.split("```nginx\n", 1)[1].split("```", 1)[0]
+    match = _DOC_NODE_RE.search(block)
+    assert match is not None, "docs/cluster.md: no 'server 127.0.0.1:878N' line"
+    indent, options = match.group(1), match.group(2)
+    servers = "".join(f"{indent}server 127.0.0.1:{port} {options}\n" for port in nodes)
+    first = match.start()
+    block = block[:first] + servers + _DOC_NODE_RE.sub("", block[first:])
+    assert "listen 127.0.0.1:8080;" in block
+    block = block.replace("listen 127.0.0.1:8080;", f"listen 127.0.0.1:{listen};")
+    block = block.replace("worker_processes auto;", "worker_processes 1;")
+    paths = "".join(
+        f"    {kind}_temp_path {workdir}/{kind};\n"
+        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    assert "http {\n" in block
+    block = block.replace("http {\n", "http {\n" + paths, 1)
+    landmark = "proxy_pass http://context_proxy;"
+    assert landmark in block
+    block = block.replace(
+        landmark, landmark + "\n            add_header X-Upstream-Node $upstream_addr always;"
+    )
+    head = f"daemon off;\npid {workdir}/nginx.pid;\nerror_log {workdir}/nginx-error.log warn;\n"
+    return head + block
 
 
 class NginxServer:

@@ -196,6 +196,8 @@ async def test_sessions_stick_to_a_node_and_a_stopped_node_moves_only_its_own(
                 assert status == 200
                 assert placed.setdefault(sid, node) == node, sid
         assert len(set(placed.values())) >= 2  # the hash spreads sessions
+        async with http.get(f"{nginx.url}/admin/sessions") as resp:
+            assert resp.status == 403  # the balancer keeps the admin routes to itself
         # A rolling restart of the node holding route-0, while it streams for it.
         leaving = cluster.node_at(int(placed["route-0"].rsplit(":", 1)[1]))
         slow = asyncio.create_task(
