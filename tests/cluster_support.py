@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import pytest
+
+from benchmarks._cluster import nginx_config
 
 __all__ = [
     "Cluster",
@@ -134,47 +135,6 @@ class RedisServer:
     def kill(self) -> None:
         """``kill -9``: no goodbye to the clients."""
         _stop(self.proc, signal.SIGKILL)
-
-
-DOCS: Final = Path(__file__).resolve().parent.parent / "docs" / "cluster.md"
-_DOC_NODE_RE: Final = re.compile(r"^( *)server 127\.0\.0\.1:878\d (.*)\n", re.MULTILINE)
-
-
-def nginx_config(listen: int, nodes: Sequence[int], workdir: Path) -> str:
-    """The nginx configuration of docs/cluster.md with this test's ports and paths.
-
-    The ``nginx`` block is read from the document, so the tests run exactly the
-    configuration users copy. Substituted: the node ``server`` lines (one per
-    port in ``nodes``), the ``listen`` port, pid/log/temp paths under
-    ``workdir``, and an ``X-Upstream-Node`` header naming the node that answered.
-
-    Raises:
-        AssertionError: the document no longer has the block or its landmarks.
-    """
-    text = DOCS.read_text()
-    block = text.split("```nginx\n", 1)[1].split("```", 1)[0]
-    match = _DOC_NODE_RE.search(block)
-    assert match is not None, "docs/cluster.md: no 'server 127.0.0.1:878N' line"
-    indent, options = match.group(1), match.group(2)
-    servers = "".join(f"{indent}server 127.0.0.1:{port} {options}\n" for port in nodes)
-    first = match.start()
-    block = block[:first] + servers + _DOC_NODE_RE.sub("", block[first:])
-    assert "listen 127.0.0.1:8080;" in block
-    block = block.replace("listen 127.0.0.1:8080;", f"listen 127.0.0.1:{listen};")
-    block = block.replace("worker_processes auto;", "worker_processes 1;")
-    paths = "".join(
-        f"    {kind}_temp_path {workdir}/{kind};\n"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    assert "http {\n" in block
-    block = block.replace("http {\n", "http {\n" + paths, 1)
-    landmark = "proxy_pass http://context_proxy;"
-    assert landmark in block
-    block = block.replace(
-        landmark, landmark + "\n            add_header X-Upstream-Node $upstream_addr always;"
-    )
-    head = f"daemon off;\npid {workdir}/nginx.pid;\nerror_log {workdir}/nginx-error.log warn;\n"
-    return head + block
 
 
 class NginxServer:
