@@ -311,7 +311,19 @@ async def test_redis_killed_mid_traffic_and_restarted(cluster: Cluster, rdb: red
 
     async with aiohttp.ClientSession() as http:
         runners = [asyncio.create_task(traffic(http)) for _ in range(4)]
+        # A stream admitted before the outage and finished during it: the stream
+        # itself never needs Redis; its deregistration waits for the reconcile.
+        through = asyncio.create_task(
+            _post(
+                http,
+                c.url,
+                "through-outage",
+                body={**_chat(), "stream": True},
+                script="chunks=3; hold=outage",
+            )
+        )
         try:
+            await _until(lambda: _record_has(cluster, "through-outage", "headers_sent"), "held")
             await _until(lambda: served > 20, "traffic flowing")
             cluster.redis.kill()
             await _until(
@@ -323,6 +335,9 @@ async def test_redis_killed_mid_traffic_and_restarted(cluster: Cluster, rdb: red
             for node in cluster.nodes:
                 status, ready = _get(node, "/readyz")
                 assert status == 200 and ready["status"] == "ready"
+            await asyncio.to_thread(cluster.emulator.release, "outage")
+            status, body, _ = await asyncio.wait_for(through, 10)
+            assert status == 200 and "data: [DONE]" in body
             before = served
             answer = await _delete(a.url, "outage-closed")
             assert answer["degraded"]
@@ -336,7 +351,12 @@ async def test_redis_killed_mid_traffic_and_restarted(cluster: Cluster, rdb: red
         finally:
             stop.set()
             await asyncio.gather(*runners)
+            cluster.emulator.release("outage")
+            await asyncio.gather(through, return_exceptions=True)
         assert failures == []
+        # Redis restarted empty; the reconcile re-added only live entries, and the
+        # stream that ended during the outage left none behind.
+        await _until(lambda: not _in_flight_keys(rdb), "no in-flight entry left", within=5)
         # The close issued during the outage holds on every node afterwards.
         for node in (a, b, c):
             status, body, _ = await _post(http, node.url, "outage-closed")

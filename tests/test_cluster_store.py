@@ -371,3 +371,21 @@ async def test_the_ledger_joins_cluster_mode_through_the_proxy_setting(
     assert isinstance(ledger, LedgerPlugin) and ledger.redis_url == redis_server.url
     plain = load_plugins(["ledger"], {"ledger": {"path": ":memory:"}}, timeout=1.0)
     assert isinstance(plain.plugins[0], LedgerPlugin) and plain.plugins[0].redis_url is None
+
+
+async def test_a_close_cut_between_tombstone_and_announcement_is_announced_on_replay(
+    redis_server: RedisServer,
+) -> None:
+    regs = [_registry(), _registry()]
+    a = await _node(redis_server.url, regs[0], "a")
+    b = await _node(redis_server.url, regs[1], "b")
+    try:
+        # Redis went away right after A's tombstone landed, before its XADD: A kept
+        # the close for the reconcile, which finds the tombstone already there.
+        assert (await a.store.begin_close("half", "c", tombstone_ttl=60.0)).new
+        a._pending_closes["half"] = 0.1
+        await a._flush_pending()
+        await wait_until(lambda: regs[1].is_tombstoned("half"), "B closed it", within=5.0)
+    finally:
+        await a.stop()
+        await b.stop()

@@ -366,7 +366,7 @@ class ClusterNode:
     def _apply(self, command: CloseCommand) -> None:
         if not command.sid or command.origin == self.origin:
             return  # this node started that close itself
-        log.info("cluster: close of a session from node %s", command.origin.split("|")[0])
+        log.debug("cluster: close of a session from node %s", command.origin.split("|")[0])
         self.registry.start_shutdown(command.sid, command.timeout)
 
     # ----------------------------------------------------------------- background
@@ -408,11 +408,13 @@ class ClusterNode:
             self._pending_deregs.popleft()
         while self._pending_closes:  # bounded by MAX_PENDING
             sid, timeout = next(iter(self._pending_closes.items()))
-            start = await store.begin_close(
+            await store.begin_close(
                 sid, f"{self.origin}|{secrets.token_hex(4)}", self.tombstone_ttl + timeout
             )
-            if start.new:
-                await store.announce_close(sid, timeout, self.origin)
+            # Announced even when the tombstone was there already: the outage may have
+            # struck between this node's tombstone and its XADD. A repeated command is
+            # harmless (every node's shutdown_session is idempotent).
+            await store.announce_close(sid, timeout, self.origin)
             self._pending_closes.pop(sid, None)
 
     async def _tail_loop(self) -> None:
