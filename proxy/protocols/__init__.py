@@ -10,6 +10,9 @@ Everything here is a pure function of bytes and scalars (no I/O, no aiohttp):
 * :func:`is_output_event` / :func:`is_terminal_event` classify SSE events;
 * :class:`UsageMeter` reads token counts from usage events or bodies.
 
+What differs between the protocols is data: one :class:`Dialect` per
+protocol in :data:`DIALECTS` (``_dialects``); these functions look it up.
+
 The string values of :class:`Protocol` are stable: plugins, metrics and
 records use them. Protocol details live in ``_openai`` (chat completions and
 Responses), ``_anthropic`` (Messages), ``_overflow`` (error wordings, shared
@@ -20,18 +23,21 @@ because OpenAI-compatible servers sit behind either route), ``_routing`` and
 from __future__ import annotations
 
 from ..sse import SSEEvent
-from . import _anthropic, _openai
 from ._common import Protocol, Upstream, UsageReport, event_type
+from ._dialects import DIALECTS, Dialect, dialect
 from ._overflow import is_overflow_payload, message_says_overflow
 from ._routing import Route, route
 from ._usage import UsageMeter
 
 __all__ = [
+    "DIALECTS",
+    "Dialect",
     "Protocol",
     "Route",
     "Upstream",
     "UsageMeter",
     "UsageReport",
+    "dialect",
     "error_body",
     "event_type",
     "inband_error",
@@ -70,9 +76,7 @@ def error_body(protocol: Protocol, status: int, message: str, *, code: str | Non
     Returns:
         UTF-8 JSON bytes; send with ``Content-Type: application/json``.
     """
-    if protocol.upstream == "openai":
-        return _openai.error_body(status, message, code)
-    return _anthropic.error_body(status, message)
+    return DIALECTS[protocol].error_body(status, message, code)
 
 
 def inband_error(
@@ -106,11 +110,7 @@ def inband_error(
     Returns:
         UTF-8 SSE bytes to write after the last complete upstream event.
     """
-    if protocol is Protocol.RESPONSES:
-        return _openai.responses_inband_error(message, code, sequence_number)
-    if protocol.upstream == "openai":
-        return _openai.chat_inband_error(message, code)
-    return _anthropic.inband_error(message)
+    return DIALECTS[protocol].inband_error(message, code, sequence_number)
 
 
 def is_overflow_response(
@@ -156,11 +156,7 @@ def is_overflow_event(protocol: Protocol, event: SSEEvent) -> bool:
     headers). Anthropic: an ``error`` event whose message has an overflow
     wording ("prompt is too long"). Never raises.
     """
-    if protocol is Protocol.RESPONSES:
-        return _says_overflow(_openai.responses_error_code(event, event_type(event)))
-    if protocol.upstream == "openai":
-        return _says_overflow(_openai.chat_error_code(event))
-    return _says_overflow(_anthropic.error_code(event, event_type(event)))
+    return _says_overflow(DIALECTS[protocol].stream_error(event))
 
 
 def is_output_event(protocol: Protocol, event: SSEEvent) -> bool:
@@ -182,14 +178,7 @@ def is_output_event(protocol: Protocol, event: SSEEvent) -> bool:
     An event too large for the framer to keep (``truncated``) and without an
     ``event:`` name counts as output: only output deltas grow that large.
     """
-    if protocol.upstream == "openai" and protocol is not Protocol.RESPONSES:
-        return _openai.chat_is_output(event)
-    kind = event_type(event)
-    if kind is None and event.truncated:
-        return True
-    if protocol is Protocol.RESPONSES:
-        return _openai.responses_is_output(kind)
-    return _anthropic.is_output(kind)
+    return DIALECTS[protocol].is_output(event)
 
 
 def is_terminal_event(protocol: Protocol, event: SSEEvent) -> bool:
@@ -200,11 +189,7 @@ def is_terminal_event(protocol: Protocol, event: SSEEvent) -> bool:
     Anthropic: ``message_stop`` or ``error``. A stream that ends without one
     ended abnormally and deserves an :func:`inband_error`.
     """
-    if protocol is Protocol.RESPONSES:
-        return _openai.responses_is_terminal(event_type(event))
-    if protocol.upstream == "openai":
-        return _openai.chat_is_terminal(event)
-    return _anthropic.is_terminal(event_type(event))
+    return DIALECTS[protocol].is_terminal(event)
 
 
 def sequence_number(protocol: Protocol, event: SSEEvent) -> int | None:
@@ -214,6 +199,4 @@ def sequence_number(protocol: Protocol, event: SSEEvent) -> int | None:
     appends carries the number after the last one relayed (OpenAI API reference,
     "Streaming events"). Events over 64 KiB are not decoded (``None``).
     """
-    if protocol is not Protocol.RESPONSES:
-        return None
-    return _openai.responses_sequence_number(event)
+    return DIALECTS[protocol].sequence_number(event)

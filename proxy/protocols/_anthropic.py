@@ -21,13 +21,13 @@ from ..sse import SSEEvent
 from ._common import SMALL_EVENT, UsageReport, decode_typed, encode
 
 __all__ = [
+    "TERMINAL_EVENTS",
     "USAGE_EVENTS",
     "error_body",
     "error_code",
     "error_type",
     "inband_error",
     "is_output",
-    "is_terminal",
     "usage_from_body",
     "usage_from_event",
 ]
@@ -72,18 +72,14 @@ def inband_error(message: str) -> bytes:
 _OUTPUT_EVENTS: Final = frozenset(
     {"content_block_start", "content_block_delta", "content_block_stop"}
 )
-_TERMINAL_EVENTS: Final = frozenset({"message_stop", "error"})
+#: ``message_stop``, or ``error`` (the SDK raises on it and stops reading): end rule R1.
+TERMINAL_EVENTS: Final = frozenset({"message_stop", "error"})
 USAGE_EVENTS: Final = frozenset({"message_start", "message_delta"})
 
 
 def is_output(kind: str | None) -> bool:
     """``content_block_start`` / ``_delta`` / ``_stop``: text, tool use or thinking."""
     return kind in _OUTPUT_EVENTS
-
-
-def is_terminal(kind: str | None) -> bool:
-    """``message_stop``, or ``error`` (the SDK raises on it and stops reading)."""
-    return kind in _TERMINAL_EVENTS
 
 
 class _Usage(msgspec.Struct):

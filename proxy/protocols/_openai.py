@@ -17,6 +17,7 @@ from ..sse import SSEEvent
 from ._common import SMALL_EVENT, UsageReport, decode_typed, encode
 
 __all__ = [
+    "RESPONSES_TERMINAL",
     "RESPONSES_USAGE_EVENTS",
     "chat_error_code",
     "chat_inband_error",
@@ -28,7 +29,6 @@ __all__ = [
     "responses_error_code",
     "responses_inband_error",
     "responses_is_output",
-    "responses_is_terminal",
     "responses_sequence_number",
     "responses_usage_from_body",
     "responses_usage_from_event",
@@ -212,7 +212,8 @@ _RESPONSES_LIFECYCLE: Final = frozenset(
         "response.failed",
     }
 )
-_RESPONSES_TERMINAL: Final = frozenset(
+#: The events after which a Responses stream is over (end rule R1).
+RESPONSES_TERMINAL: Final = frozenset(
     {"response.completed", "response.incomplete", "response.failed", "error"}
 )
 RESPONSES_USAGE_EVENTS: Final = frozenset(
@@ -228,11 +229,6 @@ def responses_is_output(kind: str | None) -> bool:
     which is the safe side (no fake-completion retry after output started).
     """
     return kind is not None and kind.startswith("response.") and kind not in _RESPONSES_LIFECYCLE
-
-
-def responses_is_terminal(kind: str | None) -> bool:
-    """``response.completed`` / ``.incomplete`` / ``.failed``, or an ``error`` event."""
-    return kind in _RESPONSES_TERMINAL
 
 
 class _Sequenced(msgspec.Struct):

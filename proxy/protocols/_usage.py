@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from ..sse import SSEEvent
-from . import _anthropic, _openai
-from ._common import SMALL_EVENT, Protocol, UsageReport, event_type
+from ._common import Protocol, UsageReport
+from ._dialects import DIALECTS
 
 __all__ = ["UsageMeter"]
 
@@ -39,10 +41,23 @@ class UsageMeter:
         protocol: the exchange's protocol.
     """
 
-    __slots__ = ("_cache_read", "_cache_write", "_input", "_output", "protocol")
+    __slots__ = (
+        "_adds_cache",
+        "_cache_read",
+        "_cache_write",
+        "_from_body",
+        "_from_event",
+        "_input",
+        "_output",
+        "protocol",
+    )
 
     def __init__(self, protocol: Protocol) -> None:
         self.protocol = protocol
+        row = DIALECTS[protocol]
+        self._from_event: Final = row.usage_from_event
+        self._from_body: Final = row.usage_from_body
+        self._adds_cache: Final = row.input_excludes_cache
         self._input: int | None = None
         self._output: int | None = None
         self._cache_read: int | None = None
@@ -51,7 +66,7 @@ class UsageMeter:
     @property
     def input_tokens(self) -> int | None:
         """Prompt tokens, cached ones included (see the class docstring for Anthropic)."""
-        if self._input is None or self.protocol is not Protocol.MESSAGES:
+        if self._input is None or not self._adds_cache:
             return self._input
         return self._input + (self._cache_read or 0) + (self._cache_write or 0)
 
@@ -67,24 +82,13 @@ class UsageMeter:
 
     def feed_event(self, event: SSEEvent) -> None:
         """Take the usage out of one streamed event, if it carries any."""
-        protocol = self.protocol
-        if protocol is Protocol.CHAT:
-            if not event.truncated and not event.is_done:
-                self._merge(_openai.chat_usage(event.data, limit=SMALL_EVENT))
-        elif protocol is Protocol.RESPONSES:
-            self._merge(_openai.responses_usage_from_event(event))
-        elif protocol is Protocol.MESSAGES:
-            self._merge(_anthropic.usage_from_event(event, event_type(event)))
+        if self._from_event is not None:
+            self._merge(self._from_event(event))
 
     def feed_json(self, body: bytes) -> None:
         """Take the usage out of a complete non-streaming JSON response body."""
-        protocol = self.protocol
-        if protocol is Protocol.CHAT:
-            self._merge(_openai.chat_usage(body, limit=None))
-        elif protocol is Protocol.RESPONSES:
-            self._merge(_openai.responses_usage_from_body(body))
-        elif protocol is Protocol.MESSAGES:
-            self._merge(_anthropic.usage_from_body(body))
+        if self._from_body is not None:
+            self._merge(self._from_body(body))
 
     def _merge(self, report: UsageReport | None) -> None:
         if report is None:
