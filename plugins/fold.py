@@ -2,7 +2,7 @@
 
 When the upstream rejects a request as too long for its context window, the proxy
 refolds: it runs every ``prepare`` hook again at the next fold level and resends
-(DESIGN section 1). This plugin turns the fold level into a smaller request while
+(docs/design.md §1). This plugin turns the fold level into a smaller request while
 keeping it valid for the protocol. Pure: no I/O and nothing from aiohttp.
 
 It works on the structural view (``ctx.view``): it never asks for the whole

@@ -1,4 +1,4 @@
-"""The built-in ledger: per-session hash gate, persisted in SQLite (DESIGN section 5).
+"""The built-in ledger: per-session hash gate, persisted in SQLite (docs/design.md §5).
 
 For every session the ledger remembers the wire digest and the comparable
 verdict of the last request the upstream answered, plus a ``revision_epoch``,
@@ -131,7 +131,7 @@ class GateOutcome(enum.Enum):
 
 
 def hash_gate(saved: tuple[str, bool] | None, digest: str, comparable: bool) -> GateOutcome:
-    """Classify a request against the session's saved ``(digest, comparable)`` (DESIGN section 5).
+    """Classify a request against the session's saved ``(digest, comparable)`` (docs/design.md §5).
 
     ``saved`` is ``None`` for a session never seen; ``digest`` is the hex
     xxh3_128 of the request's wire bytes; ``comparable`` its verdict. Pure,

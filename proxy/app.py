@@ -2,7 +2,7 @@
 
 ``build_app(settings)`` returns an :class:`aiohttp.web.Application`;
 :func:`serve` runs it until SIGTERM/SIGINT or ``POST /admin/shutdown`` and then
-drains (DESIGN section 6, "Process shutdown"). The server must run with
+drains (docs/design.md §6, "Process shutdown"). The server must run with
 ``handler_cancellation=True`` (a client that hangs up cancels its handler,
 which aborts the upstream request) and ``auto_decompress=False`` (request
 bodies are decoded by :mod:`proxy.body` under the size limit), which

@@ -1,6 +1,6 @@
 """Request body reader: size limit, content decoding, disconnects, idle timeout (I/O edge).
 
-DESIGN section 3 is the spec. :func:`read_body` turns an aiohttp request payload
+docs/design.md §3 is the spec. :func:`read_body` turns an aiohttp request payload
 into exactly one ``bytearray`` holding the decoded body, plus the xxh3_128 digest
 of those bytes and the number of bytes that crossed the wire. Every way a read
 can end is one of two things:
@@ -156,7 +156,7 @@ class ReadResult:
 
     Attributes:
         buffer: the decoded body, exactly its length; the only copy, owned by the caller.
-        digest: hex xxh3_128 of ``buffer`` (DESIGN section 4), computed while reading.
+        digest: hex xxh3_128 of ``buffer`` (docs/design.md §4), computed while reading.
         wire_bytes: bytes received on the wire (after transfer decoding, before
             content decoding); equals ``len(buffer)`` with no content coding.
     """
@@ -189,7 +189,7 @@ async def read_body(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_growth: Callable[[int], None] | None = None,
 ) -> ReadResult:
-    """Read and decode a request body within ``limit`` bytes (DESIGN section 3).
+    """Read and decode a request body within ``limit`` bytes (docs/design.md §3).
 
     The server MUST run with ``auto_decompress=False`` (e.g.
     ``web.AppRunner(app, auto_decompress=False, handler_cancellation=True)``):

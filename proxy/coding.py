@@ -1,7 +1,7 @@
 """Content codings of request bodies, sans-I/O: parse, decode with bounded output, collect.
 
 Pure: bytes in, bytes out; no sockets, no event loop, no clock. :mod:`proxy.body`
-is the I/O edge that feeds it from a request payload (DESIGN section 3).
+is the I/O edge that feeds it from a request payload (docs/design.md §3).
 
 * :func:`parse_content_encoding` turns a ``Content-Encoding`` value into the
   codings to undo; :func:`encoded_size_cap` bounds the wire size of a coded body.
@@ -214,7 +214,7 @@ class BodySink:
     """The one decoded-body buffer, its running digest and the decoded-size limit.
 
     Memory is resident for the bytes written so far, never for bytes only
-    declared (DESIGN section 2, "reading"). ``presize`` (the declared length of
+    declared (docs/design.md §2, "reading"). ``presize`` (the declared length of
     an identity body) is reserved with :func:`reserve` on the first write,
     untouched, and filled in place by slice assignment, so an honestly sized
     body is one allocation of exactly its size and no copy on growth. Without

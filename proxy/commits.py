@@ -1,6 +1,6 @@
 """Commits as tracked work: every admitted exchange's ``commit`` hooks run exactly once.
 
-DESIGN section 5: the commit runs after the last byte was written, exactly once,
+docs/design.md §5: the commit runs after the last byte was written, exactly once,
 whatever the client does next; session close and shutdown wait for pending
 commits. A commit therefore never runs in the request handler's task: aiohttp
 cancels that task when the client hangs up (``handler_cancellation``), and a

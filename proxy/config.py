@@ -42,7 +42,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     upstream_openai: str = "https://api.openai.com"
     upstream_anthropic: str = "https://api.anthropic.com"
 
-    # Body reader (DESIGN section 3).
+    # Body reader (docs/design.md §3).
     max_body_bytes: _Bytes = 100 * MiB
     body_idle_timeout: _Seconds = 30.0
     # Slow clients: request headers not complete within header_timeout → the
@@ -61,16 +61,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     upstream_idle_read_timeout: _Seconds = 300.0
     upstream_max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
 
-    # Exchange lifetime (DESIGN sections 1 and 2).
+    # Exchange lifetime (docs/design.md §1 and §2).
     max_refolds: Annotated[int, msgspec.Meta(ge=0, le=16)] = 2
     fake_completion_retries: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0
 
-    # Plugins (DESIGN section 5).
+    # Plugins (docs/design.md §5).
     plugins: list[str] = msgspec.field(default_factory=lambda: ["fold"])
     plugin: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     plugin_timeout: _Seconds = 5.0
 
-    # Sessions (DESIGN section 6).
+    # Sessions (docs/design.md §6).
     session_headers: list[str] = msgspec.field(
         default_factory=lambda: ["x-session-id", "x-claude-code-session-id", "session-id"]
     )
@@ -90,7 +90,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     admin_token: str | None = None
     admin_allow: list[str] = msgspec.field(default_factory=lambda: ["127.0.0.1", "::1"])
 
-    # Cluster mode (DESIGN section 9, docs/cluster.md). Unset redis_url: one node,
+    # Cluster mode (docs/design.md §9, docs/cluster.md). Unset redis_url: one node,
     # in-process state, exactly the embedded behaviour.
     redis_url: str | None = None
     node_id: str | None = None  # None: hostname:port

@@ -1,4 +1,4 @@
-"""The exchange: the one owner of every buffer of one request (DESIGN sections 1 and 2).
+"""The exchange: the one owner of every buffer of one request (docs/design.md §1 and §2).
 
 Every buffer an exchange holds is dropped in this file, and only here:
 
@@ -184,7 +184,7 @@ class Preparer:
     """The prepare closure: what an exchange needs to run ``prepare`` hooks again.
 
     ``lock`` returns the session's lock context (or a null context when the
-    request has no session); prepare hooks run inside it (DESIGN section 6,
+    request has no session); prepare hooks run inside it (docs/design.md §6,
     rule 2). Dropped at release so nothing it reaches outlives the boundary.
     """
 

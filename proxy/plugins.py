@@ -1,6 +1,6 @@
 """The plugin API: a plugin is a plain class with documented hook methods.
 
-Hooks, in the order an exchange meets them (DESIGN section 5):
+Hooks, in the order an exchange meets them (docs/design.md §5):
 
 ``wants_body(meta, fold_level) -> bool``
     Asked before ``prepare``. Return ``True`` only if ``prepare`` must read or
@@ -158,7 +158,7 @@ class ExchangeRecord:
 class PrepareContext:
     """What a ``prepare`` hook sees: wire metadata, fold level and the request body.
 
-    Two ways to the body (DESIGN section 5):
+    Two ways to the body (docs/design.md §5):
 
     ``view``
         The structural view (:class:`proxy.structure.BodyView`): history items

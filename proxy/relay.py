@@ -125,7 +125,7 @@ def error_response(
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
 ) -> web.Response:
-    """A JSON error in the client's protocol shape (DESIGN section 7)."""
+    """A JSON error in the client's protocol shape (docs/design.md §7)."""
     return web.Response(
         status=status,
         body=protocols.error_body(protocol, status, message, code=code),

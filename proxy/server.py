@@ -2,7 +2,7 @@
 
 aiohttp has no limit on how long a client may take to send request headers: a
 client that sends them one byte at a time (slowloris) holds a connection, a
-parser buffer and a handler task for as long as it likes. DESIGN section 3:
+parser buffer and a handler task for as long as it likes. docs/design.md §3:
 request headers not complete within ``header_timeout`` seconds → the connection
 is closed (there is no request yet to answer).
 

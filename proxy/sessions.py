@@ -1,6 +1,6 @@
 """Session registry: per-session locks, in-flight tracking, shutdown, close_all.
 
-DESIGN section 6. Pure asyncio (no aiohttp); one registry per proxy process, used
+docs/design.md §6. Pure asyncio (no aiohttp); one registry per proxy process, used
 only from the server's event loop. The lock rules, which come from real deadlocks:
 
 1. The registry has no lock of its own. Its dicts are only touched in synchronous
@@ -247,7 +247,7 @@ def _refuse_while_holding(what: str) -> None:
     if held is not None and held.active:
         raise RuntimeError(
             f"{what}: this context already holds the lock of session {held.sid!r}; never "
-            "wait for a session lock while holding one (DESIGN section 6, rule 3)"
+            "wait for a session lock while holding one (docs/design.md §6, rule 3)"
         )
 
 
@@ -393,7 +393,7 @@ class _IdleSessions(LRUCache[str, _Session]):
 
 
 class SessionRegistry:
-    """All sessions of one proxy process (DESIGN section 6).
+    """All sessions of one proxy process (docs/design.md §6).
 
     Args:
         idle_cap: most idle sessions kept (>= 0); when exceeded, the least
@@ -772,7 +772,7 @@ class SessionRegistry:
     # `timeout` is the grace period given to in-flight exchanges (the issue's
     # signature), not a deadline for the call itself.
     async def shutdown_session(self, sid: str, timeout: float) -> ShutdownResult:  # noqa: ASYNC109
-        """Shut one session down (DESIGN section 6, rule 5); idempotent.
+        """Shut one session down (docs/design.md §6, rule 5); idempotent.
 
         1. Tombstone ``sid``: from now on ``admit``/``track`` raise
            :class:`SessionClosed` (the HTTP layer's 503 "session closed").
@@ -860,7 +860,7 @@ class SessionRegistry:
     # ----------------------------------------------------------------- close_all
 
     async def close_all(self) -> None:
-        """Archive every session (process shutdown; DESIGN section 6, rule 4).
+        """Archive every session (process shutdown; docs/design.md §6, rule 4).
 
         Detaches a snapshot of all entries from the live dict, then for each
         one, one at a time, under that session's own lock: ``on_close(sid)`` and

@@ -100,7 +100,7 @@ class AppState:
         )
 
     async def _book(self, record: ExchangeRecord) -> None:
-        """Run the commit hooks for ``record`` under its session's lock (DESIGN section 6, rule 2).
+        """Run the commit hooks for ``record`` under its session's lock (docs/design.md §6, rule 2).
 
         A session whose shutdown has already completed (its commit outlived the
         wait, see :meth:`_session_commits`) is not recreated for it: entering

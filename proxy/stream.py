@@ -20,7 +20,7 @@ What the gate decides:
   has not been answered yet.
 * **Overflow and the refold / resend decision**, for error answers (the first
   :data:`ERROR_BODY_CAP` bytes are held and classified) and inside streams.
-* **Terminal events and the stream end rule** (DESIGN section 7):
+* **Terminal events and the stream end rule** (docs/design.md §7):
   R1, once the route's terminal event was relayed the answer is complete:
   what follows goes out as is and nothing is added, even if the upstream never
   ended the terminal event with a blank line. R2, a body that ends before the

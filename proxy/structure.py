@@ -1,6 +1,6 @@
 """A structural view of a request body: edit a 64 MB history without parsing it whole.
 
-Pure: no I/O, no aiohttp. DESIGN section 2 (the *parsed* and *prepared* rows) and
+Pure: no I/O, no aiohttp. docs/design.md §2 (the *parsed* and *prepared* rows) and
 section 5 are the contract.
 
 :class:`BodyView` locates JSON values in the raw body buffer by byte range. It

@@ -1,6 +1,6 @@
 """Wire metadata of one request, computed from the raw bytes before any plugin runs.
 
-Pure: no I/O, no aiohttp. DESIGN section 4 is the contract.
+Pure: no I/O, no aiohttp. docs/design.md §4 is the contract.
 
 :func:`compute_wire_metadata` reads the request's *structure* only: msgspec
 Structs whose bulky fields are :class:`msgspec.Raw` views into the body buffer,
@@ -57,7 +57,7 @@ class WireError(ValueError):
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class WireMetadata:
-    """Scalars describing the request exactly as it arrived (DESIGN section 4).
+    """Scalars describing the request exactly as it arrived (docs/design.md §4).
 
     ``protocol`` is a :class:`proxy.protocols.Protocol` value (plain ``str``);
     ``model`` is the body's ``model`` string, or ``None`` when absent or not a
@@ -152,7 +152,7 @@ _QUOTE: Final = ord('"')
 _LBRACKET: Final = ord("[")
 _LBRACE: Final = ord("{")
 
-# DESIGN section 4: object types that may appear in a comparable history.
+# docs/design.md §4: object types that may appear in a comparable history.
 _PLAIN_TYPES: Final = frozenset(
     {
         "message",
@@ -292,7 +292,7 @@ def _object_items(raw: msgspec.Raw) -> list[_Item] | None:
 
 
 def _verdict(raw: msgspec.Raw, depth: int) -> bool:
-    """The comparable verdict (DESIGN section 4) of one JSON value held in ``raw``."""
+    """The comparable verdict (docs/design.md §4) of one JSON value held in ``raw``."""
     kind = _first_byte(raw)
     if kind == _QUOTE:
         return True
@@ -313,7 +313,7 @@ def _verdict(raw: msgspec.Raw, depth: int) -> bool:
 
 
 def _object_verdict(item: _Item, depth: int) -> bool:
-    """The verdict of one history object, rules in DESIGN section 4 order."""
+    """The verdict of one history object, rules in docs/design.md §4 order."""
     payload = item.content
     if len(item.type):
         kind = _short_str(item.type, _MAX_TYPE_BYTES)
@@ -372,7 +372,7 @@ def _session_from_user_id(user_id: str) -> str:
 
 
 def _session_hint(protocol: Protocol, envelope: _Envelope | _MessagesEnvelope) -> str | None:
-    """The body's session id (DESIGN section 7 table), or None."""
+    """The body's session id (docs/design.md §7 table), or None."""
     if protocol is Protocol.RESPONSES:
         return _short_str(envelope.prompt_cache_key, _MAX_SCALAR_BYTES) or None
     if protocol in (Protocol.MESSAGES, Protocol.COUNT_TOKENS):
@@ -385,7 +385,7 @@ def _session_hint(protocol: Protocol, envelope: _Envelope | _MessagesEnvelope) -
 
 
 def compute_wire_metadata(protocol: Protocol | str, body: BodyBytes, digest: str) -> WireMetadata:
-    """Wire metadata of one request body, from a structural decode (DESIGN section 4).
+    """Wire metadata of one request body, from a structural decode (docs/design.md §4).
 
     ``protocol`` is a :class:`Protocol` or its value; ``body`` is the complete
     wire body in bytes after content decoding; ``digest`` is its xxh3_128 hex

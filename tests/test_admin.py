@@ -284,7 +284,7 @@ async def test_exchanges_and_sessions_views_show_state_never_a_body(
             streaming = by_session["sess-view-1"]
             assert streaming["protocol"] == Protocol.CHAT
             assert streaming["phase"] == "streaming"
-            # Mid-stream the exchange holds no request bytes (DESIGN section 2).
+            # Mid-stream the exchange holds no request bytes (docs/design.md §2).
             assert streaming["held_bytes"] == {
                 "raw": 0,
                 "parsed": 0,

@@ -60,7 +60,7 @@ class FakeClock:
 
 
 def ends_cleanly(path: str, events: list[Event]) -> bool:
-    """Whether the stream ends with the protocol's terminal event (DESIGN section 7)."""
+    """Whether the stream ends with the protocol's terminal event (docs/design.md §7)."""
     if not events:
         return False
     name, data = events[-1]

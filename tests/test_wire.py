@@ -590,7 +590,7 @@ def test_verdict_table(
 def test_verdict_table_matches_reference_rules(
     protocol: Protocol, body: dict[str, Any], comparable: bool, count: int
 ) -> None:
-    """The hand-written expectations agree with a direct reading of DESIGN section 4."""
+    """The hand-written expectations agree with a direct reading of docs/design.md §4."""
     if protocol is RESPONSES:
         history = body.get("input")
     elif protocol in (CHAT, MESSAGES, COUNT_TOKENS) or "messages" in body:
@@ -616,7 +616,7 @@ PLAIN_TYPES = {
 
 
 def reference_verdict(value: Any) -> bool:
-    """DESIGN section 4 over fully parsed Python objects (the oracle)."""
+    """docs/design.md §4 over fully parsed Python objects (the oracle)."""
     if isinstance(value, str):
         return True
     if isinstance(value, list):

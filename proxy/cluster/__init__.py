@@ -1,4 +1,4 @@
-"""Cluster mode: several proxy nodes share session state through Redis (DESIGN section 9).
+"""Cluster mode: several proxy nodes share session state through Redis (docs/design.md §9).
 
 With ``redis_url`` unset nothing here is imported by the running proxy and the
 proxy behaves as one embedded process. With it set, each node builds one

@@ -1,4 +1,4 @@
-"""Redis key names of cluster mode (pure; DESIGN section 9).
+"""Redis key names of cluster mode (pure; docs/design.md §9).
 
 Every key that belongs to one session carries the session id as a Redis Cluster
 *hash tag* (``cp:{<sid>}:...``), so all of a session's keys live in one slot and

@@ -17,7 +17,7 @@ live entries, retries the deregistrations that failed, and replays the closes
 it accepted during the outage (tombstone + stream command), so they take
 effect on every node.
 
-Lock rules (DESIGN section 6) hold: no session lock is taken here, and the
+Lock rules (docs/design.md §6) hold: no session lock is taken here, and the
 registry is only touched in synchronous stretches.
 """
 
@@ -138,7 +138,7 @@ class Admission:
 
 
 class ClusterNode:
-    """This process as one node of a cluster (DESIGN section 9).
+    """This process as one node of a cluster (docs/design.md §9).
 
     Args:
         store: the Redis side.

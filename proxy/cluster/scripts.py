@@ -123,7 +123,7 @@ return redis.call('ZCARD', KEYS[1])
 LEDGER_GATE: Final = """
 -- KEYS: ledger. ARGV: digest, comparable ('1'|'0'), request_bytes, response_bytes,
 -- last_activity (seconds, as text).
--- The hash gate of DESIGN section 5, atomic across nodes. Returns
+-- The hash gate of docs/design.md §5, atomic across nodes. Returns
 -- {outcome, revision_epoch, dirty}: outcome 'first' | 'identical' | 'reformat' | 'revision'.
 local saved = redis.call('HMGET', KEYS[1], 'digest', 'comparable', 'revision_epoch', 'dirty')
 local outcome

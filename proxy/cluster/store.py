@@ -1,6 +1,6 @@
 """The Redis side of cluster mode: one object per node, one method per round trip.
 
-An I/O edge (DESIGN section 8): every method is one Redis round trip (a Lua
+An I/O edge (docs/design.md §8): every method is one Redis round trip (a Lua
 script from :mod:`proxy.cluster.scripts`, or one command) and raises
 :class:`ClusterUnavailable` for any failure to reach Redis, so the node
 (:mod:`proxy.cluster.node`) has one exception to turn into its degraded mode.
@@ -78,7 +78,7 @@ class Tally:
 
 
 class RedisStore:
-    """Cluster state in Redis for one node (DESIGN section 9).
+    """Cluster state in Redis for one node (docs/design.md §9).
 
     Args:
         url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
