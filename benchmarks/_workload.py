@@ -28,6 +28,7 @@ __all__ = [
     "Corpus",
     "MiB",
     "Turn",
+    "build_agent_history",
     "build_body",
     "conversation",
     "marker_text",
@@ -281,4 +282,55 @@ def build_body(protocol: BenchProtocol, size: int, corpus: Corpus, *, seed: int 
             break
     # The history ends with the user's new question, as every real request does.
     pieces.append(_dumps(render(next(t for t in turns if t.kind == "user"))))
+    return b"".join((prefix, b",".join(pieces), b"]}"))
+
+
+def build_agent_history(
+    protocol: BenchProtocol,
+    size: int,
+    corpus: Corpus,
+    *,
+    result_bytes: int = 300_000,
+    seed: int = 3,
+) -> bytes:
+    """A coding agent's long history of about ``size`` bytes: a system prompt, then
+    turns of one tool call and its ~``result_bytes`` result (file contents), then
+    the user's question. What the ``refold`` variant sends: most of it is bulky
+    tool results that the ``fold`` plugin can elide. Returns UTF-8 JSON bytes.
+    """
+    rng = random.Random(seed)
+    if protocol is BenchProtocol.CHAT:
+        head: dict[str, Any] = {"model": "gpt-4.1", "stream": True, "max_tokens": 4096}
+        key, render = "messages", _chat_message
+        pieces: list[bytes] = [_dumps({"role": "system", "content": _SYSTEM})]
+    elif protocol is BenchProtocol.RESPONSES:
+        head = {"model": "gpt-4.1", "stream": True, "instructions": _SYSTEM, "store": False}
+        key, render = "input", _responses_item
+        pieces = []
+    else:
+        head = {
+            "model": "claude-sonnet-4",
+            "stream": True,
+            "max_tokens": 4096,
+            "system": [{"type": "text", "text": _SYSTEM}],
+        }
+        key, render = "messages", _anthropic_message
+        pieces = []
+    prefix = _dumps(head)[:-1] + b',"' + key.encode() + b'":['
+    pieces.append(_dumps(render(Turn("user", corpus.slice(rng, corpus.prose, 200, 1_000)))))
+    total = len(prefix) + sum(len(p) + 1 for p in pieces)
+    number = 0
+    while total < size:
+        number += 1
+        call_id = f"call_{seed:x}_{number:06d}"
+        args = json.dumps({"path": f"src/module_{rng.randrange(500)}.py"})
+        result = corpus.slice(rng, corpus.code, result_bytes - 20_000, result_bytes + 20_000)
+        for turn in (
+            Turn("call", args, name=rng.choice(_TOOLS), call_id=call_id),
+            Turn("result", result, call_id=call_id),
+        ):
+            pieces.append(_dumps(render(turn)))
+            total += len(pieces[-1]) + 1
+    question = "Summarize what these files do and where the bug is."
+    pieces.append(_dumps(render(Turn("user", question))))
     return b"".join((prefix, b",".join(pieces), b"]}"))

@@ -21,6 +21,18 @@ Variants of this proxy (the naive baseline is the same in all):
   every body; held after the first text delta.
 * ``retry``: ``fake_completion_retries=1``; held *before* the first output
   event, the window in which a resend may still need the body.
+* ``edit``: plus :class:`benchmarks.plugins.ViewMarker`, which changes one small
+  field through the structural view; held after the first text delta.
+* ``refold``: an agent history (a system prompt, then turns of a tool call and
+  its ~300 KB result) that the emulator refuses with the real context-overflow
+  error while it is over 0.75 B; ``fold`` refolds it at level 1 and resends;
+  held after the first text delta of the refolded answer. Peak is over the
+  whole exchange (both sends).
+
+With ``refold`` selected, the run also times one refold of each protocol's
+largest agent history in the benchmark process (``fold`` through the view,
+splice, digest and slices) against ``json.loads`` + ``json.dumps`` of the same
+body (what a naive proxy does to edit it), in CPU seconds.
 
 ``--sequential N`` adds N back-to-back requests of ``--sequential-size`` MiB to
 one process per proxy and shows RSS after each (the allocator's retention).
@@ -37,6 +49,7 @@ import contextlib
 import dataclasses
 import datetime
 import itertools
+import json
 import math
 import os
 import platform
@@ -67,7 +80,7 @@ from ._harness import (
     start_proxy,
     wait_proxy_idle,
 )
-from ._workload import BenchProtocol, Corpus, MiB, build_body
+from ._workload import BenchProtocol, Corpus, MiB, build_agent_history, build_body
 
 __all__ = [
     "AFTER_LIMIT",
@@ -90,6 +103,11 @@ __all__ = [
 ]
 
 MARKER_PLUGIN: Final = "benchmarks.plugins:Marker"
+VIEW_MARKER_PLUGIN: Final = "benchmarks.plugins:ViewMarker"
+#: The refold variant's upstream refuses bodies above this share of B.
+REFOLD_OVERFLOW: Final = 0.75
+#: Target: CPU of one refold over CPU of json.loads + json.dumps of the same body.
+REFOLD_CPU_LIMIT: Final = 0.5
 #: RSS after a response may exceed the idle RSS by at most this many body sizes.
 AFTER_LIMIT: Final = 0.05
 #: Seconds between the end of an answer and the start of the "after" window.
@@ -109,7 +127,9 @@ class Variant:
 
     ``hold`` is where the emulator holds the answer: ``delta`` (after the first
     text delta: streaming) or ``head`` (before any output event). Limits are
-    multiples of the body size B.
+    multiples of the body size B. ``workload`` is ``default`` (build_body) or
+    ``agent`` (build_agent_history); ``overflow`` > 0 makes the emulator refuse
+    sends larger than that share of B with the context-overflow error.
     """
 
     name: str
@@ -119,6 +139,8 @@ class Variant:
     peak_limit: float
     mid_limit: float
     description: str
+    workload: str = "default"
+    overflow: float = 0.0
 
 
 VARIANTS: Final = {
@@ -142,6 +164,26 @@ VARIANTS: Final = {
         1.1,
         1.05,
         "fake_completion_retries=1, sampled before output starts",
+    ),
+    "edit": Variant(
+        "edit",
+        ("fold", VIEW_MARKER_PLUGIN),
+        0,
+        "delta",
+        1.1,
+        0.05,
+        "ViewMarker changes one small field through the structural view",
+    ),
+    "refold": Variant(
+        "refold",
+        ("fold",),
+        0,
+        "delta",
+        1.25,
+        0.05,
+        "agent history refused with the context-overflow error, refolded by fold and resent",
+        workload="agent",
+        overflow=REFOLD_OVERFLOW,
     ),
 }
 
@@ -278,9 +320,10 @@ async def open_bench(
         )
 
 
-def _script(protocol: BenchProtocol, key: str, hold: str) -> str:
+def _script(protocol: BenchProtocol, key: str, hold: str, overflow_above: int = 0) -> str:
     after = protocol.first_delta_event if hold == "delta" else 1
-    return f"hold={key}; stall_after={after}; chunks=8"
+    script = f"hold={key}; stall_after={after}; chunks=8"
+    return f"{script}; overflow_above={overflow_above}" if overflow_above else script
 
 
 async def _warm_up(bench: Bench, svc: Service, protocol: BenchProtocol, body: bytes) -> None:
@@ -302,6 +345,7 @@ async def measure_batch(
     hold: str,
     idle: int,
     ours: bool,
+    overflow: float = 0.0,
 ) -> Sample:
     """Send ``count`` concurrent copies of ``body`` through ``svc``, hold their answers
     open, sample, release, and measure what is left (one :class:`Sample`, whose
@@ -313,7 +357,7 @@ async def measure_batch(
     sample = Sample(body_bytes=count * len(body), idle_rss=idle)
     sample.before_rss = await median_rss(sampler, _WINDOW)
     key = bench.key()
-    script = _script(protocol, key, hold)
+    script = _script(protocol, key, hold, int(overflow * len(body)))
     reset_vm_hwm(svc.pid)
     sample.t_start = sampler.mark("send")
     calls = [
@@ -393,9 +437,10 @@ async def run_process(
             idle = await median_rss(sampler, _WINDOW)
             sampler.mark("idle")
             ours = proxy == "ours"
+            overflow = variant.overflow if variant is not None else 0.0
             samples = [
                 await measure_batch(
-                    bench, svc, sampler, protocol, body, concurrency, hold, idle, ours
+                    bench, svc, sampler, protocol, body, concurrency, hold, idle, ours, overflow
                 )
                 for body in bodies
             ]
@@ -463,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         type=_choices(list(VARIANTS)),
         default=list(VARIANTS),
-        help="plain,plugin,retry [all]",
+        help="plain,plugin,retry,edit,refold [all]",
     )
     parser.add_argument("--repeats", type=int, default=3, help="requests per case [3]")
     parser.add_argument(
@@ -534,6 +579,65 @@ class Results:
     variants: list[Variant]
     wall_s: float
     started: datetime.datetime
+    refold_cpu: list[RefoldCpu] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RefoldCpu:
+    """CPU seconds (median of ``repeats``) of one refold against a naive re-encode.
+
+    ``ours_s``: a fresh structural view of the body, ``fold`` at level 1, the
+    splice, its digest and iterating its send slices. ``naive_s``:
+    ``json.loads`` then ``json.dumps`` of the same body. ``body_bytes`` is B;
+    ``sent_bytes`` the refolded body's size.
+    """
+
+    protocol: str
+    body_bytes: int
+    sent_bytes: int
+    ours_s: float
+    naive_s: float
+
+    @property
+    def ratio(self) -> float:
+        """``ours_s / naive_s``."""
+        return self.ours_s / self.naive_s if self.naive_s > 0 else math.nan
+
+
+def measure_refold_cpu(protocol: BenchProtocol, body: bytes, repeats: int = 3) -> RefoldCpu:
+    """Time one refold of ``body`` in this process (see :class:`RefoldCpu`), in CPU seconds."""
+    from plugins.fold import FoldPlugin
+    from proxy.structure import BodyView
+
+    wire_protocol = {
+        BenchProtocol.CHAT: "openai-chat",
+        BenchProtocol.RESPONSES: "openai-responses",
+        BenchProtocol.MESSAGES: "anthropic-messages",
+    }[protocol]
+    fold = FoldPlugin()
+    ours: list[float] = []
+    naive: list[float] = []
+    sent = 0
+    for _ in range(repeats):
+        start = time.process_time()
+        view = BodyView(body, wire_protocol)
+        if not fold.fold(view, level=1):
+            raise RuntimeError(f"refold cpu: fold found nothing to elide in {protocol.value}")
+        splice = view.splice()
+        sent = sum(len(chunk) for chunk in splice.chunks(256 * 1024))
+        del view, splice
+        ours.append(time.process_time() - start)
+        start = time.process_time()
+        # What benchmarks/naive.py does to a body it forwards.
+        json.dumps(json.loads(body)).encode()
+        naive.append(time.process_time() - start)
+    return RefoldCpu(
+        protocol.value,
+        len(body),
+        sent,
+        sorted(ours)[len(ours) // 2],
+        sorted(naive)[len(naive) // 2],
+    )
 
 
 async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
@@ -554,6 +658,7 @@ async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Pat
     corpus = Corpus.load()
     cases: list[Case] = []
     sequential: list[ProcessRun] = []
+    refold_cpu: list[RefoldCpu] = []
     max_body = max(100 * MiB, int(biggest * MiB * 2))
     async with open_bench(args, log_dir, max_body) as bench:
         with reporter.progress(steps, "memory") as progress:
@@ -564,13 +669,21 @@ async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Pat
                     case = Case(size, protocol, len(body))
                     cases.append(case)
                     bodies = [body] * args.repeats
+                    agent: bytes | None = None
                     for variant in variants:
                         progress.describe(f"{size:g} MiB {protocol.value} ours/{variant.name}")
                         await bench.control.reset()
+                        sent = bodies
+                        if variant.workload == "agent":
+                            agent = agent or build_agent_history(protocol, int(size * MiB), corpus)
+                            sent = [agent] * args.repeats
                         case.ours[variant.name] = await run_process(
-                            bench, "ours", variant, protocol, bodies, warmup, variant.hold
+                            bench, "ours", variant, protocol, sent, warmup, variant.hold
                         )
                         progress.advance()
+                    if agent is not None and size == max(args.sizes):
+                        refold_cpu.append(measure_refold_cpu(protocol, agent))
+                    del agent
                     progress.describe(f"{size:g} MiB {protocol.value} naive")
                     await bench.control.reset()
                     case.naive = await run_process(
@@ -599,7 +712,9 @@ async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Pat
                         )
                     )
                     progress.advance()
-    return Results(cases, sequential, variants, time.monotonic() - started, started_wall)
+    return Results(
+        cases, sequential, variants, time.monotonic() - started, started_wall, refold_cpu
+    )
 
 
 def write_outputs(args: argparse.Namespace, results: Results, reporter: rpt.Reporter) -> list[Path]:
@@ -610,6 +725,8 @@ def write_outputs(args: argparse.Namespace, results: Results, reporter: rpt.Repo
     cases, sequential, variants = results.cases, results.sequential, results.variants
     doc = _document(args, cases, sequential, variants, results.wall_s, results.started)
     tables = build_tables(cases, sequential, variants, args.repeats)
+    if results.refold_cpu:
+        tables.append(refold_cpu_table(results.refold_cpu))
     for table in tables:
         reporter.print_table(table)
     out: Path = args.out
@@ -789,6 +906,39 @@ def build_tables(
     return tables
 
 
+def refold_cpu_table(rows: Sequence[RefoldCpu]) -> rpt.Table:
+    """CPU of one refold against json.loads + json.dumps of the same body."""
+    table = rpt.Table(
+        title="CPU of one refold of the agent history (fold level 1), against a naive re-encode",
+        columns=(
+            "protocol",
+            "B",
+            "sent",
+            "ours CPU s",
+            "naive CPU s",
+            "ours ÷ naive",
+            "target",
+            "verdict",
+        ),
+    )
+    for row in rows:
+        table.add(
+            row.protocol,
+            rpt.fmt_bytes(row.body_bytes),
+            rpt.fmt_bytes(row.sent_bytes),
+            f"{row.ours_s:.3f}",
+            f"{row.naive_s:.3f}",
+            f"{row.ratio:.2f}",
+            f"<= {REFOLD_CPU_LIMIT:g}",
+            rpt.verdict(row.ratio, REFOLD_CPU_LIMIT),
+        )
+    table.notes.append(
+        "ours: structural view, fold, splice, digest and send slices; naive: json.loads + "
+        "json.dumps; median of 3 in the benchmark process (time.process_time)."
+    )
+    return table
+
+
 def _sequential_table(runs: Sequence[ProcessRun]) -> rpt.Table:
     count = max(len(run.samples) for run in runs)
     picks = sorted({1, 2, 3, 5, 10, count} & set(range(1, count + 1)))
@@ -941,9 +1091,13 @@ def plot_memory(
     if cases:
         biggest = _plotted_case(cases)
         naive = _timeline(biggest.naive) if biggest.naive else None
+        plain = biggest.ours.get("plain")
         for variant in variants:
             ours = _timeline(biggest.ours[variant.name])
             series = [_series(f"context-proxy ({variant.name})", ours, _COLOURS[variant.name])]
+            if variant.name in ("refold", "edit") and plain is not None and plain.samples:
+                # The edited and refolded paths beside the plain one.
+                series.append(_series("context-proxy (plain)", _timeline(plain), _COLOURS["plain"]))
             if naive:
                 series.append(_series("naive proxy", naive, _COLOURS["naive"]))
             panels.append(
@@ -986,6 +1140,8 @@ _COLOURS: Final = {
     "plain": "#1f77b4",
     "plugin": "#2ca02c",
     "retry": "#9467bd",
+    "edit": "#17becf",
+    "refold": "#ff7f0e",
     "naive": "#d62728",
 }
 

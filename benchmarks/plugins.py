@@ -1,20 +1,22 @@
-"""A tiny body-mutating plugin for the benchmarks.
+"""Tiny body-mutating plugins for the benchmarks.
 
-``Marker`` appends a marker to the text of the last user message, so every
-request makes the proxy parse the body and serialize a new outbound body: the
-worst case a plugin can cause. Enable it with
-``--plugin benchmarks.plugins:Marker`` (or ``plugins = ["benchmarks.plugins:Marker"]``).
+``Marker`` appends a marker to the text of the last user message through the
+whole parsed object, so every request makes the proxy parse the body and
+serialize a new outbound body: the worst case a plugin can cause.
+``ViewMarker`` makes the same kind of small edit through the structural view
+(one field replaced, the rest sent as slices of the raw bytes). Enable them with
+``plugins = ["benchmarks.plugins:Marker"]`` (or ``:ViewMarker``).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from proxy import Plugin, PrepareContext, WireMetadata
+from proxy import Node, Plugin, PrepareContext, WireMetadata
 
 from ._workload import marker_text
 
-__all__ = ["Marker"]
+__all__ = ["Marker", "ViewMarker"]
 
 
 def _append(message: dict[str, Any], text: str, part_type: str) -> bool:
@@ -58,3 +60,34 @@ class Marker(Plugin):
             if isinstance(item, dict) and item.get("role") == "user":
                 return _append(item, text, part)
         return False
+
+
+def _last_user(items: list[Node]) -> Node | None:
+    for item in reversed(items):
+        role = item.get("role") if item.kind == "object" else None
+        if role is not None and role.short_text() == "user":
+            return item
+    return None
+
+
+class ViewMarker(Plugin):
+    """Appends :func:`~benchmarks._workload.marker_text` through ``ctx.view``: one small edit.
+
+    The last user message's string content grows, or its last text part's text
+    does (``text`` / ``input_text``). Never asks for the whole object.
+    """
+
+    name: ClassVar[str] = "view_marker"
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        """Replace one string value; ``False`` when there is no user text to mark."""
+        item = _last_user(ctx.view.items())
+        content = item.get("content") if item is not None else None
+        if content is None:
+            return False
+        if content.kind == "array" and len(content):
+            content = content[len(content) - 1].get("text")
+        if content is None or content.kind != "string":
+            return False
+        content.replace(content.text() + marker_text())
+        return True
