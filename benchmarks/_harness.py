@@ -524,8 +524,11 @@ class EmulatorControl:
                 await asyncio.sleep(0.01)
 
     async def body_bytes(self, key: str) -> int:
-        """Body size (bytes) the emulator received for the request held on ``key`` (0 if none)."""
-        for record in await self.records():
+        """Body size (bytes) the emulator received for the request held on ``key`` (0 if none).
+
+        The last such request: after a refold, the one that was answered and held.
+        """
+        for record in reversed(await self.records()):
             if f"hold={key}" in (record.get("script") or ""):
                 size: int = record["body_bytes"]
                 return size

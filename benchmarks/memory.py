@@ -724,6 +724,10 @@ def write_outputs(args: argparse.Namespace, results: Results, reporter: rpt.Repo
     """
     cases, sequential, variants = results.cases, results.sequential, results.variants
     doc = _document(args, cases, sequential, variants, results.wall_s, results.started)
+    doc["refold_cpu"] = [
+        {**dataclasses.asdict(row), "ratio": row.ratio, "limit": REFOLD_CPU_LIMIT}
+        for row in results.refold_cpu
+    ]
     tables = build_tables(cases, sequential, variants, args.repeats)
     if results.refold_cpu:
         tables.append(refold_cpu_table(results.refold_cpu))

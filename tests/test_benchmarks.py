@@ -190,9 +190,9 @@ def test_write_json_turns_nan_into_null(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- smoke run
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
-    # About 15 s: 3 variants + the baseline, each a fresh process, 1 MiB bodies, plus
+    # About 25 s: 5 variants + the baseline, each a fresh process, 1 MiB bodies, plus
     # 2 sequential requests per proxy. Every wait inside is bounded (10 min per request).
     out = tmp_path / "results"
     docs = tmp_path / "docs"
@@ -225,7 +225,7 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
     assert MiB <= size < MiB + 64 * 1024
     ours = case["ours"]
     naive = case["naive"]["samples"][0]
-    for variant in ("plain", "plugin", "retry"):
+    for variant in ("plain", "plugin", "retry", "edit"):
         (sample,) = ours[variant]["samples"]
         assert sample["complete"], sample["error"]
         assert sample["held_after"] == 0
@@ -240,6 +240,17 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
     # Untouched bodies are forwarded byte for byte; the Marker plugin's are longer.
     assert plain["upstream_bytes"] == size
     assert plugin["upstream_bytes"] > size
+    # One small field edited through the view: the body grew by the marker only.
+    edit = ours["edit"]["samples"][0]
+    assert edit["upstream_bytes"] == size + len(json.dumps(marker_text())) - 2
+    # The refolded agent history went up a second time, under the overflow limit.
+    (refold,) = ours["refold"]["samples"]
+    assert refold["complete"], refold["error"]
+    assert refold["held_after"] == 0 and refold["peak_growth_x_body"] > 0.5
+    assert refold["upstream_bytes"] < memory.REFOLD_OVERFLOW * refold["body_bytes"]
+    assert "CPU of one refold" in table
+    (cpu,) = doc["refold_cpu"]
+    assert cpu["protocol"] == "chat" and 0 < cpu["sent_bytes"] < cpu["body_bytes"]
     # The proxy's own accounting mid-stream: nothing once streaming; with retry
     # armed and no output yet, exactly the outbound body plus the stream head held
     # back for a resend (counted on the response side).
