@@ -34,7 +34,7 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Final
 
-from ..sessions import SessionClosed, SessionRegistry, ShutdownResult, shutdown_cause
+from ..sessions import SessionClosed, SessionRegistry, shutdown_cause
 from .store import CloseCommand, ClusterUnavailable, RedisStore, read_closes
 
 __all__ = ["Admission", "ClusterCloseResult", "ClusterNode"]
@@ -352,8 +352,9 @@ class ClusterNode:
             await asyncio.sleep(pause)
             pause = min(pause * 2, CLOSE_POLL_MAX)
             remaining = await store.prune(sid)
-        result: ShutdownResult = await asyncio.shield(local)
-        del result  # the local counts are part of the tally (this node deregisters too)
+        # This node's own exchanges are in the tally already (they deregister like
+        # every node's); waiting here means its plugins have had session_closed.
+        await asyncio.shield(local)
         tally = await store.finish_close(sid) if start.new else await store.tally(sid)
         return ClusterCloseResult(
             sid=sid,
