@@ -58,6 +58,7 @@ class EditConflict(ValueError):
 
 _RAW_DICT: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _RAW_LIST: Final = msgspec.json.Decoder(list[msgspec.Raw])
+_RAW_OBJECTS: Final = msgspec.json.Decoder(list[dict[str, msgspec.Raw]])
 _ANY: Final = msgspec.json.Decoder()
 _STR: Final = msgspec.json.Decoder(str)
 _CHECK: Final = msgspec.json.Decoder(msgspec.Raw)
@@ -366,14 +367,29 @@ class _Body:
             return None
         return keys, children, close.end()
 
-    def _expand_array(self, node: Node) -> None:
-        # Items are placed from one list[Raw] decode; an object item's members are
-        # located only when that item is read (a one-field edit of a 64 MB history
-        # then builds one node per item, not one per member of every item).
+    def _expand_array(self, node: Node, *, members: bool = True) -> None:
+        """Place an array's items; with ``members``, object items' members too, in one pass.
+
+        The history is placed without members (``BodyView.items``): a one-field
+        edit of a 64 MB history then builds one node per item, not one per member
+        of every item. Nested arrays (content parts, blocks) are small per item
+        and are read whole by whoever reads them, so one pass saves a decode.
+        """
         start, end = node.start, node.end
         buf = self._buf
         first = _WS.match(buf, start + 1, end)
         pos = first.end() if first else start + 1
+        if members and pos < end and buf[pos] == _LBRACE:
+            # Arrays of objects (histories, content parts) expand two levels in one pass.
+            try:
+                objects = wire._decode_json(_RAW_OBJECTS, self._mv[start:end])
+            except msgspec.ValidationError:
+                pass
+            else:
+                children = self._place_objects(pos, end, objects)
+                if children is not None:
+                    node._children = children
+                    return
         items = wire._decode_json(_RAW_LIST, self._mv[start:end])
         children = []
         for index, raw in enumerate(items):
@@ -385,6 +401,32 @@ class _Body:
             children.append(child)
             pos = child.end
         node._children = children
+
+    def _place_objects(
+        self, pos: int, end: int, objects: list[dict[str, msgspec.Raw]]
+    ) -> list[Node] | None:
+        """Nodes for an array's object items starting at ``pos``, already expanded.
+
+        None when one of them cannot be walked (the caller then places the items
+        with a plain ``list[Raw]`` decode, and that object becomes opaque).
+        """
+        buf = self._buf
+        children: list[Node] = []
+        for index, members in enumerate(objects):
+            if index:
+                comma = _COMMA.match(buf, pos, end)
+                if comma is None:
+                    return None
+                pos = comma.end()
+            walked = self._walk_members(pos, end, members)
+            if walked is None:
+                return None
+            keys, members_nodes, stop = walked
+            child = Node(self, pos, stop)
+            child._keys, child._children = keys, members_nodes
+            children.append(child)
+            pos = stop
+        return children
 
     # -- editing ----------------------------------------------------------------------
 
@@ -487,6 +529,8 @@ class BodyView:
         history = self.history
         if history is None or history.kind != "array":
             return []
+        if history._children is None:
+            self._body._expand_array(history, members=False)
         return list(history)
 
     @property
