@@ -185,6 +185,8 @@ async def list_exchanges(request: web.Request) -> web.Response:
                 "protocol": str(ex.protocol),
                 "phase": ex.phase.value,
                 "fold_level": ex.fold_level,
+                # Content-Length of a body being read (0: none); only received bytes are held.
+                "declared_bytes": ex.declared_bytes,
                 "held_bytes": {
                     "raw": held.raw,
                     "parsed": held.parsed,

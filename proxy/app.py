@@ -27,7 +27,7 @@ from aiohttp.typedefs import Handler
 
 from . import protocols, wire
 from .admin import add_admin_routes
-from .body import BodyError, check_content_length, read_body
+from .body import BodyBusy, BodyError, check_content_length, read_body
 from .cancel import orderly_cancel_reason
 from .config import Settings
 from .exchange import Exchange, Outcome, Phase, Preparer, null_lock
@@ -229,13 +229,13 @@ def _client_gone(state: AppState, ex: Exchange) -> None:
     state.metrics.disconnects.labels(ex.phase.value).inc()
 
 
-_BUSY: Final = "too many request bodies are being read at once; retry later"
-
-
 def _over_reading_budget(state: AppState, declared: int) -> bool:
-    """Whether admitting ``declared`` more body bytes would pass ``max_reading_bytes``.
+    """Whether a body declaring ``declared`` bytes cannot fit in ``max_reading_bytes`` now.
 
-    One body is always admitted (the limit per body is ``max_body_bytes``).
+    ``state.reading_bytes`` counts bytes *received* by the reads in progress (a
+    declaration reserves no memory, so it is not charged); a body whose declared
+    size would not fit next to them is refused before its upload. One body is
+    always admitted (the limit per body is ``max_body_bytes``).
     """
     reading = state.reading_bytes
     return reading > 0 and reading + declared > state.settings.max_reading_bytes
@@ -243,9 +243,42 @@ def _over_reading_budget(state: AppState, declared: int) -> bool:
 
 def _busy(ex: Exchange, state: AppState) -> web.Response:
     ex.conclude(503, Outcome.REJECTED, "busy")
-    resp = _reject(ex.protocol, 503, _BUSY, state, code="busy")
+    resp = _reject(ex.protocol, 503, BodyBusy().message, state, code="busy")
     resp.force_close()  # the body was never read
     return resp
+
+
+class _ReadingAccount:
+    """Charges one body read's received bytes to the shared ``max_reading_bytes`` budget.
+
+    ``grow`` is the reader's ``on_growth`` callback: the bytes the body buffer
+    grew by are charged as they arrive, to the app's total and the exchange's
+    held bytes. Past the budget, a read that shares it with others ends with
+    :class:`~proxy.body.BodyBusy` (503); a read alone may grow to ``max_body_bytes``.
+    ``settle`` returns everything charged (idempotent); call it in ``finally``.
+    """
+
+    __slots__ = ("_charged", "_ex", "_state")
+
+    def __init__(self, state: AppState, ex: Exchange) -> None:
+        self._state = state
+        self._ex = ex
+        self._charged = 0
+
+    def grow(self, nbytes: int) -> None:
+        state = self._state
+        self._charged += nbytes
+        state.reading_bytes += nbytes
+        self._ex.count_received(nbytes)
+        if (
+            state.reading_bytes > state.settings.max_reading_bytes
+            and state.reading_bytes > self._charged
+        ):
+            raise BodyBusy()
+
+    def settle(self) -> None:
+        self._state.reading_bytes -= self._charged
+        self._charged = 0
 
 
 async def _run_exchange(
@@ -265,8 +298,8 @@ async def _run_exchange(
         declared = request.content_length or 0
         if _over_reading_budget(state, declared):
             return _busy(ex, state)
-        state.reading_bytes += declared
         ex.start_reading(declared)
+        account = _ReadingAccount(state, ex)
         try:
             result = await read_body(
                 request.content,
@@ -276,9 +309,10 @@ async def _run_exchange(
                 idle_timeout=settings.body_idle_timeout,
                 body_timeout=settings.body_timeout,
                 chunk_bytes=settings.body_chunk_bytes,
+                on_growth=account.grow,
             )
         finally:
-            state.reading_bytes -= declared
+            account.settle()
             ex.end_reading()
         try:
             meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
@@ -379,7 +413,7 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
             refusal = _reject(route.protocol, exc.status, exc.message, state, code=exc.kind)
         else:
             if _over_reading_budget(state, request.content_length or 0):
-                refusal = _reject(route.protocol, 503, _BUSY, state, code="busy")
+                refusal = _reject(route.protocol, 503, BodyBusy().message, state, code="busy")
     if refusal is not None:
         refusal.force_close()  # the body was never read
         return refusal

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_CONTENT_CODINGS",
     "SUPPORTED_CODINGS",
     "ZSTD_MAX_WINDOW_BYTES",
+    "BodyBusy",
     "BodyEncodingError",
     "BodyError",
     "BodyIncomplete",
@@ -96,6 +97,19 @@ class BodyTimeout(BodyError):
             body_timeout,
             message=f"request body not received within {body_timeout:g} seconds",
         )
+
+
+class BodyBusy(BodyError):
+    """503: the proxy's budget for bodies being read at once (``max_reading_bytes``) is spent.
+
+    Raised by the caller's ``on_growth`` callback; retryable (answer with ``Retry-After``).
+    """
+
+    status = 503
+    kind = "busy"
+
+    def __init__(self) -> None:
+        super().__init__("too many request bodies are being read at once; retry later")
 
 
 def _detached(exc: BodyError) -> BodyError:

@@ -50,9 +50,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     header_timeout: _Seconds = 30.0
     body_timeout: _Seconds = 600.0
     body_chunk_bytes: Annotated[int, msgspec.Meta(ge=4096, le=16 * MiB)] = 256 * 1024
-    # Admission: declared body bytes being read at once (a body's buffer is sized
-    # from its Content-Length on its first byte, so a slow or stalled upload can
-    # pin its whole declared size); over it → 503 with Retry-After.
+    # Admission: body bytes received by the reads in progress (a declared
+    # Content-Length only reserves address space, so it is not charged); an
+    # upload that cannot fit, or a read growing past it, → 503 with Retry-After.
     max_reading_bytes: _Bytes = 1024 * MiB
 
     # Upstream: no total timeout, it would cut a long stream.

@@ -234,6 +234,7 @@ class Exchange:
         "_phase",
         "_preparer",
         "_raw",
+        "declared_bytes",
         "error",
         "fold_level",
         "id",
@@ -281,8 +282,9 @@ class Exchange:
         self.keep_for_resend = keep_for_resend
         self.on_release = on_release
         self.observer = observer
-        #: While reading: the body bytes admitted for this request (its declared
-        #: length), counted as ``raw`` by :meth:`held_bytes` until the body arrives.
+        #: While reading: the body's declared Content-Length (0: none), and the
+        #: bytes received so far, which :meth:`held_bytes` counts as ``raw``.
+        self.declared_bytes = 0
         self.reading_bytes = 0
         self._phase = Phase.READING
         self.started: Final = time.monotonic()
@@ -341,17 +343,25 @@ class Exchange:
     # ------------------------------------------------------------------ reading
 
     def start_reading(self, declared_bytes: int) -> None:
-        """The body is being read; ``declared_bytes`` (its Content-Length) count as ``raw``.
+        """The body is being read; ``declared_bytes`` is its Content-Length (0: none).
+
+        A declaration reserves no memory (DESIGN section 2, "reading"), so it does
+        not count as held: only bytes received (:meth:`count_received`) count as ``raw``.
 
         Raises:
             IllegalTransition: not in the ``reading`` phase.
         """
         if self._phase is not Phase.READING:
             raise IllegalTransition(self.id, self._phase, Phase.READING)
-        self.reading_bytes = declared_bytes
+        self.declared_bytes = declared_bytes
+        self.reading_bytes = 0
+
+    def count_received(self, nbytes: int) -> None:
+        """The body buffer grew by ``nbytes`` bytes; they count as ``raw`` while reading."""
+        self.reading_bytes += nbytes
 
     def end_reading(self) -> None:
-        """The read settled (body, error or cancel): the declared bytes no longer count."""
+        """The read settled (body, error or cancel): the bytes being read no longer count."""
         self.reading_bytes = 0
 
     def attach_body(self, buffer: bytearray, meta: WireMetadata) -> None:

@@ -1,10 +1,11 @@
-"""Admission by declared body size: a stalled upload cannot make the proxy pin unbounded memory.
+"""The budget for bodies being read at once (``max_reading_bytes``) is charged with bytes received.
 
-A body's buffer is sized from its ``Content-Length`` on its first byte, so a
-client that declares a large body and then trickles it would hold that much
-memory for as long as it keeps the idle timeout at bay. ``max_reading_bytes``
-bounds the declared bytes being read at once; past it, new uploads get 503
-with ``Retry-After`` in their protocol's shape, before their body is read.
+A declared ``Content-Length`` reserves address space only, so it is not
+charged: clients that declare large bodies and send nothing cannot spend the
+budget. Bytes received are charged as they arrive. A new upload whose declared
+size would not fit next to what is being read gets 503 with ``Retry-After`` in
+its protocol's shape before its body is read; a read that grows past the
+budget while others share it ends with the same 503.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .test_e2e_support import CHAT_PATH, RawClient, exact_body, wait_until
 
 BUDGET = 200_000
 DECLARED = 150_000
+SENT = 120_000
 
 
 async def test_stalled_upload_is_accounted_and_later_uploads_wait_their_turn() -> None:
@@ -31,16 +33,16 @@ async def test_stalled_upload_is_accounted_and_later_uploads_wait_their_turn() -
                 CHAT_PATH,
                 [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
             )
-            await stalled.send(body[:1])
-            await wait_until(lambda: h.state.reading_bytes == DECLARED, "the upload is admitted")
+            await stalled.send(body[:SENT])
+            await wait_until(lambda: h.state.reading_bytes == SENT, "the bytes sent are charged")
 
             async with aiohttp.ClientSession() as session:
-                # The stalled upload is visible: its admitted bytes count as held.
+                # The stalled upload is visible: the bytes it sent count as held.
                 async with session.get(f"{h.url}/admin/exchanges") as resp:
                     exchanges = (await resp.json())["exchanges"]
-                assert [(e["phase"], e["held_bytes"]["raw"]) for e in exchanges] == [
-                    ("reading", DECLARED)
-                ]
+                assert [
+                    (e["phase"], e["declared_bytes"], e["held_bytes"]["raw"]) for e in exchanges
+                ] == [("reading", DECLARED, SENT)]
 
                 # A second large upload would pass the budget: refused before its body.
                 async with session.post(
@@ -71,7 +73,7 @@ async def test_stalled_upload_is_accounted_and_later_uploads_wait_their_turn() -
                     await resp.read()
 
                 # The stalled upload completes: its admission is returned.
-                await stalled.send(body[1:])
+                await stalled.send(body[SENT:])
                 head = await stalled.read_head()
                 assert head.status == 200
                 await stalled.read_body(head)
@@ -98,8 +100,72 @@ async def test_a_hang_up_mid_upload_returns_its_admission() -> None:
             [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
         )
         await client.send(body[:10])
-        await wait_until(lambda: h.state.reading_bytes == DECLARED, "the upload is admitted")
+        await wait_until(lambda: h.state.reading_bytes == 10, "the upload is charged")
         client.abort()
         await wait_until(lambda: h.state.reading_bytes == 0, "the admission is returned")
         await wait_until(lambda: not h.state.exchanges, "the exchange is gone")
         assert h.emulator.stats == []
+
+
+async def test_declared_but_unsent_bytes_are_not_charged() -> None:
+    async with proxy_with_emulator(max_reading_bytes=BUDGET) as h:
+        body = exact_body(CHAT_PATH, DECLARED)
+        idle = await RawClient.connect(h.url)
+        try:
+            idle.send_head(
+                "POST",
+                CHAT_PATH,
+                [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
+            )
+            await idle.send(body[:1])
+            await wait_until(lambda: h.state.reading_bytes == 1, "the one byte is charged")
+            # A second upload of the same declared size fits: the first one holds a byte.
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{h.url}{CHAT_PATH}", data=body, headers={"Content-Type": "application/json"}
+                ) as resp,
+            ):
+                assert resp.status == 200
+                await resp.read()
+            assert h.state.reading_bytes == 1
+        finally:
+            idle.abort()
+        await wait_until(lambda: h.state.reading_bytes == 0, "the admission is returned")
+
+
+async def test_a_read_growing_past_the_shared_budget_gets_503_and_the_other_goes_on() -> None:
+    async with proxy_with_emulator(max_reading_bytes=BUDGET) as h:
+        body = exact_body(CHAT_PATH, DECLARED)
+        first = await RawClient.connect(h.url)
+        second = await RawClient.connect(h.url)
+        try:
+            first.send_head(
+                "POST",
+                CHAT_PATH,
+                [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
+            )
+            await first.send(body[:SENT])
+            await wait_until(lambda: h.state.reading_bytes == SENT, "the first upload is charged")
+            # Chunked: nothing declared, so admitted; it grows past the budget mid-body.
+            second.send_head(
+                "POST",
+                CHAT_PATH,
+                [("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")],
+            )
+            await second.send(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+            head = await second.read_head()
+            assert head.status == 503
+            assert head.headers["Retry-After"] == str(h.settings.retry_after)
+            assert json.loads(await second.read_body(head))["error"]["code"] == "busy"
+            await wait_until(lambda: h.state.reading_bytes == SENT, "the refused read is refunded")
+            # The first upload is unaffected and completes.
+            await first.send(body[SENT:])
+            head = await first.read_head()
+            assert head.status == 200
+            await first.read_body(head)
+        finally:
+            await first.close()
+            await second.close()
+        assert h.state.reading_bytes == 0
+        assert [r.body_bytes for r in h.emulator.stats] == [DECLARED]
