@@ -3,6 +3,32 @@
 ``proxy.pytest_plugin`` provides the ``context_proxy`` fixture (a proxy plus
 the upstream emulator with the plugins a test passes), the same fixture plugin
 authors use; loading it here tests it the way they load it.
+
+Hypothesis profiles (pick one with ``--hypothesis-profile NAME``):
+
+* ``ci`` (the default): few examples, no per-example deadline (2 shared cores
+  make timings meaningless), so each property suite takes a few seconds;
+* ``long``: a local soak, thousands of examples per property, e.g.
+  ``python -m pytest tests/test_properties_*.py --hypothesis-profile long``.
 """
 
+from hypothesis import HealthCheck, settings
+
 pytest_plugins = ["proxy.pytest_plugin"]
+
+settings.register_profile(
+    "ci",
+    max_examples=40,
+    deadline=None,
+    derandomize=False,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "long",
+    max_examples=3000,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("ci")
