@@ -205,9 +205,34 @@ def reserve(size: int) -> bytearray:
         MemoryError: the address space could not be reserved.
     """
     buf = bytearray()
-    if size > 0 and _resize is not None and _resize(buf, size) != 0:
-        raise MemoryError(f"cannot reserve {size} bytes")
+    _grow(buf, size)
     return buf
+
+
+def _grow(buf: bytearray, size: int) -> None:
+    """Make ``len(buf) == size`` (>= its length) without writing the new bytes.
+
+    CPython allocates exactly ``size + 1`` bytes when ``size`` is more than 1.125
+    times the current allocation and 1.125 x ``size`` otherwise; callers that
+    care about the exact allocation grow by more than that factor.
+    """
+    if size > len(buf) and _resize is not None and _resize(buf, size) != 0:
+        raise MemoryError(f"cannot reserve {size} bytes")
+
+
+def _next_capacity(length: int, needed: int, limit: int) -> int:
+    """Capacity in bytes to grow a ``length``-byte buffer to, to hold ``needed`` bytes.
+
+    Geometric (x1.25 plus 4 KiB: amortised O(1) appends), never past ``limit``,
+    and always more than 1.125 x the old size so that CPython allocates exactly
+    what is asked (see :func:`_grow`). A step whose successor would land within
+    1.125 x of ``limit`` goes to ``limit`` at once, so the last step is exact too:
+    a buffer never holds more than ``limit`` bytes of storage.
+    """
+    capacity = max(needed, length + (length >> 2) + 4096)
+    if capacity + (capacity >> 3) + 16 >= limit:
+        capacity = limit
+    return capacity
 
 
 class BodySink:
@@ -243,12 +268,17 @@ class BodySink:
         end = self._size + len(data)
         if end > self._limit:
             raise BodyTooLarge(self._limit)
+        buf = self._buf
         if self._presize:
-            self._buf = reserve(self._presize)
+            buf = self._buf = reserve(self._presize)
             self._presize = 0
-        # One copy: into the reservation this is a memcpy, past its end (no
-        # declared length) an amortised append.
-        self._buf[self._size : end] = data
+        if end > len(buf):
+            # No declared length (or a write past it): grow the storage, not
+            # past the limit, leaving the new bytes unwritten until copied in.
+            _grow(buf, _next_capacity(len(buf), end, self._limit))
+        # One copy, a memcpy into storage already there (outside CPython, past
+        # the end an amortised append).
+        buf[self._size : end] = data
         self._hasher.update(data)
         self._size = end
 
@@ -309,6 +339,13 @@ class _Stage:
         return BodyEncodingError.corrupt(self._coding, "ends before the end of its")
 
 
+# Compressed bytes handed to zlib per call (see _ZlibStage._run), and decoded
+# bytes asked back: zlib builds its output in blocks and joins them, so a
+# smaller piece also halves the transient copy. Calls are cheap at this size.
+_ZLIB_SLICE: Final = 16 * 1024
+_ZLIB_PIECE: Final = 64 * 1024
+
+
 def _looks_like_zlib(b0: int, b1: int) -> bool:
     """RFC 1950 section 2.2: CM = 8 (deflate), CINFO <= 7, and CMF*256 + FLG divisible by 31."""
     return (b0 & 0x0F) == 8 and (b0 >> 4) <= 7 and ((b0 << 8) | b1) % 31 == 0
@@ -350,6 +387,14 @@ class _ZlibStage(_Stage):
         self._run(data)
 
     def _run(self, data: bytes) -> None:
+        # Input goes in slices: zlib copies what a bounded call did not consume
+        # into ``unconsumed_tail`` on every call, which for a bomb (one input byte
+        # per thousand output bytes) would copy most of a chunk per piece.
+        view = memoryview(data)
+        for start in range(0, len(view), _ZLIB_SLICE):
+            self._run_slice(view[start : start + _ZLIB_SLICE])
+
+    def _run_slice(self, data: bytes | memoryview) -> None:
         more = True
         while more:
             d = self._d
@@ -359,7 +404,7 @@ class _ZlibStage(_Stage):
                     raise BodyEncodingError.corrupt(self._coding, "has bytes after the end of its")
                 d = self._d = zlib.decompressobj(self._wbits)
             try:
-                out = d.decompress(data, self._piece)
+                out = d.decompress(data, _ZLIB_PIECE)
             except zlib.error:
                 raise BodyEncodingError.corrupt(self._coding) from None
             if out:
@@ -370,7 +415,7 @@ class _ZlibStage(_Stage):
             else:
                 data = d.unconsumed_tail
                 # A full piece may leave output in zlib's window with no input left.
-                more = bool(data) or len(out) == self._piece
+                more = bool(data) or len(out) == _ZLIB_PIECE
 
     def finish(self) -> None:
         if self._fed and (self._d is None or not self._d.eof):

@@ -169,7 +169,10 @@ def test_a_commit_runs_once() -> None:
 def test_start_reading_only_while_reading() -> None:
     ex = _exchange()
     ex.start_reading(1000)
-    assert ex.held_bytes().raw == 1000
+    # A declared length reserves nothing: only bytes received count as held.
+    assert (ex.declared_bytes, ex.held_bytes().raw) == (1000, 0)
+    ex.count_received(600)
+    assert ex.held_bytes().raw == 600
     ex.end_reading()
     assert ex.held_bytes().raw == 0
     _attach(ex)
