@@ -390,7 +390,7 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     not upload for nothing. A draining proxy (503), a declared length over the
     limit (413) or an unknown Content-Encoding (415) are refused here, before
     the upload; anything else gets 100 (Continue). An expectation other than
-    ``100-continue`` is 417.
+    ``100-continue`` never gets here (:func:`_refuse_expectation`).
     """
     state = request.app[STATE]
     route = protocols.route(request.method, request.path, request.headers)
@@ -399,8 +399,6 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     refusal: web.Response | None = None
     if state.draining:
         refusal = _reject(route.protocol, 503, "proxy is shutting down", state)
-    elif request.headers.get("Expect", "").strip().lower() != "100-continue":
-        refusal = error_response(route.protocol, 417, "only Expect: 100-continue is supported")
     else:
         codings = request.headers.getall("Content-Encoding", [])
         try:
@@ -500,15 +498,29 @@ def build_app(
     return app
 
 
+async def _refuse_expectation(request: web.BaseRequest) -> web.StreamResponse:
+    """417 for an ``Expect`` other than ``100-continue``, on any path, before routing.
+
+    JSON in the path's protocol shape (Anthropic under ``/v1/messages``, else
+    OpenAI); the value is never echoed. The body was not read: the connection closes.
+    """
+    protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+    resp = error_response(protocol, 417, "only Expect: 100-continue is supported")
+    resp.force_close()
+    return resp
+
+
 def make_runner(app: web.Application) -> web.AppRunner:
     """An ``AppRunner`` with the server options the proxy relies on.
 
-    Its connections close when request headers miss ``header_timeout``
+    Its connections close when request headers miss ``header_timeout``, and an
+    ``Expect`` other than ``100-continue`` gets 417 on every route
     (:class:`proxy.server.ProxyRunner`).
     """
     return ProxyRunner(
         app,
         header_timeout=app[STATE].settings.header_timeout,
+        expect_refusal=_refuse_expectation,
         handler_cancellation=True,
         auto_decompress=False,
         access_log=None,

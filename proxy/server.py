@@ -22,17 +22,25 @@ request of a keep-alive connection:
 
 An idle keep-alive connection that has sent no byte of its next request is
 aiohttp's keep-alive timeout's business, not this one's.
+
+The same edge answers an ``Expect`` other than ``100-continue`` for every route,
+matched or not, through one callback: aiohttp's own answer echoes the value
+into its 417 and fails with a 500 when the value is not valid UTF-8.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestHandler
 
-__all__ = ["HeaderDeadlineHandler", "ProxyRunner"]
+ExpectRefusal = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+"""Builds the answer to a request whose ``Expect`` is not ``100-continue`` (e.g. a 417)."""
+
+__all__ = ["ExpectRefusal", "HeaderDeadlineHandler", "ProxyRunner"]
 
 
 class HeaderDeadlineHandler(RequestHandler):
@@ -104,10 +112,29 @@ class HeaderDeadlineHandler(RequestHandler):
 
 
 class _Server(web.Server):
-    """``web.Server`` whose connections are :class:`HeaderDeadlineHandler` protocols."""
+    """``web.Server`` whose connections are :class:`HeaderDeadlineHandler` protocols.
 
-    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    Requests whose ``Expect`` is not ``100-continue`` go to ``expect_refusal``
+    instead of the application (RFC 9110 section 10.1.1: such an expectation may
+    be answered 417).
+    """
+
+    def __init__(
+        self,
+        handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]],
+        *args: Any,
+        header_timeout: float,
+        expect_refusal: ExpectRefusal | None,
+        **kwargs: Any,
+    ) -> None:
+        async def guarded(request: web.BaseRequest) -> web.StreamResponse:
+            expect = request.headers.get(hdrs.EXPECT)
+            if expect is not None and expect.strip().lower() != "100-continue":
+                assert expect_refusal is not None
+                return await expect_refusal(request)
+            return await handler(request)
+
+        super().__init__(handler if expect_refusal is None else guarded, *args, **kwargs)
         self._header_timeout = header_timeout
 
     def __call__(self) -> RequestHandler:
@@ -119,16 +146,28 @@ class _Server(web.Server):
 class ProxyRunner(web.AppRunner):
     """``web.AppRunner`` whose server enforces ``header_timeout`` (seconds) on every request.
 
-    Other keyword arguments are ``web.AppRunner``'s.
+    ``expect_refusal`` (optional) answers every request whose ``Expect`` is not
+    ``100-continue``, before routing. Other keyword arguments are ``web.AppRunner``'s.
+
+    Raises:
+        ValueError: ``header_timeout`` is not positive.
     """
 
-    __slots__ = ("_header_timeout",)
+    __slots__ = ("_expect_refusal", "_header_timeout")
 
-    def __init__(self, app: web.Application, *, header_timeout: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        header_timeout: float,
+        expect_refusal: ExpectRefusal | None = None,
+        **kwargs: Any,
+    ) -> None:
         if header_timeout <= 0:
             raise ValueError(f"header_timeout must be > 0 seconds, got {header_timeout}")
         super().__init__(app, **kwargs)
         self._header_timeout = header_timeout
+        self._expect_refusal = expect_refusal
 
     async def _make_server(self) -> web.Server:
         # AppRunner builds the app's server (start-up signals, frozen router);
@@ -139,5 +178,6 @@ class ProxyRunner(web.AppRunner):
             request_factory=base.request_factory,
             handler_cancellation=base.handler_cancellation,
             header_timeout=self._header_timeout,
+            expect_refusal=self._expect_refusal,
             **base._kwargs,
         )
