@@ -345,7 +345,7 @@ class Exchange:
     def start_reading(self, declared_bytes: int) -> None:
         """The body is being read; ``declared_bytes`` is its Content-Length (0: none).
 
-        A declaration reserves no memory (DESIGN section 2, "reading"), so it does
+        A declaration reserves no memory (docs/design.md §2, "reading"), so it does
         not count as held: only bytes received (:meth:`count_received`) count as ``raw``.
 
         Raises:
