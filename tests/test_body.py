@@ -567,9 +567,10 @@ async def test_chunked_body_over_limit_stops_at_the_limit(harness: Harness) -> N
     status, payload = await raw_post(harness, patterned(12 * MiB), chunked=True)
     assert (status, payload["limit"]) == (413, harness.limit)
     out = await harness.outcome()
-    # Stopped near the limit instead of buffering all 12 MiB, and freed what it had.
+    # Stopped near the limit instead of buffering all 12 MiB, and freed what it had
+    # (aiohttp's chunk parser may still hold some of the unread rest).
     assert out.peak < 1.5 * harness.limit
-    assert_nothing_left(out)
+    assert_nothing_left(out, unread=2 * DEFAULT_CHUNK_BYTES)
 
 
 # --------------------------------------------------------------------------- disconnect, idle
