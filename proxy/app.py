@@ -333,6 +333,7 @@ async def _run_exchange(
             )
             opaque = True
         ex.attach_body(result.buffer, meta)
+        state.metrics.bodies_read.inc()
         del result
         body_hint = meta.session_hint
     sid = resolve_session_id(

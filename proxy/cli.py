@@ -128,7 +128,7 @@ def demo(port: int, once: bool) -> None:
         pass
 
 
-_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster")
+_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak")
 
 
 @main.command(
@@ -142,7 +142,7 @@ _BENCHMARKS = ("memory", "overhead", "concurrency", "cluster")
 @click.argument("kind", required=False)
 @click.pass_context
 def bench(ctx: click.Context, kind: str | None) -> None:
-    """Run a benchmark: memory | overhead | concurrency (against the naive baseline) | cluster.
+    """Run a benchmark: memory | overhead | concurrency (against the naive baseline) | cluster | soak.
 
     Arguments after KIND go to the benchmark; `context-proxy bench KIND --help`
     lists them. Needs the `bench` extra.

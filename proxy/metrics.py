@@ -151,6 +151,11 @@ class Metrics:
             ["protocol"],
             registry=r,
         )
+        self.bodies_read = Counter(
+            "context_proxy_exchanges_read",
+            "Exchanges whose request body was read; each one is committed exactly once",
+            registry=r,
+        )
         self.request_bytes = Counter(
             "context_proxy_request_bytes", "Request body bytes received (decoded)", registry=r
         )

@@ -1,0 +1,48 @@
+"""``context-proxy bench soak``: a small real run, and its slope arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from benchmarks import soak
+
+
+def test_rss_slope_is_kib_per_thousand_requests() -> None:
+    # 1 KiB more per 1,000 requests, exactly.
+    points = [(n, 50 * 2**20 + n * 1024 // 1000) for n in range(0, 10_001, 1000)]
+    assert math.isclose(soak.rss_slope(points), 1.0, rel_tol=1e-3)
+    assert soak.rss_slope([(1000, 5), (2000, 5)]) == 0.0
+    assert math.isnan(soak.rss_slope([(1000, 5)]))
+    assert math.isnan(soak.rss_slope([(1000, 5), (1000, 9)]))
+
+
+def test_soak_smoke_run_books_every_admitted_exchange(tmp_path: Path) -> None:
+    # About 10 s: one proxy process, 150 requests of 20 KiB, half the clients hanging up.
+    out = tmp_path / "results"
+    argv = [
+        "-n", "150", "-c", "25", "--size", "20", "--hangup", "0.5",
+        "--every", "50", "--seed", "3", "--out", str(out), "--quiet",
+    ]  # fmt: skip
+    assert soak.main(argv) == 0
+    doc = json.loads((out / "soak.json").read_text())
+    assert doc["benchmark"] == "soak" and doc["options"]["requests"] == 150
+    # Every phase of hanging up happened, and every other client got its whole answer.
+    assert all(doc["fates"][fate] > 0 for fate in soak.FATES)
+    assert sum(doc["fates"].values()) == 150
+    assert doc["completed"]["complete"] == doc["fates"]["complete"]
+    assert doc["completed"]["after_last_byte"] == doc["fates"]["after_last_byte"]
+    assert [s["requests"] for s in doc["samples"]] == [0, 50, 100, 150]
+    assert all(s["rss"] > 0 and s["fds"] > 0 for s in doc["samples"])
+    # Nothing left behind, and each exchange with a body booked exactly once.
+    assert doc["exchanges_left"] == 0
+    assert doc["fds_leaked"] == 0
+    assert doc["commits_failed"] == 0
+    # Mid-body hang-ups never had a body to book; all those that read an answer did (a
+    # client that hangs up as its upload ends may be seen gone before its body is read).
+    fates = doc["fates"]
+    read_answer = 150 - fates["mid_body"] - fates["waiting_headers"]
+    assert read_answer <= doc["exchanges_admitted"] <= 150 - fates["mid_body"]
+    assert doc["commits_booked"] == doc["exchanges_admitted"]
+    assert doc["targets_met"]["commits"] and doc["targets_met"]["exchanges_left"]
