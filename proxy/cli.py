@@ -142,7 +142,7 @@ _BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak")
 @click.argument("kind", required=False)
 @click.pass_context
 def bench(ctx: click.Context, kind: str | None) -> None:
-    """Run a benchmark: memory | overhead | concurrency (against the naive baseline) | cluster | soak.
+    """Run a benchmark: memory | overhead | concurrency (vs the naive proxy) | cluster | soak.
 
     Arguments after KIND go to the benchmark; `context-proxy bench KIND --help`
     lists them. Needs the `bench` extra.
