@@ -3,7 +3,7 @@
 Open to anyone: ``GET /healthz`` (alive), ``GET /readyz`` (503 while draining),
 ``GET /metrics`` (Prometheus text). Under ``/admin/`` (loopback, an address in
 ``admin_allow``, or ``Authorization: Bearer <admin_token>``; otherwise 403):
-``GET /admin/sessions``, ``GET|DELETE /admin/sessions/{id}``,
+``GET /admin/sessions[?tombstoned=true]``, ``GET|DELETE /admin/sessions/{id}``,
 ``GET /admin/exchanges``, ``POST /admin/shutdown``.
 
 The peer address is the socket's, never ``X-Forwarded-For`` (a header any
@@ -86,7 +86,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
-def _info_view(info: SessionInfo) -> dict[str, Any]:
+def _ttl_view(remaining: float | None) -> float | None:
+    return None if remaining is None else round(remaining, 3)
+
+
+def _info_view(info: SessionInfo, tombstone_ttl_s: float | None) -> dict[str, Any]:
     return {
         "id": info.id,
         "in_flight": info.in_flight,
@@ -94,7 +98,35 @@ def _info_view(info: SessionInfo) -> dict[str, Any]:
         "requests": info.requests,
         "idle_s": round(info.idle_s, 3),
         "tombstoned": info.tombstoned,
+        "tombstone_ttl_s": _ttl_view(tombstone_ttl_s) if info.tombstoned else None,
     }
+
+
+def _closed_view(sid: str, remaining: float) -> dict[str, Any]:
+    """A session whose state is gone but whose tombstone lives (``remaining`` seconds)."""
+    return {
+        "id": sid,
+        "in_flight": 0,
+        "pinned": False,
+        "requests": None,
+        "idle_s": None,
+        "tombstoned": True,
+        "tombstone_ttl_s": _ttl_view(remaining),
+        "plugins": None,
+    }
+
+
+async def _tombstone_left(state: AppState, sid: str) -> float | None:
+    """Seconds the tombstone of ``sid`` still lives: the node's view, else Redis's.
+
+    In cluster mode a node that missed the close (started later, or down when it
+    was announced) still sees the tombstone in Redis; a Redis outage falls back
+    to the local view (``None`` here).
+    """
+    left = state.registry.tombstone_remaining(sid)
+    if left is None and state.cluster is not None:
+        left = await state.cluster.tombstone_left(sid)
+    return left
 
 
 #: Seconds a status read waits for a prepare or commit holding the session lock.
@@ -102,9 +134,26 @@ STATUS_READ_TIMEOUT = 2.0
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    """Every live session: in-flight count, pinned, last activity, tombstoned."""
+    """Every live session: in-flight count, pinned, last activity, tombstoned.
+
+    With ``?tombstoned=true``: only the tombstoned ones instead, those still
+    being closed (with their state) and those closed (state gone, tombstone
+    alive), each with ``tombstone_ttl_s``; at most ``tombstone_cap`` closed
+    ones plus the closes in progress, from this node's view.
+    """
     state = request.app[STATE]
-    return web.json_response({"sessions": [_info_view(i) for i in state.registry.snapshot()]})
+    registry = state.registry
+    if request.query.get("tombstoned", "").lower() not in ("true", "1", "yes"):
+        views = [
+            _info_view(i, registry.tombstone_remaining(i.id) if i.tombstoned else None)
+            for i in registry.snapshot()
+        ]
+        return web.json_response({"sessions": views})
+    out: list[dict[str, Any]] = []
+    for sid, left in registry.tombstoned():
+        info = registry.info(sid)
+        out.append(_closed_view(sid, left) if info is None else _info_view(info, left))
+    return web.json_response({"sessions": out})
 
 
 async def get_session(request: web.Request) -> web.Response:
@@ -112,7 +161,9 @@ async def get_session(request: web.Request) -> web.Response:
 
     The read is taken under the session's lock (between two commits) when it
     can be had within :data:`STATUS_READ_TIMEOUT`; otherwise the lock-free
-    registry view is returned with ``"plugins": null``.
+    registry view is returned with ``"plugins": null``. A closed session (state
+    dropped, tombstone alive) answers 200 with ``tombstoned: true`` and
+    ``tombstone_ttl_s``; 404 only when neither state nor tombstone exists.
     """
     state = request.app[STATE]
     sid = request.match_info["sid"]
@@ -123,15 +174,22 @@ async def get_session(request: web.Request) -> web.Response:
     except TimeoutError:
         info = state.registry.info(sid)
         if info is None:
-            return web.json_response({"error": "no such session"}, status=404)
-        view = _info_view(info)
+            return await _closed_or_missing(state, sid)
+        view = _info_view(info, state.registry.tombstone_remaining(sid))
         view["plugins"] = None
         return web.json_response(view)
     if status is None:
-        return web.json_response({"error": "no such session"}, status=404)
-    view = _info_view(status.info)
+        return await _closed_or_missing(state, sid)
+    view = _info_view(status.info, state.registry.tombstone_remaining(sid))
     view["plugins"] = dict(status.state)
     return web.json_response(view)
+
+
+async def _closed_or_missing(state: AppState, sid: str) -> web.Response:
+    left = await _tombstone_left(state, sid)
+    if left is None:
+        return web.json_response({"error": "no such session"}, status=404)
+    return web.json_response(_closed_view(sid, left))
 
 
 async def delete_session(request: web.Request) -> web.Response:

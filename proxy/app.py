@@ -157,8 +157,8 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
             # An orderly stop (session shutdown, drain) before the relay answered, e.g.
             # in prepare: the client gets a 503 in its protocol, not a dropped connection.
             task.uncancel()
-            ex.conclude(503, Outcome.CANCELLED, reason)
-            resp = _reject(protocol, 503, reason, state, code="unavailable")
+            ex.conclude(503, Outcome.CANCELLED, reason.message)
+            resp = _reject(protocol, 503, reason.message, state, code=reason.code)
             if ex.phase is Phase.READING:
                 resp.force_close()  # the rest of the body was never read
             return resp

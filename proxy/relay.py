@@ -77,6 +77,33 @@ class _UpstreamFailure(Exception):
         self.message = message
 
 
+def _unreachable(exc: aiohttp.ClientError) -> str:
+    """Plain words for a request that got no response head (never a header value).
+
+    ``HOST:PORT`` is the configured upstream's (a connector error carries it).
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        where = f"{exc.host}:{exc.port}"
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return f"upstream refused the connection at {where}"
+        if isinstance(exc, aiohttp.ClientConnectorDNSError):
+            return f"upstream host name did not resolve ({where})"
+        return f"could not connect to the upstream at {where}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "upstream closed the connection before answering"
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return "upstream did not answer in time"
+    return "upstream connection failed before an answer"
+
+
+def _read_failure(exc: BaseException) -> str:
+    """Plain words for a body read that failed (what follows "upstream stream failed: ")."""
+    if isinstance(exc, TimeoutError):
+        # aiohttp's ServerTimeoutError is a TimeoutError too: the idle-read bound.
+        return "upstream sent nothing for too long mid-answer"
+    return "upstream closed the connection mid-answer"
+
+
 class Upstream:
     """The upstream HTTP client: one pooled ``aiohttp.ClientSession`` for all exchanges.
 
@@ -258,9 +285,10 @@ class _Relay:
             # (a header value): only our own words go to the client and the log.
             raise _UpstreamFailure(502, Outcome.UPSTREAM_ERROR, _bad_head(exc)) from None
         except aiohttp.ClientError as exc:
-            raise _UpstreamFailure(
-                502, Outcome.UPSTREAM_UNREACHABLE, f"upstream unreachable: {type(exc).__name__}"
-            ) from None
+            message = _unreachable(exc)
+            # The class name helps whoever reads the log; the client gets plain words.
+            log.info("%s: upstream request failed (%s)", ex.id, type(exc).__name__)
+            raise _UpstreamFailure(502, Outcome.UPSTREAM_UNREACHABLE, message) from None
         return resp
 
     def _can_refold(self) -> bool:
@@ -286,12 +314,14 @@ class _Relay:
             ex.release()
             gate = self.gate
             if self.client is not None and self.client.prepared and gate is not None:
-                await self._perform(gate.abort(reason), outcome=Outcome.CANCELLED)
+                await self._perform(
+                    gate.abort(reason.message, code=reason.code), outcome=Outcome.CANCELLED
+                )
                 return self.client
-            ex.conclude(503, Outcome.CANCELLED, reason)
+            ex.conclude(503, Outcome.CANCELLED, reason.message)
             # Like every 503 of the proxy: tell the client when to come back.
             retry = {"Retry-After": str(self.retry_after)}
-            return error_response(ex.protocol, 503, reason, code="unavailable", headers=retry)
+            return error_response(ex.protocol, 503, reason.message, code=reason.code, headers=retry)
 
     async def _run(self) -> web.StreamResponse:
         ex = self.ex
@@ -389,7 +419,9 @@ class _Relay:
                     self.ex.id,
                     type(exc).__name__,
                 )
-            return gate.end(clean=False, reason=type(exc).__name__)
+            else:
+                log.info("%s: upstream body read failed (%s)", self.ex.id, type(exc).__name__)
+            return gate.end(clean=False, reason=_read_failure(exc))
         if decoder is None:
             return gate.feed(chunk) if chunk else gate.end(clean=True)
         try:

@@ -487,6 +487,27 @@ class SessionRegistry:
         """Completed, unexpired tombstones kept (at most ``tombstone_cap``)."""
         return self._tombstones.count()
 
+    def tombstone_remaining(self, sid: str) -> float | None:
+        """Seconds until new requests for ``sid`` are accepted again, or ``None``.
+
+        A shutdown still in progress answers the full ``tombstone_ttl`` (its
+        tombstone's lifetime starts when the shutdown completes).
+        """
+        if sid in self._closing:
+            return self._tombstones.ttl
+        return self._tombstones.remaining_ttl(sid)
+
+    def tombstoned(self) -> list[tuple[str, float]]:
+        """Every tombstoned id as ``(sid, remaining seconds)``: closing ones, then closed.
+
+        Bounded by the shutdowns in progress plus ``tombstone_cap``; takes no lock.
+        """
+        ttl = self._tombstones.ttl
+        closing = [(sid, ttl) for sid in self._closing]
+        return closing + [
+            (sid, left) for sid, left in self._tombstones.items() if sid not in self._closing
+        ]
+
     def _refuse_tombstoned(self, sid: str) -> None:
         """Raise :class:`SessionClosed` if ``sid`` has a live, completed tombstone."""
         remaining = self._tombstones.remaining_ttl(sid)

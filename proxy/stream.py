@@ -480,8 +480,11 @@ class StreamGate:
             message = self._failure(reason)
         return self._fail(actions, message)
 
-    def abort(self, message: str) -> list[Action]:
+    def abort(self, message: str, *, code: str) -> list[Action]:
         """Stop now (e.g. the proxy shuts down) and end the client's answer well-formed.
+
+        ``code`` is the in-band error's machine-readable code (e.g.
+        ``"session_closed"``, ``"proxy_shutdown"``; see :func:`protocols.inband_error`).
 
         Returns ``[]`` when the client was not answered yet (the driver answers
         it with an error response instead); otherwise the error event and
@@ -493,7 +496,7 @@ class StreamGate:
         if self._state is GateState.TERMINAL:
             return self._finish([])  # R1: the answer is complete; add nothing
         self._buf = bytearray()
-        return self._fail([], message, cut=self._framer is None)
+        return self._fail([], message, cut=self._framer is None, code=code)
 
     # -------------------------------------------------------------- internals
 
@@ -651,7 +654,14 @@ class StreamGate:
         actions.append(Finish())
         return actions
 
-    def _fail(self, actions: list[Action], message: str, *, cut: bool = False) -> list[Action]:
+    def _fail(
+        self,
+        actions: list[Action],
+        message: str,
+        *,
+        cut: bool = False,
+        code: str = protocols.STREAM_ERROR_CODE,
+    ) -> list[Action]:
         self._drop()
         if not cut and self._framer is not None:
             if self._spilled:
@@ -659,7 +669,9 @@ class StreamGate:
                 actions.append(Forward(b"\n\n"))
             actions.append(
                 Forward(
-                    protocols.inband_error(self._protocol, message, sequence_number=self._next_seq)
+                    protocols.inband_error(
+                        self._protocol, message, code=code, sequence_number=self._next_seq
+                    )
                 )
             )
         actions.append(self._usage_action())

@@ -58,6 +58,10 @@ class TombstoneStore(Protocol):
         """Unexpired tombstones kept."""
         ...
 
+    def items(self) -> list[tuple[str, float]]:
+        """Every unexpired tombstone as ``(sid, remaining seconds)`` (for the admin views)."""
+        ...
+
 
 class TombstoneSet:
     """In-process tombstones with a TTL and a count cap (a :class:`TombstoneStore`).
@@ -131,6 +135,16 @@ class TombstoneSet:
     def count(self) -> int:
         """Unexpired tombstones kept (at most ``cap``)."""
         return 0 if self._cache is None else len(self._cache)
+
+    def items(self) -> list[tuple[str, float]]:
+        """Every unexpired tombstone as ``(sid, remaining seconds)``; at most ``cap`` entries."""
+        cache = self._cache
+        if cache is None:
+            return []
+        with cache.timer as now:
+            # items() of a TTLCache skips expired entries; the expiry check here
+            # keeps a tombstone expiring between the two readings out as well.
+            return [(sid, expires - now) for sid, expires in cache.items() if expires > now]
 
 
 def _check_non_negative(name: str, value: float) -> None:

@@ -165,10 +165,11 @@ async def test_a_close_on_node_a_ends_the_stream_held_on_node_b(
 
     began = time.monotonic()
     answer = await asyncio.wait_for(_delete(a.url, "held"), GRACE + TTL + 10)
-    with pytest.raises(openai.APIError, match="session closed"):
+    with pytest.raises(openai.APIError, match="session closed") as cut:
         async with asyncio.timeout(GRACE + 5):
             async for _ in chunks:
                 pass
+    assert cut.value.code == "session_closed"
     assert time.monotonic() - began < GRACE + TTL + 3
     # B's exchange is in the cluster-wide counts; nothing is left in flight.
     assert answer["cancelled"] == 1 and answer["remaining"] == 0, answer
@@ -177,6 +178,11 @@ async def test_a_close_on_node_a_ends_the_stream_held_on_node_b(
     async with aiohttp.ClientSession() as http:
         status, body, _ = await _post(http, c.url, "held")
     assert status == 503 and "session closed" in body
+    # Every node's admin view shows the session closed, with what is left of the tombstone.
+    for node in cluster.nodes:
+        code, view = await asyncio.to_thread(_get, node, "/admin/sessions/held")
+        assert (code, view["tombstoned"]) == (200, True), node.name
+        assert view["tombstone_ttl_s"] > 0, node.name
     assert (await _delete(b.url, "held"))["already_closed"]
     assert "cp:{held}:inflight" not in _in_flight_keys(rdb)
     await client.close()

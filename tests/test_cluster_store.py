@@ -70,6 +70,14 @@ async def test_admission_registers_and_a_tombstone_refuses(store: RedisStore) ->
     assert not again.new and again.close_id == "c1" and not again.done
 
 
+async def test_the_shared_tombstone_answers_its_remaining_life(store: RedisStore) -> None:
+    """What the admin view of a node that missed a close reads: the tombstone's TTL."""
+    assert await store.tombstone_left("gone") is None
+    await store.begin_close("gone", "c1", tombstone_ttl=30.0)
+    left = await store.tombstone_left("gone")
+    assert left is not None and 29.0 < left <= 30.0
+
+
 async def test_deregistration_counts_only_exchanges_in_flight_at_the_close(
     store: RedisStore,
 ) -> None:

@@ -452,14 +452,21 @@ def closed_port() -> int:
 async def test_unreachable_upstream_is_502_in_the_client_protocol(
     http: aiohttp.ClientSession,
 ) -> None:
-    dead = f"http://127.0.0.1:{closed_port()}"
+    port = closed_port()
+    dead = f"http://127.0.0.1:{port}"
+    # Plain words with the configured address, not the HTTP client's class name.
+    said = f"upstream refused the connection at 127.0.0.1:{port}"
     async with proxy_for(upstream_openai=dead, upstream_anthropic=dead) as url:
         async with http.post(url + CHAT_PATH, data=stream_body(CHAT_PATH)) as resp:
             assert resp.status == 502
-            assert_openai_error(await resp.json(), type_="server_error")
+            body = await resp.json()
+            assert_openai_error(body, type_="server_error")
+            assert body["error"]["message"] == said
         async with http.post(url + ANTHROPIC_PATH, data=stream_body(ANTHROPIC_PATH)) as resp:
             assert resp.status == 502
-            assert_anthropic_error(await resp.json(), type_="api_error")
+            body = await resp.json()
+            assert_anthropic_error(body, type_="api_error")
+            assert body["error"]["message"] == said
         async with openai_client(url + "/v1") as client:
             with pytest.raises(openai.InternalServerError) as oai:
                 await client.chat.completions.create(model="m", messages=OAI_USER)

@@ -437,6 +437,78 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
     )
 
 
+async def test_a_closed_session_stays_visible_and_its_cut_streams_say_session_closed(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A chat and a Responses stream cut by DELETE /admin/sessions/{id} end with the
+    in-band code ``session_closed`` (not an upstream failure); afterwards the admin
+    views show the session as tombstoned with its remaining TTL until it expires."""
+    clock = FakeClock()
+    sid = "sess-visible"
+    async with proxy_with_emulator(
+        clock=clock, session_shutdown_timeout=SHUTDOWN_TIMEOUT_S, tombstone_ttl=TOMBSTONE_TTL_S
+    ) as h:
+        session = {"x-session-id": sid}
+        started_c, started_r = asyncio.Event(), asyncio.Event()
+        chat = asyncio.create_task(
+            call(
+                http,
+                h.url + CHAT,
+                request_body(CHAT, "c"),
+                {**session, "x-emulator": "hold=vis-c"},
+                first_event=started_c,
+            )
+        )
+        resp = asyncio.create_task(
+            call(
+                http,
+                h.url + RESPONSES,
+                request_body(RESPONSES, "r"),
+                {**session, "x-emulator": "chunks=4; hold=vis-r; stall_after=6"},
+                first_event=started_r,
+            )
+        )
+        try:
+            await bounded(asyncio.gather(started_c.wait(), started_r.wait()))
+            for record in list(h.emulator.stats):
+                await h.emulator.wait_holding(record.id)
+            async with http.delete(f"{h.url}/admin/sessions/{sid}") as answer:
+                assert (await answer.json())["cancelled"] == 2
+            done_c, done_r = await bounded(asyncio.gather(chat, resp))
+        finally:
+            for task in (chat, resp):
+                task.cancel()
+        chat_error = json.loads(done_c.events[-1][1])["error"]
+        assert chat_error["message"] == "session closed"
+        assert chat_error["code"] == "session_closed"
+        name, data = done_r.events[-1]
+        assert name == "error"
+        assert json.loads(data)["code"] == "session_closed"
+
+        assert h.state.registry.info(sid) is None  # the state is gone, the tombstone is not
+        clock.advance(10.0)
+        async with http.get(f"{h.url}/admin/sessions/{sid}") as answer:
+            assert answer.status == 200
+            detail = await answer.json()
+        assert detail["id"] == sid and detail["tombstoned"] is True
+        assert detail["tombstone_ttl_s"] == TOMBSTONE_TTL_S - 10.0
+        assert detail["in_flight"] == 0
+        # The plain listing shows live sessions; ?tombstoned=true the closed ones.
+        async with http.get(f"{h.url}/admin/sessions") as answer:
+            assert sid not in {s["id"] for s in (await answer.json())["sessions"]}
+        async with http.get(f"{h.url}/admin/sessions?tombstoned=true") as answer:
+            closed = {s["id"]: s for s in (await answer.json())["sessions"]}
+        assert closed[sid]["tombstoned"] is True
+        assert closed[sid]["tombstone_ttl_s"] == TOMBSTONE_TTL_S - 10.0
+
+        clock.advance(TOMBSTONE_TTL_S)
+        async with http.get(f"{h.url}/admin/sessions/{sid}") as answer:
+            assert answer.status == 404
+            assert await answer.json() == {"error": "no such session"}
+        async with http.get(f"{h.url}/admin/sessions?tombstoned=true") as answer:
+            assert await answer.json() == {"sessions": []}
+
+
 class StuckPrepare(Plugin):
     """A prepare hook that never returns for model ``stuck`` (until cancelled)."""
 
@@ -505,5 +577,6 @@ async def test_shutdown_session_answers_stragglers_not_yet_streaming_with_503(
     assert anthropic_error["type"] == "error"
     assert anthropic_error["error"]["message"] == "session closed"
     assert openai_error["error"]["message"] == "session closed"
+    assert openai_error["error"]["code"] == "session_closed"
     assert aborted.model == "gated"
     assert stuck.closed == [sid]

@@ -208,8 +208,10 @@ async def test_drain_lets_streams_finish_then_cuts_them_with_sdk_readable_errors
     assert GRACE_S <= elapsed < GRACE_S + BOUND_S
     assert isinstance(chat_error, openai.APIError)
     assert SHUTDOWN_MESSAGE in chat_error.message
+    assert chat_error.code == "proxy_shutdown"
     assert resp_events[-1].type == "error"
     assert resp_events[-1].message == SHUTDOWN_MESSAGE
+    assert resp_events[-1].code == "proxy_shutdown"
     assert [e.type for e in resp_events[:3]] == [
         "response.created",
         "response.in_progress",
@@ -293,6 +295,8 @@ async def test_drain_answers_exchanges_not_yet_streaming_with_503() -> None:
         assert int(answer.headers["Retry-After"]) >= 0
         assert body["error"]["message"] == SHUTDOWN_MESSAGE
         assert body["error"]["type"] == "server_error"
+    # Both refusals say the proxy stopped on purpose, in the OpenAI code or the message.
+    assert bodies[1]["error"]["code"] == "proxy_shutdown"
     assert h.emulator.record(1).model == "gated"
     assert h.emulator.record(1).aborted_by_peer
     assert len(h.emulator.stats) == 1, "the stuck request must never reach the upstream"
@@ -491,7 +495,7 @@ async def test_sigterm_drains_a_real_serve_process(
     ]
     error = json.loads(resp_events[-1][1])
     assert error["type"] == "error" and error["message"] == SHUTDOWN_MESSAGE
-    assert "code" in error and "sequence_number" in error
+    assert error["code"] == "proxy_shutdown" and "sequence_number" in error
     assert upstream_records["model-0"]["finished"]
     assert upstream_records["model-1"]["finished"]
     assert upstream_records["model-2"]["aborted_by_peer"]

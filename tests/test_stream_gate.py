@@ -492,13 +492,20 @@ def test_abort_ends_an_answered_stream_with_an_error_event() -> None:
     g = gate(Protocol.RESPONSES)
     g.start()
     g.feed(RESP_CREATED + RESP_DELTA + b"event: resp")
-    assert g.abort("proxy shutting down") == [
+    actions = g.abort("proxy shutting down", code="proxy_shutdown")
+    assert actions == [
         Forward(
-            protocols.inband_error(Protocol.RESPONSES, "proxy shutting down", sequence_number=2)
+            protocols.inband_error(
+                Protocol.RESPONSES, "proxy shutting down", code="proxy_shutdown", sequence_number=2
+            )
         ),
         NO_USAGE,
         Fail("proxy shutting down"),
     ]
+    # The event names the orderly stop, not a broken upstream.
+    forwarded = actions[0]
+    assert isinstance(forwarded, Forward)
+    assert b"proxy_shutdown" in forwarded.data and b"upstream_stream_error" not in forwarded.data
     assert g.held_bytes() == 0
 
 
@@ -506,7 +513,7 @@ def test_abort_before_the_client_was_answered_leaves_the_answer_to_the_driver() 
     g = gate(Protocol.RESPONSES, can_refold=True)
     g.start()
     g.feed(RESP_CREATED)
-    assert g.abort("session closed") == []
+    assert g.abort("session closed", code="session_closed") == []
     assert g.state is GateState.DONE and g.held_bytes() == 0
 
 
@@ -514,14 +521,17 @@ def test_abort_after_the_terminal_event_adds_nothing() -> None:
     g = gate(Protocol.MESSAGES)
     g.start()
     g.feed(MSG_START + MSG_STOP)
-    assert g.abort("proxy shutting down") == [Usage(3, 1, None), Finish()]
+    assert g.abort("proxy shutting down", code="proxy_shutdown") == [Usage(3, 1, None), Finish()]
 
 
 def test_abort_of_a_json_body_cuts_it() -> None:
     g = gate(content_type="application/json", stream_requested=False)
     g.start()
     g.feed(b"{")
-    assert g.abort("proxy shutting down") == [NO_USAGE, Fail("proxy shutting down", cut=True)]
+    assert g.abort("proxy shutting down", code="proxy_shutdown") == [
+        NO_USAGE,
+        Fail("proxy shutting down", cut=True),
+    ]
 
 
 # ------------------------------------------------------------------ misuse, usage

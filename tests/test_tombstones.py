@@ -98,6 +98,9 @@ class DictStore:
     def count(self) -> int:
         return len(self.left)
 
+    def items(self) -> list[tuple[str, float]]:
+        return list(self.left.items())
+
 
 async def test_the_registry_uses_an_injected_store_for_admission_and_counts() -> None:
     store = DictStore()

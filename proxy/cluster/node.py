@@ -364,6 +364,17 @@ class ClusterNode:
             remaining=remaining,
         )
 
+    async def tombstone_left(self, sid: str) -> float | None:
+        """Seconds the shared tombstone of ``sid`` still lives (``-1.0``: no expiry).
+
+        ``None`` if Redis has none, or cannot be reached (the caller then has
+        only its local view, :meth:`SessionRegistry.tombstone_remaining`).
+        """
+        try:
+            return await self.store.tombstone_left(sid)
+        except ClusterUnavailable:
+            return None
+
     def _apply(self, command: CloseCommand) -> None:
         if not command.sid or command.origin == self.origin:
             return  # this node started that close itself

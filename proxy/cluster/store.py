@@ -167,6 +167,20 @@ class RedisStore:
             return None
         return -1.0 if int(left) < 0 else int(left) / 1000.0
 
+    async def tombstone_left(self, sid: str) -> float | None:
+        """Seconds the tombstone of ``sid`` still lives in Redis, or ``None`` if it has none.
+
+        A tombstone without expiry answers ``-1.0``. Raises :class:`ClusterUnavailable`.
+        """
+        try:
+            left: Any = await self._client.pttl(SessionKeys(sid).tombstone)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        # PTTL: -2 no such key, -1 no expiry (redis.io/commands/pttl).
+        if int(left) == -2:
+            return None
+        return -1.0 if int(left) < 0 else int(left) / 1000.0
+
     async def deregister(self, sid: str, member: str, *, cancelled: bool) -> bool:
         """Remove ``member`` from the in-flight set; counts it in a running close's tally.
 

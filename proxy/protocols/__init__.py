@@ -31,6 +31,7 @@ from ._usage import UsageMeter
 
 __all__ = [
     "DIALECTS",
+    "STREAM_ERROR_CODE",
     "Dialect",
     "Protocol",
     "Route",
@@ -51,6 +52,9 @@ __all__ = [
 ]
 
 _CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+#: The in-band error code of a stream the upstream broke (orderly stops carry their own).
+STREAM_ERROR_CODE = "upstream_stream_error"
 
 
 def error_body(protocol: Protocol, status: int, message: str, *, code: str | None = None) -> bytes:
@@ -83,7 +87,7 @@ def inband_error(
     protocol: Protocol,
     message: str,
     *,
-    code: str = "upstream_stream_error",
+    code: str = STREAM_ERROR_CODE,
     sequence_number: int = 0,
 ) -> bytes:
     """Complete SSE bytes (ending in a blank line) that the client's SDK raises as an error.
