@@ -381,7 +381,6 @@ def test_the_guide_shows_the_example_files_verbatim() -> None:
     shown = {
         "count_per_model.py",
         "test_count_per_model.py",
-        "conftest.py",
         "context-proxy.toml",
         "pyproject.toml",
     }

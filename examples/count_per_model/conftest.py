@@ -1,3 +1,0 @@
-"""Makes the ``context_proxy`` fixture of context-proxy available to the tests."""
-
-pytest_plugins = ["proxy.pytest_plugin"]
