@@ -11,8 +11,10 @@ budget while others share it ends with the same 503.
 from __future__ import annotations
 
 import json
+import zlib
 
 import aiohttp
+import pytest
 
 from proxy.testing import proxy_with_emulator
 
@@ -169,3 +171,50 @@ async def test_a_read_growing_past_the_shared_budget_gets_503_and_the_other_goes
             await second.close()
         assert h.state.reading_bytes == 0
         assert [r.body_bytes for r in h.emulator.stats] == [DECLARED]
+
+
+@pytest.mark.parametrize("framing", ["chunked", "gzip"])
+async def test_stalled_chunked_or_compressed_upload_is_charged_its_decoded_bytes(
+    framing: str,
+) -> None:
+    """Neither a chunked upload (nothing declared) nor a gzip one (a small declared
+    size that expands) slips past the budget: the bytes decoded so far are charged,
+    and the next large upload waits its turn."""
+    async with proxy_with_emulator(max_reading_bytes=BUDGET) as h:
+        body = exact_body(CHAT_PATH, DECLARED)
+        stalled = await RawClient.connect(h.url)
+        try:
+            headers = [("Content-Type", "application/json")]
+            if framing == "chunked":
+                stalled.send_head("POST", CHAT_PATH, [*headers, ("Transfer-Encoding", "chunked")])
+                await stalled.send(b"%x\r\n%s\r\n" % (SENT, body[:SENT]))
+            else:
+                packer = zlib.compressobj(6, zlib.DEFLATED, 31)
+                packed = packer.compress(body[:SENT]) + packer.flush(zlib.Z_SYNC_FLUSH)
+                assert len(packed) < SENT // 10
+                # The declared size is the compressed size (plus a rest never sent).
+                stalled.send_head(
+                    "POST",
+                    CHAT_PATH,
+                    [
+                        *headers,
+                        ("Content-Encoding", "gzip"),
+                        ("Content-Length", str(len(packed) + 100)),
+                    ],
+                )
+                await stalled.send(packed)
+            await wait_until(
+                lambda: h.state.reading_bytes == SENT, "the decoded bytes received are charged"
+            )
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{h.url}{CHAT_PATH}", data=body, headers={"Content-Type": "application/json"}
+                ) as resp,
+            ):
+                assert resp.status == 503
+                assert json.loads(await resp.read())["error"]["code"] == "busy"
+        finally:
+            stalled.abort()
+        await wait_until(lambda: h.state.reading_bytes == 0, "the admission is returned")
+        assert h.emulator.stats == []
