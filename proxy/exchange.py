@@ -72,6 +72,9 @@ __all__ = [
 
 log = logging.getLogger("context_proxy.exchange")
 
+# What wire.encode_body raises for an object JSON cannot carry (UnicodeEncodeError is a ValueError).
+_UNENCODABLE: Final = (TypeError, ValueError, RecursionError, OverflowError)
+
 _ids = itertools.count(1)
 
 #: Slice size for sending the outbound body upstream. Python 3.11's socket
@@ -472,7 +475,16 @@ class Exchange:
         if isinstance(result, Splice):
             self._adopt_splice(result)
         elif result is not None:
-            self._reserialize(result)
+            try:
+                self._reserialize(result)
+            except _UNENCODABLE as exc:
+                # A plugin put something JSON cannot carry into ctx.body (a lone
+                # surrogate, a set, a cycle). The object was changed in place, so
+                # there is no "before that plugin" to return to: the edits of
+                # this run are dropped and the body goes on as it was before it.
+                host.whole_body_edit_failed(wants, exc)
+                self._discard_object(result)
+                result = None
         self._move(Phase.PREPARED)
         return result is not None
 
@@ -491,18 +503,42 @@ class Exchange:
     def _reserialize(self, parsed: ParsedHolder) -> None:
         """A plugin changed the whole parsed object: it becomes the outbound body.
 
-        The raw buffer is dropped first, so the peak is parsed + new outbound,
-        not raw + parsed + outbound (the parsed object stays for refolds).
+        The raw buffer (or the last outbound body) is dropped once the new body
+        is serialized: an object a plugin left unserializable must not cost the
+        body as before the run. The parsed object stays for refolds.
+
+        Raises:
+            TypeError, ValueError, RecursionError, OverflowError: the object cannot
+                be serialized (nothing was changed).
         """
+        # Serialized before anything is dropped: when it fails, the body before
+        # this run (raw, or the last outbound body) is still there to send.
+        data = wire.encode_body(parsed.body)
         before = self._held_total()
         self._parsed = parsed
         self._drop_raw()
         self._outbound = None
         self._freed(before)
-        data = wire.encode_body(parsed.body)
         self._outbound = BodyHolder(data)
         self.outbound_size = len(data)
         self.outbound_digest = xxhash.xxh3_128_hexdigest(data)
+
+    def _discard_object(self, parsed: ParsedHolder) -> None:
+        """Forget a whole-object edit that could not be serialized.
+
+        The outbound body stays as before the run. When ``parsed`` is the object
+        kept from an earlier level it was changed in place, so later refolds
+        start from the outbound body of that level instead (it is that object's
+        serialization, a :class:`BodyHolder`).
+        """
+        if parsed is not self._parsed:
+            return  # a fresh decode of raw, held by nobody else
+        before = self._held_total()
+        self._parsed = None
+        outbound = self._outbound
+        if isinstance(outbound, BodyHolder):
+            self._raw = outbound
+        self._freed(before)
 
     def _drop_raw(self) -> None:
         # When the raw buffer is also the outbound body, the outbound reference

@@ -496,6 +496,27 @@ class PluginHost:
             changed = touched or changed
         return changed
 
+    def whole_body_edit_failed(self, wants: Sequence[bool], exc: BaseException) -> None:
+        """Book a failure for the plugins of this prepare run that held ``ctx.body``.
+
+        Called when the object they changed cannot be serialized (``exc``: the
+        encoder's error); the caller then sends the body as it was before the
+        run. The error's message is not logged: it may quote the body.
+        """
+        names = [
+            _plugin_name(plugin)
+            for plugin, granted in zip(self._by_hook["prepare"], wants, strict=True)
+            if granted
+        ]
+        for name in names:
+            self.failures[name] = self.failures.get(name, 0) + 1
+        log.warning(
+            "plugin %s: prepare left ctx.body that cannot be serialized (%s); "
+            "the changes of this prepare run are skipped",
+            ", ".join(names),
+            type(exc).__name__,
+        )
+
     async def run_commit(self, record: ExchangeRecord) -> None:
         """Run every ``commit`` hook in order with the same immutable record."""
         for plugin in self._by_hook["commit"]:
