@@ -396,3 +396,37 @@ async def test_a_close_cut_between_tombstone_and_announcement_is_announced_on_re
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_redis_dying_during_a_close_answers_with_this_close_local_counts(
+    redis_server: RedisServer,
+) -> None:
+    """The close started this node's shutdown before Redis died: the degraded answer
+    is that shutdown's result (its own exchange finished), not ``already_closed``."""
+    regs = [_registry(), _registry()]
+    a = await _node(redis_server.url, regs[0], "a")
+    b = await _node(redis_server.url, regs[1], "b")
+    try:
+        a_started, b_started = asyncio.Event(), asyncio.Event()
+        # A's exchange outlives the outage; B's own one finishes within the grace.
+        on_a = asyncio.create_task(_hold(a, regs[0], "s", "ex-a", a_started, 30.0))
+        on_b = asyncio.create_task(_hold(b, regs[1], "s", "ex-b", b_started, 0.2))
+        await asyncio.wait_for(asyncio.gather(a_started.wait(), b_started.wait()), 5)
+        closing = asyncio.create_task(b.close_session("s", grace=10.0))
+        assert await asyncio.wait_for(on_b, 5) == "finished"
+        # B's local shutdown is over; it is still waiting for A's exchange in Redis.
+        await wait_until(lambda: regs[1].is_tombstoned("s"), "B's local shutdown done")
+        assert not closing.done()
+        redis_server.kill()
+        result = await asyncio.wait_for(closing, 10)
+        assert result.degraded
+        assert not result.already_closed
+        assert (result.finished, result.cancelled) == (1, 0)
+        # A second close is the one that finds the session already closed.
+        again = await asyncio.wait_for(b.close_session("s", grace=0.1), 5)
+        assert again.already_closed and again.degraded
+        on_a.cancel()
+        await asyncio.gather(on_a, return_exceptions=True)
+    finally:
+        await a.stop()
+        await b.stop()

@@ -34,7 +34,7 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Final
 
-from ..sessions import SessionClosed, SessionRegistry, shutdown_cause
+from ..sessions import SessionClosed, SessionRegistry, ShutdownResult, shutdown_cause
 from .store import CloseCommand, ClusterUnavailable, RedisStore, read_closes
 
 __all__ = ["Admission", "ClusterCloseResult", "ClusterNode"]
@@ -49,6 +49,17 @@ CLOSE_POLL_MAX: Final = 0.1
 #: Failed deregistrations (and closes accepted while degraded) kept for the reconcile.
 #: Beyond it the oldest are dropped: their entries stop being refreshed and expire.
 MAX_PENDING: Final = 100_000
+
+
+class _OutageMidClose(ClusterUnavailable):
+    """Redis failed after a close started this node's shutdown of the session.
+
+    ``local`` is that shutdown's future: the degraded answer awaits it.
+    """
+
+    def __init__(self, local: asyncio.Future[ShutdownResult]) -> None:
+        super().__init__("Redis failed during a session close")
+        self.local = local
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -316,15 +327,24 @@ class ClusterNode:
             proxy.sessions.SessionCloseError: a local plugin's ``session_closed``
                 failed (as for a single node).
         """
+        started: asyncio.Future[ShutdownResult] | None = None
         if not self.degraded:
             try:
                 return await self._close_cluster(sid, grace)
+            except _OutageMidClose as exc:
+                self._set_degraded(exc.__cause__ or exc)
+                started = exc.local
             except ClusterUnavailable as exc:
                 self._set_degraded(exc)
         self._pending_closes[sid] = grace
         while len(self._pending_closes) > MAX_PENDING:
             self._pending_closes.popitem(last=False)
-        local = await asyncio.shield(self.registry.start_shutdown(sid, grace))
+        # Redis died after this close started the local shutdown: its result is
+        # this close's (asking again would find the tombstone it set and answer
+        # already_closed, as if an earlier close had answered).
+        if started is None:
+            started = self.registry.start_shutdown(sid, grace)
+        local = await asyncio.shield(started)
         return ClusterCloseResult(
             sid=sid,
             finished=local.finished,
@@ -335,7 +355,6 @@ class ClusterNode:
 
     async def _close_cluster(self, sid: str, grace: float) -> ClusterCloseResult:
         store = self.store
-        loop = asyncio.get_running_loop()
         start = await store.begin_close(
             sid, f"{self.origin}|{secrets.token_hex(4)}", self.tombstone_ttl + grace
         )
@@ -345,6 +364,21 @@ class ClusterNode:
         if not start.new and start.done:
             await asyncio.shield(local)
             return ClusterCloseResult(sid=sid, finished=0, cancelled=0, already_closed=True)
+        try:
+            return await self._await_close(sid, grace, local, new=start.new)
+        except ClusterUnavailable as exc:
+            raise _OutageMidClose(local) from exc
+
+    async def _await_close(
+        self, sid: str, grace: float, local: asyncio.Future[ShutdownResult], *, new: bool
+    ) -> ClusterCloseResult:
+        """Wait for the cluster's in-flight set of ``sid`` to empty; the tally (see close).
+
+        Raises:
+            ClusterUnavailable: Redis failed while waiting.
+        """
+        store = self.store
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + grace + self.heartbeat_ttl + 1.0
         pause = CLOSE_POLL
         remaining = await store.prune(sid)
@@ -355,7 +389,7 @@ class ClusterNode:
         # This node's own exchanges are in the tally already (they deregister like
         # every node's); waiting here means its plugins have had session_closed.
         await asyncio.shield(local)
-        tally = await store.finish_close(sid) if start.new else await store.tally(sid)
+        tally = await store.finish_close(sid) if new else await store.tally(sid)
         return ClusterCloseResult(
             sid=sid,
             finished=tally.finished,
