@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from typing import Final
 
 from . import protocols
@@ -268,6 +269,7 @@ class StreamGate:
         "_opened",
         "_output",
         "_overflow",
+        "_precounted",
         "_protocol",
         "_spilled",
         "_state",
@@ -304,6 +306,8 @@ class StreamGate:
         self._output = self._terminal = self._overflow = False
         # Part of the unfinished event already went out (it outgrew PARTIAL_EVENT_CAP).
         self._spilled = False
+        # Events whose usage was read from the tail before their blank line arrived.
+        self._precounted = 0
         self._next_seq = 0
 
     # ------------------------------------------------------------ public state
@@ -407,6 +411,7 @@ class StreamGate:
             return [Forward(data)]
         if state is GateState.GATED:
             self._buf += data
+            self._probe_tail(framer)
             return self._settle([])
         buf = self._buf
         pending = framer.pending_bytes
@@ -415,6 +420,7 @@ class StreamGate:
             self._spilled = False
             return self._after_feed([Forward(data)])
         buf += data
+        self._probe_tail(framer)
         return self._after_feed([])
 
     def refold_declined(self) -> list[Action]:
@@ -507,7 +513,10 @@ class StreamGate:
     def _see(self, event: SSEEvent) -> None:
         """Note what one complete event means (usage, output, terminal, overflow)."""
         protocol = self._protocol
-        self._usage.feed_event(event)
+        if self._precounted:
+            self._precounted -= 1  # its usage was read by _probe_tail
+        else:
+            self._usage.feed_event(event)
         if protocol is Protocol.RESPONSES:
             seq = protocols.sequence_number(protocol, event)
             self._next_seq = self._next_seq + 1 if seq is None else seq + 1
@@ -604,6 +613,38 @@ class StreamGate:
             actions.append(Forward(bytes(self._buf)))
             self._buf = bytearray()
 
+    def _probe_tail(self, framer: SSEFramer) -> None:
+        """R1 before the blank line: is the unfinished event a complete terminal one?
+
+        An upstream may send its terminal event without the blank line and keep
+        the connection open; waiting for the blank line (or EOF) would keep the
+        client's complete answer open until the idle read timeout. The tail
+        counts as the terminal event when its last line is a ``data`` line whose
+        line end arrived and the data is whole: ``[DONE]`` or one JSON object.
+        Then the gate is terminal: the tail goes out and :class:`Linger` follows.
+        """
+        if self._terminal or self._spilled or not self._protocol.is_exchange:
+            return
+        buf = self._buf
+        pending = framer.pending_bytes
+        if not 0 < pending <= len(buf) or buf[-1] not in b"\r\n":
+            return
+        tail = bytes(buf[-pending:])
+        last_line = tail.rstrip(b"\r\n").replace(b"\r", b"\n").rpartition(b"\n")[2]
+        if not last_line.startswith(b"data"):
+            return
+        probe = SSEFramer()
+        events = probe.feed(tail + b"\n\n")
+        events += probe.close()
+        if len(events) != 1:
+            return
+        (event,) = events
+        if not (protocols.is_terminal_event(self._protocol, event) and _whole_data(event.data)):
+            return
+        self._terminal = True
+        self._usage.feed_event(event)
+        self._precounted = 1
+
     def _tail_is_terminal(self) -> bool:
         """Whether the unterminated tail, ended by a blank line, holds the terminal event."""
         if self._spilled:
@@ -677,3 +718,13 @@ class StreamGate:
         actions.append(self._usage_action())
         actions.append(Fail(message, cut=cut or self._framer is None))
         return actions
+
+
+def _whole_data(data: bytes) -> bool:
+    """Whether an event's data is complete on its own: ``[DONE]`` or one JSON object."""
+    if data == b"[DONE]":
+        return True
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return False

@@ -251,6 +251,69 @@ async def test_r1_a_terminal_event_without_its_blank_line_ends_the_answer(
             assert await raw_body(url, path) == sent
 
 
+class HoldingUpstream:
+    """A loopback upstream that sends ``body`` as one chunk of an event stream, then
+    keeps the connection open (no last-chunk, no close) until the test leaves."""
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self._release = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self.url = ""
+
+    async def __aenter__(self) -> HoldingUpstream:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release.set()
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+            writer.write(SSE_HEAD + b"%x\r\n%s\r\n" % (len(self._body), self._body))
+            await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(BOUND_S * 3):  # bounded even if never released
+                    await self._release.wait()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("line_end", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+@pytest.mark.parametrize("path", PATHS, ids=IDS)
+async def test_r1_a_terminal_event_without_its_blank_line_on_an_open_connection_ends_soon(
+    path: str, line_end: bytes
+) -> None:
+    """The upstream sends the terminal event's data line (its line end included) but
+    no blank line and keeps the connection open: the client's answer ends within the
+    terminal-event grace, not after the upstream idle read timeout (300 s)."""
+    *body, last = STREAMS[path]
+    sent = b"".join(body) + last.removesuffix(b"\n\n") + line_end
+    for client in ("sdk", "raw"):
+        async with HoldingUpstream(sent) as upstream, proxy_for(upstream.url) as url:
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            async with asyncio.timeout(BOUND_S):
+                if client == "sdk":
+                    assert (await sdk_text(path, url))[0] == "Hello"
+                else:
+                    assert await raw_body(url, path) == sent
+            assert loop.time() - began < BOUND_S / 2
+
+
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 async def test_r1_bytes_after_the_terminal_event_are_relayed_as_is(path: str) -> None:
     sent = b"".join(STREAMS[path]) + b": trailing comment\n\ndata: junk"

@@ -154,8 +154,11 @@ def test_every_split_of_a_stream_forwards_the_same_bytes(protocol: Protocol) -> 
         actions = g.start()
         for piece in pieces:
             actions += g.feed(piece)
-            # Never ahead of a complete event: what went out parses on its own.
-            assert forwarded(actions).endswith(b"\n\n") or not forwarded(actions)
+            # Never ahead of a complete event: what went out parses on its own
+            # (R1: or it ends with the terminal event's whole data line).
+            out = forwarded(actions)
+            assert out.endswith(b"\n\n") or not out or g.state is GateState.TERMINAL
+            assert whole.startswith(out)
         actions += g.end(clean=True)
         assert forwarded(actions) == whole
         assert actions[-1] == Finish()
@@ -180,9 +183,10 @@ def test_cr_line_ends_and_comments_pass_untouched() -> None:
     g.start()
     raw = b": keep-alive\r\n\r\ndata: [DONE]\r\r"
     actions = g.feed(raw)
-    # The blank line ended by the last CR completes only at EOF (it may be a CRLF).
-    assert actions == [Forward(b": keep-alive\r\n\r\n")]
-    assert g.end(clean=True) == [Forward(b"data: [DONE]\r\r"), NO_USAGE, Finish()]
+    # The blank line ended by the last CR completes only at EOF (it may be a CRLF),
+    # but the [DONE] line is whole: R1, the answer is complete (and goes out whole).
+    assert actions == [Forward(raw), Linger(TERMINAL_EOF_GRACE)]
+    assert g.end(clean=True) == [NO_USAGE, Finish()]
 
 
 # ------------------------------------------------------------- stream end rule
@@ -207,14 +211,59 @@ def test_r1_an_unterminated_terminal_event_at_eof_is_the_end(protocol: Protocol)
     """The anthropic SDK's own fixtures end with ``data: {"type":"message_stop"}`` and
     no newline; the SDK accepts that, so the proxy must relay it as is and add nothing."""
     *body, last = STREAMS[protocol]
-    for cut in (b"\n\n", b"\n"):
-        fragment = last.removesuffix(cut)
-        g = gate(protocol)
-        actions = g.start() + g.feed(b"".join(body) + fragment)
-        assert forwarded(actions) == b"".join(body)
-        end = g.end(clean=True)
-        assert forwarded(end) == fragment
-        assert end[-1] == Finish()
+    fragment = last.removesuffix(b"\n\n")
+    g = gate(protocol)
+    actions = g.start() + g.feed(b"".join(body) + fragment)
+    assert forwarded(actions) == b"".join(body)
+    end = g.end(clean=True)
+    assert forwarded(end) == fragment
+    assert end[-1] == Finish()
+
+
+@pytest.mark.parametrize("protocol", EXCHANGES)
+@pytest.mark.parametrize("line_end", [b"\n", b"\r\n", b"\r"], ids=["lf", "crlf", "cr"])
+def test_r1_a_terminal_event_whose_data_line_ended_is_the_end_without_its_blank_line(
+    protocol: Protocol, line_end: bytes
+) -> None:
+    """An upstream that sends its terminal event's data line and then nothing (but keeps
+    the connection open): the event is whole, so the gate ends the answer (Linger) now,
+    not when the upstream's idle read timeout strikes."""
+    *body, last = STREAMS[protocol]
+    fragment = last.removesuffix(b"\n\n") + line_end
+    g = gate(protocol)
+    actions = g.start() + g.feed(b"".join(body))
+    assert Linger(TERMINAL_EOF_GRACE) not in actions
+    actions += g.feed(fragment)
+    assert actions[-1] == Linger(TERMINAL_EOF_GRACE)
+    assert forwarded(actions) == b"".join(body) + fragment
+    # The blank line may still come: relayed, and the usage is counted once.
+    later = g.feed(b"\n")
+    assert later == [Forward(b"\n")]
+    end = g.end(clean=True)
+    assert forwarded(end) == b"" and end[-1] == Finish()
+    whole = gate(protocol)
+    as_sent = whole.start() + whole.feed(b"".join(STREAMS[protocol])) + whole.end(clean=True)
+    assert [a for a in end if isinstance(a, Usage)] == [
+        a for a in as_sent if isinstance(a, Usage)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("protocol", "tail"),
+    [
+        (Protocol.CHAT, b"data: [DO"),  # the line is not whole
+        (Protocol.CHAT, b"data: [DONE] \n"),  # not the [DONE] marker
+        (Protocol.MESSAGES, b"event: message_stop\n"),  # its data has not come yet
+        (Protocol.MESSAGES, b'event: message_stop\ndata: {"type": "mess\n'),  # not one object
+        (Protocol.RESPONSES, b"event: response.completed\n"),
+    ],
+)
+def test_an_unfinished_terminal_event_is_not_the_end_yet(protocol: Protocol, tail: bytes) -> None:
+    *body, _ = STREAMS[protocol]
+    g = gate(protocol)
+    actions = g.start() + g.feed(b"".join(body) + tail)
+    assert Linger(TERMINAL_EOF_GRACE) not in actions
+    assert forwarded(actions) == b"".join(body)
 
 
 @pytest.mark.parametrize("protocol", EXCHANGES)
