@@ -319,6 +319,7 @@ def start_proxy(
     env: Mapping[str, str] | None = None,
     module: str = "proxy",
     name: str = "proxy",
+    event_loop: str = "asyncio",
 ) -> Service:
     """Start this proxy (``python -m proxy serve``) in front of ``upstream``.
 
@@ -326,7 +327,9 @@ def start_proxy(
     settings not given here are the defaults, and the environment's
     ``CONTEXT_PROXY_*`` variables are ignored. ``env`` adds variables (e.g.
     ``MALLOC_*`` tunables). ``module`` replaces ``proxy`` in ``python -m proxy``
-    (a wrapper that patches the proxy before running its CLI).
+    (a wrapper that patches the proxy before running its CLI). ``event_loop``
+    is the ``event_loop`` setting (``uvloop`` or ``asyncio``); give the naive
+    baseline the same one for a fair comparison.
     """
     port = free_port()
     argv = [
@@ -351,17 +354,25 @@ def start_proxy(
     extra = {
         f"{_ENV_PREFIX}PLUGINS": ",".join(plugins),
         f"{_ENV_PREFIX}FAKE_COMPLETION_RETRIES": str(fake_completion_retries),
+        f"{_ENV_PREFIX}EVENT_LOOP": event_loop,
         **(env or {}),
     }
     return _spawn(name, argv, port, log_dir, "/healthz", extra)
 
 
 def start_naive(
-    upstream: str, log_dir: Path, *, env: Mapping[str, str] | None = None, name: str = "naive"
+    upstream: str,
+    log_dir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    name: str = "naive",
+    event_loop: str = "asyncio",
 ) -> Service:
-    """Start the naive baseline proxy (``python -m benchmarks.naive``) in front of ``upstream``."""
+    """Start the naive baseline proxy (``python -m benchmarks.naive``) in front of ``upstream``,
+    on ``event_loop`` (``uvloop`` or ``asyncio``, as this proxy's run)."""
     port = free_port()
     argv = ["-m", "benchmarks.naive", "--host", HOST, "--port", str(port), "--upstream", upstream]
+    argv += ["--event-loop", event_loop]
     return _spawn(name, argv, port, log_dir, "/", dict(env or {}))
 
 

@@ -23,6 +23,8 @@ from typing import Final
 import aiohttp
 from aiohttp import web
 
+from proxy.loops import EVENT_LOOPS, loop_factory
+
 __all__ = ["build_naive_app", "main"]
 
 _HOP_BY_HOP: Final = frozenset(
@@ -99,9 +101,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8789)
     parser.add_argument("--upstream", required=True, help="upstream base URL")
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="asyncio",
+        help="the same loop as the proxy it is compared with [asyncio]",
+    )
     args = parser.parse_args(argv)
+    factory, _ = loop_factory(args.event_loop)
     web.run_app(
         build_naive_app(args.upstream),
+        loop=factory(),
         host=args.host,
         port=args.port,
         access_log=None,

@@ -569,6 +569,7 @@ async def serve(settings: Settings) -> None:
     async with running(app, settings.host, settings.port) as port:
         plugins = ", ".join(p.name or type(p).__name__ for p in state.host.plugins)
         log.info("plugins enabled: %s", plugins or "none")
+        log.info("event loop: %s", type(loop).__module__.split(".")[0])
         log.info(
             "context-proxy listening on http://%s:%d (openai → %s, anthropic → %s)",
             settings.host,

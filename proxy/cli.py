@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from .config import ConfigError, Settings, load_settings
+from .loops import run as run_loop
 from .plugins import PluginError, discover_plugins
 
 __all__ = ["main"]
@@ -78,6 +79,9 @@ def main() -> None:
     "--redis-url", help="Cluster mode: shared state in Redis (docs/cluster.md) [unset: one node]."
 )
 @click.option("--node-id", help="Cluster mode: this node's name [hostname:port].")
+@click.option(
+    "--event-loop", type=click.Choice(["asyncio", "uvloop"]), help="Event loop [asyncio]."
+)
 @click.option("--log-level", help="DEBUG, INFO, WARNING or ERROR [INFO].")
 def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     """Run the proxy until SIGTERM/SIGINT, then drain and exit 0."""
@@ -88,7 +92,7 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     settings = _settings(config, **flags)
     _setup_logging(settings.log_level)
     try:
-        asyncio.run(serve_app(settings))
+        run_loop(serve_app(settings), settings.event_loop)
     except PluginError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:

@@ -1,0 +1,60 @@
+"""The event-loop setting: asyncio by default, uvloop on request, a fallback without uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+import sys
+from typing import Any
+
+import pytest
+import uvloop
+
+from proxy import loops
+from proxy.config import ConfigError, load_settings
+
+
+def _loop_kind() -> str:
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+async def _kind() -> str:
+    return _loop_kind()
+
+
+def test_default_setting_runs_on_the_standard_loop() -> None:
+    settings = load_settings(environ={})
+    assert settings.event_loop == "asyncio"
+    assert loops.run(_kind(), settings.event_loop) == "asyncio"
+
+
+def test_uvloop_setting_runs_on_uvloop() -> None:
+    settings = load_settings(environ={"CONTEXT_PROXY_EVENT_LOOP": "uvloop"})
+    assert loops.run(_kind(), settings.event_loop) == "uvloop"
+
+
+def test_unknown_loop_is_a_one_line_config_error() -> None:
+    with pytest.raises(ConfigError, match="event_loop"):
+        load_settings(environ={"CONTEXT_PROXY_EVENT_LOOP": "trio"})
+
+
+def test_without_uvloop_installed_it_falls_back_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_import = builtins.__import__
+
+    def no_uvloop(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "uvloop":
+            raise ImportError("No module named 'uvloop'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "uvloop")
+    monkeypatch.setattr(builtins, "__import__", no_uvloop)
+    factory, used = loops.loop_factory("uvloop")
+    assert used == "asyncio"
+    assert factory is asyncio.new_event_loop
+    with caplog.at_level(logging.WARNING, logger="proxy.loops"):
+        assert loops.run(_kind(), "uvloop") == "asyncio"
+    assert "not importable" in caplog.text
+    assert uvloop.__name__ == "uvloop"
