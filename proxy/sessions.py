@@ -744,7 +744,9 @@ class SessionRegistry:
 
     # ----------------------------------------------------------------- shutdown
 
-    def start_shutdown(self, sid: str, timeout: float) -> asyncio.Future[ShutdownResult]:
+    def start_shutdown(
+        self, sid: str, timeout: float, *, notify_unknown: bool = True
+    ) -> asyncio.Future[ShutdownResult]:
         """Tombstone ``sid`` now and start shutting it down; see :meth:`shutdown_session`.
 
         Synchronous: when it returns, the tombstone is set (new requests get
@@ -753,6 +755,12 @@ class SessionRegistry:
         shutdown of ``sid`` is already in progress). Must run on the event loop.
         Do not await the future while holding a session lock: the shutdown
         takes the session's lock to archive it.
+
+        ``notify_unknown``: whether ``on_close`` runs when the registry has no
+        entry for ``sid`` by the time of archiving (an evicted id: plugins may
+        still hold state). Cluster mode passes ``False`` for a session this node
+        never served, so its plugins are not told about another node's session;
+        the tombstone is set all the same.
 
         Raises:
             ValueError: ``timeout`` is negative or not finite.
@@ -773,7 +781,8 @@ class SessionRegistry:
         self._tombstones.discard(sid)
         # A fresh context: the shutdown belongs to no caller and inherits no held lock.
         task = loop.create_task(
-            self._run_shutdown(sid, target, tokens, timeout), context=contextvars.Context()
+            self._run_shutdown(sid, target, tokens, timeout, notify_unknown),
+            context=contextvars.Context(),
         )
         self._closing[sid] = task
         # Registered first, so it runs before any awaiter resumes: callers see
@@ -823,7 +832,12 @@ class SessionRegistry:
         return await asyncio.shield(self.start_shutdown(sid, timeout))
 
     async def _run_shutdown(
-        self, sid: str, target: _Session | None, tokens: tuple[Tracking, ...], grace: float
+        self,
+        sid: str,
+        target: _Session | None,
+        tokens: tuple[Tracking, ...],
+        grace: float,
+        notify_unknown: bool,
     ) -> ShutdownResult:
         loop = asyncio.get_running_loop()
         waiters: dict[asyncio.Future[None], Tracking] = {}
@@ -852,7 +866,10 @@ class SessionRegistry:
                 await asyncio.wait(pending)
         # The entry seen when the tombstone was set may have been archived since
         # (by a close_all): it must not be archived twice. Without an entry
-        # (unknown or evicted id) on_close still runs, as plugins may hold state.
+        # (unknown or evicted id) on_close still runs, as plugins may hold state,
+        # unless the caller knows this process never served the id.
+        if not notify_unknown and self._find(sid) is None:
+            return ShutdownResult(sid=sid, finished=finished, cancelled=cancelled)
         if self._before_close is not None:
             await self._before_close(sid)
         archived = target is not None and target.state is _State.ARCHIVED

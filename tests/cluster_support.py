@@ -38,6 +38,7 @@ __all__ = [
     "need_binary",
 ]
 
+_REPO: Final = Path(__file__).resolve().parent.parent
 _START_ATTEMPTS: Final = 5
 _READY_WITHIN: Final = 20.0  # seconds; a node is a fresh Python process on a loaded machine
 _STOP_WITHIN: Final = 15.0
@@ -202,8 +203,11 @@ class ProxyNode:
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXT_PROXY_")}
+        # The repository on the path, so a test plugin (tests.closed_log) imports.
+        path = [str(_REPO), *filter(None, [env.get("PYTHONPATH")])]
         env.update(
             {
+                "PYTHONPATH": os.pathsep.join(path),
                 "CONTEXT_PROXY_UPSTREAM_OPENAI": self.upstream,
                 "CONTEXT_PROXY_UPSTREAM_ANTHROPIC": self.upstream,
                 "CONTEXT_PROXY_REDIS_URL": self.redis_url,

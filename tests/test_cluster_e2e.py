@@ -26,6 +26,7 @@ import openai
 import pytest
 import redis
 
+from .closed_log import closed_ids
 from .cluster_support import Cluster, ProxyNode
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,13 +38,17 @@ _NODE_SETTINGS = {
     "session_shutdown_timeout": GRACE,
     "cluster_heartbeat_ttl": TTL,
     "shutdown_grace": 3.0,
-    "plugins": "ledger",
+    "plugins": "ledger,tests.closed_log:ClosedLog",
 }
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(Path(tmp_path_factory.mktemp("cluster")), n=3, settings=_NODE_SETTINGS)
+    workdir = Path(tmp_path_factory.mktemp("cluster"))
+    # Each node's ClosedLog writes the ids its plugins were told are closed here.
+    plugin = {"tests.closed_log:ClosedLog": {"directory": str(workdir)}}
+    settings = {**_NODE_SETTINGS, "plugin": json.dumps(plugin)}
+    c = Cluster(workdir, n=3, settings=settings)
     c.start()
     try:
         yield c
@@ -186,6 +191,37 @@ async def test_a_close_on_node_a_ends_the_stream_held_on_node_b(
     assert (await _delete(b.url, "held"))["already_closed"]
     assert "cp:{held}:inflight" not in _in_flight_keys(rdb)
     await client.close()
+
+
+def _told_closed(cluster: Cluster, node: ProxyNode) -> list[str]:
+    """The ids ``node``'s plugins got ``session_closed`` for (its current process)."""
+    assert node.proc is not None
+    return closed_ids(cluster.workdir, node.proc.pid)
+
+
+async def test_only_the_nodes_that_served_a_session_get_session_closed(
+    cluster: Cluster,
+) -> None:
+    a, b, c = cluster.nodes
+    async with aiohttp.ClientSession() as http:
+        assert (await _post(http, a.url, "served-on-a"))[0] == 200
+        assert (await _post(http, c.url, "served-on-c"))[0] == 200
+
+    # Closed on B, which never served it: A's plugins are told, B's are not (B
+    # answers after its own local close, plugins included).
+    answer = await asyncio.wait_for(_delete(b.url, "served-on-a"), GRACE + TTL + 10)
+    assert not answer["already_closed"] and answer["finished"] == 0, answer
+    await _until(lambda: "served-on-a" in _told_closed(cluster, a), "A's plugins told")
+    assert "served-on-a" not in _told_closed(cluster, b)
+
+    # A later close, of a session C served: once C's plugins have it, C's tailer has
+    # applied the earlier command too (the stream is read in order).
+    await asyncio.wait_for(_delete(b.url, "served-on-c"), GRACE + TTL + 10)
+    await _until(lambda: "served-on-c" in _told_closed(cluster, c), "C's plugins told")
+    await asyncio.sleep(0.3)  # the earlier close's local task, had it anything to tell
+    assert "served-on-a" not in _told_closed(cluster, c)
+    assert "served-on-c" not in _told_closed(cluster, a) + _told_closed(cluster, b)
+    assert _told_closed(cluster, a).count("served-on-a") == 1
 
 
 async def test_sessions_stick_to_a_node_and_a_stopped_node_moves_only_its_own(

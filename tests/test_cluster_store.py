@@ -269,16 +269,19 @@ async def test_a_dead_nodes_entry_expires_and_the_close_returns(redis_server: Re
         await a.stop()
 
 
-async def test_concurrent_closes_on_two_nodes_share_one_close(redis_server: RedisServer) -> None:
-    closes: list[str] = []
+def _recording_registry(closes: list[str]) -> SessionRegistry:
+    """A registry whose ``on_close`` (the plugins' session_closed) appends to ``closes``."""
 
     async def on_close(sid: str) -> None:
         closes.append(sid)
 
-    regs = [
-        SessionRegistry(idle_cap=10, tombstone_ttl=60.0, tombstone_cap=10, on_close=on_close)
-        for _ in range(2)
-    ]
+    return SessionRegistry(idle_cap=10, tombstone_ttl=60.0, tombstone_cap=10, on_close=on_close)
+
+
+async def test_concurrent_closes_on_two_nodes_share_one_close(redis_server: RedisServer) -> None:
+    closes_a: list[str] = []
+    closes_b: list[str] = []
+    regs = [_recording_registry(closes_a), _recording_registry(closes_b)]
     a = await _node(redis_server.url, regs[0], "a")
     b = await _node(redis_server.url, regs[1], "b")
     try:
@@ -290,10 +293,49 @@ async def test_concurrent_closes_on_two_nodes_share_one_close(redis_server: Redi
         )
         assert await held == "finished"
         assert r1.finished == r2.finished == 1
-        assert sorted(closes) == ["s", "s"]  # one session_closed per node, not more
+        # One session_closed on A, which served the session; none on B, which did not.
+        assert closes_a == ["s"]
+        assert closes_b == []
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_only_a_node_that_served_a_session_tells_its_plugins(
+    redis_server: RedisServer,
+) -> None:
+    closes: dict[str, list[str]] = {name: [] for name in "abc"}
+    regs = {name: _recording_registry(closes[name]) for name in "abc"}
+    nodes = {name: await _node(redis_server.url, regs[name], name) for name in "abc"}
+    try:
+        for name, sid in (("a", "s1"), ("b", "s2")):
+            async with nodes[name].admitted(sid, f"ex-{sid}"):
+                with regs[name].track(sid):
+                    pass
+
+        # Closed on B, which never served s1: A's plugins are told, B's and C's are not.
+        result = await asyncio.wait_for(nodes["b"].close_session("s1", grace=0.5), 10)
+        assert result.finished == 0 and not result.already_closed
+        await wait_until(
+            lambda: all(reg.tombstone_count == 1 for reg in regs.values()),
+            "every node's local shutdown of s1 done",
+            within=10,
+        )
+        assert closes == {"a": ["s1"], "b": [], "c": []}
+        # Every node still keeps the local tombstone (it refuses while Redis is down).
+        assert all(reg.is_tombstoned("s1") for reg in regs.values())
+
+        # Closed on B, which served s2: only B's plugins are told.
+        await asyncio.wait_for(nodes["b"].close_session("s2", grace=0.5), 10)
+        await wait_until(
+            lambda: all(reg.tombstone_count == 2 for reg in regs.values()),
+            "every node's local shutdown of s2 done",
+            within=10,
+        )
+        assert closes == {"a": ["s1"], "b": ["s2"], "c": []}
+    finally:
+        for node in nodes.values():
+            await node.stop()
 
 
 async def test_redis_down_policy_and_reconcile(redis_server: RedisServer) -> None:

@@ -34,6 +34,8 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, Final
 
+from cachetools import LRUCache
+
 from ..sessions import SessionClosed, SessionRegistry, ShutdownResult, shutdown_cause
 from .store import CloseCommand, ClusterUnavailable, RedisStore, read_closes
 
@@ -49,6 +51,10 @@ CLOSE_POLL_MAX: Final = 0.1
 #: Failed deregistrations (and closes accepted while degraded) kept for the reconcile.
 #: Beyond it the oldest are dropped: their entries stop being refreshed and expire.
 MAX_PENDING: Final = 100_000
+#: Session ids this node remembers having served (least recently admitted dropped
+#: first). A close tells the node's plugins only about these and the ids its
+#: registry still holds; a session that fell out of both gets no session_closed here.
+SERVED_CAP: Final = 100_000
 
 
 class _OutageMidClose(ClusterUnavailable):
@@ -117,11 +123,13 @@ class Admission:
         # re-adds it, whether or not this call reaches Redis.
         node._entries.setdefault(sid, set()).add(self._member)
         if node.degraded:
+            node._served[sid] = None
             return self
         try:
             left = await node.store.admit(sid, self._member, node.heartbeat_ttl)
         except ClusterUnavailable as exc:
             node._set_degraded(exc)
+            node._served[sid] = None
             return self
         except BaseException:
             # Cancelled mid round trip: the entry may exist in Redis; take it out.
@@ -130,6 +138,7 @@ class Admission:
         if left is not None:
             node._forget(sid, self._member)
             raise SessionClosed(sid, left if left >= 0 else node.tombstone_ttl)
+        node._served[sid] = None
         return self
 
     async def __aexit__(
@@ -161,9 +170,13 @@ class ClusterNode:
         heartbeat_ttl: seconds an entry lives without a heartbeat; the
             heartbeat runs every third of it.
         tombstone_ttl: seconds a tombstone outlives its close (as locally).
+        served_cap: most session ids remembered as served by this node (>= 1);
+            a close runs the plugins' ``session_closed`` only for a session this
+            node served (remembered here or still in its registry).
 
     Raises:
-        ValueError: a non-positive or non-finite ``heartbeat_ttl``.
+        ValueError: a non-positive or non-finite ``heartbeat_ttl``, or a
+            ``served_cap`` below 1.
     """
 
     __slots__ = (
@@ -171,6 +184,7 @@ class ClusterNode:
         "_heartbeat",
         "_pending_closes",
         "_pending_deregs",
+        "_served",
         "_tailer",
         "_tasks",
         "_tip",
@@ -193,9 +207,12 @@ class ClusterNode:
         node_id: str,
         heartbeat_ttl: float,
         tombstone_ttl: float,
+        served_cap: int = SERVED_CAP,
     ) -> None:
         if not (heartbeat_ttl > 0 and math.isfinite(heartbeat_ttl)):
             raise ValueError(f"heartbeat_ttl must be a finite number > 0, got {heartbeat_ttl!r}")
+        if served_cap < 1:
+            raise ValueError(f"served_cap must be >= 1, got {served_cap!r}")
         self.store: Final = store
         self.registry: Final = registry
         self.node_id: Final = node_id
@@ -209,6 +226,8 @@ class ClusterNode:
         """Completed reconciles after an outage (a counter for metrics and tests)."""
         # sid -> members this node holds in flight (what the heartbeat refreshes).
         self._entries: dict[str, set[str]] = {}
+        # Sessions this node admitted an exchange for (values unused), bounded.
+        self._served: LRUCache[str, None] = LRUCache(served_cap)
         self._pending_deregs: collections.deque[tuple[str, str, bool]] = collections.deque(
             maxlen=MAX_PENDING
         )
@@ -312,7 +331,8 @@ class ClusterNode:
         2. ``XADD`` the close command; every node's tailer starts its local
            ``shutdown_session(sid, grace)``: in-flight exchanges get
            ``grace`` seconds, then are cancelled (upstream aborted, in-band
-           error event); plugins get ``session_closed``.
+           error event); the plugins of each node that served ``sid`` get
+           ``session_closed`` (see :meth:`served`).
         3. The same locally, then wait until the session's in-flight set is
            empty or ``grace`` + the heartbeat TTL has passed (a dead node's
            entries expire by then), and answer with the cluster-wide tally.
@@ -343,7 +363,7 @@ class ClusterNode:
         # this close's (asking again would find the tombstone it set and answer
         # already_closed, as if an earlier close had answered).
         if started is None:
-            started = self.registry.start_shutdown(sid, grace)
+            started = self._close_locally(sid, grace)
         local = await asyncio.shield(started)
         return ClusterCloseResult(
             sid=sid,
@@ -360,7 +380,7 @@ class ClusterNode:
         )
         if start.new:
             await store.announce_close(sid, grace, self.origin)
-        local = self.registry.start_shutdown(sid, grace)
+        local = self._close_locally(sid, grace)
         if not start.new and start.done:
             await asyncio.shield(local)
             return ClusterCloseResult(sid=sid, finished=0, cancelled=0, already_closed=True)
@@ -413,7 +433,21 @@ class ClusterNode:
         if not command.sid or command.origin == self.origin:
             return  # this node started that close itself
         log.debug("cluster: close of a session from node %s", command.origin.split("|")[0])
-        self.registry.start_shutdown(command.sid, command.timeout)
+        self._close_locally(command.sid, command.timeout)
+
+    def served(self, sid: str) -> bool:
+        """Whether this node served ``sid`` (admitted an exchange for it) as far as it
+        remembers: the last ``served_cap`` sessions admitted, or an entry in its registry.
+        """
+        return sid in self._served or self.registry.info(sid) is not None
+
+    def _close_locally(self, sid: str, grace: float) -> asyncio.Future[ShutdownResult]:
+        """This node's part of a close: the local tombstone always (it keeps refusing
+        while Redis is down), ``session_closed`` for the plugins only if it served ``sid``.
+        """
+        served = self.served(sid)
+        self._served.pop(sid, None)  # tombstoned now; admitted again only after its TTL
+        return self.registry.start_shutdown(sid, grace, notify_unknown=served)
 
     # ----------------------------------------------------------------- background
 
