@@ -20,21 +20,34 @@ __all__ = ["DOCS", "nginx_config", "start_redis"]
 
 DOCS: Final = Path(__file__).resolve().parent.parent / "docs" / "cluster.md"
 _DOC_NODE_RE: Final = re.compile(r"^( *)server 127\.0\.0\.1:878\d (.*)\n", re.MULTILINE)
+#: Directives for the files nginx writes; the document's must all be relative paths.
+_PREFIX_FILES: Final = (
+    "pid",
+    "error_log",
+    *(f"{kind}_temp_path" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")),
+)
 
 
-def nginx_config(listen: int, nodes: Sequence[int], workdir: Path) -> str:
-    """The nginx configuration of docs/cluster.md with this test's ports and paths.
+def nginx_config(listen: int, nodes: Sequence[int]) -> str:
+    """The nginx configuration of docs/cluster.md with this run's ports, for ``nginx -p``.
 
     The ``nginx`` block is read from the document, so the tests run exactly the
     configuration users copy. Substituted: the node ``server`` lines (one per
-    port in ``nodes``), the ``listen`` port, pid/log/temp paths under
-    ``workdir``, and an ``X-Upstream-Node`` header naming the node that answered.
+    port in ``nodes``), the ``listen`` port, one worker, ``daemon off`` (the
+    caller owns the process and stops it by its PID), and an ``X-Upstream-Node``
+    header naming the node that answered. The document's pid, error log and
+    temporary paths are relative, so they land in the ``-p`` prefix directory.
 
     Raises:
-        AssertionError: the document no longer has the block or its landmarks.
+        AssertionError: the document no longer has the block or its landmarks
+            (among them: every file nginx writes relative to the prefix).
     """
     text = DOCS.read_text()
     block = text.split("```nginx\n", 1)[1].split("```", 1)[0]
+    for kind in _PREFIX_FILES:
+        line = re.search(rf"^ *{kind} +(\S+?)[ ;]", block, re.MULTILINE)
+        assert line is not None, f"docs/cluster.md: the nginx block sets no {kind}"
+        assert not line.group(1).startswith("/"), f"docs/cluster.md: {kind} outside the prefix"
     match = _DOC_NODE_RE.search(block)
     assert match is not None, "docs/cluster.md: no 'server 127.0.0.1:878N' line"
     indent, options = match.group(1), match.group(2)
@@ -44,19 +57,12 @@ def nginx_config(listen: int, nodes: Sequence[int], workdir: Path) -> str:
     assert "listen 127.0.0.1:8080;" in block
     block = block.replace("listen 127.0.0.1:8080;", f"listen 127.0.0.1:{listen};")
     block = block.replace("worker_processes auto;", "worker_processes 1;")
-    paths = "".join(
-        f"    {kind}_temp_path {workdir}/{kind};\n"
-        for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-    )
-    assert "http {\n" in block
-    block = block.replace("http {\n", "http {\n" + paths, 1)
     landmark = "proxy_pass http://context_proxy;"
     assert landmark in block
     block = block.replace(
         landmark, landmark + "\n            add_header X-Upstream-Node $upstream_addr always;"
     )
-    head = f"daemon off;\npid {workdir}/nginx.pid;\nerror_log {workdir}/nginx-error.log warn;\n"
-    return head + block
+    return "daemon off;\n" + block
 
 
 def start_redis(

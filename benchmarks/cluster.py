@@ -166,7 +166,7 @@ async def _collect(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         nginx_dir = log_dir / "nginx"
         nginx_dir.mkdir(parents=True, exist_ok=True)
         ports = [int(s.url.rsplit(":", 1)[1]) for s in three]
-        (nginx_dir / "nginx.conf").write_text(nginx_config(nginx_port, ports, nginx_dir))
+        (nginx_dir / "nginx.conf").write_text(nginx_config(nginx_port, ports))
         nginx_proc = await asyncio.create_subprocess_exec(
             nginx_bin, "-p", str(nginx_dir), "-e", str(nginx_dir / "nginx-error.log"),
             "-c", str(nginx_dir / "nginx.conf"),

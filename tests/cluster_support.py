@@ -156,7 +156,7 @@ class NginxServer:
         for _ in range(_START_ATTEMPTS):
             self.port = free_port()
             conf = self.workdir / "nginx.conf"
-            conf.write_text(nginx_config(self.port, self.nodes, self.workdir))
+            conf.write_text(nginx_config(self.port, self.nodes))
             self.proc = subprocess.Popen(
                 [
                     self.binary,
