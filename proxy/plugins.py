@@ -38,6 +38,7 @@ import importlib.metadata
 import inspect
 import logging
 import math
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
@@ -59,6 +60,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("context_proxy.plugins")
+
+# A TOML bare key (TOML 1.0, "Keys"): what needs no quotes in a table header.
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
 
 ENTRY_POINT_GROUP: Final = "context_proxy.plugins"
 
@@ -342,22 +346,38 @@ def load_plugins(
     *,
     timeout: float,
     shared: Mapping[str, Any] | None = None,
+    strict: bool = True,
 ) -> PluginHost:
     """Import and construct the plugins named in ``specs``, in order.
 
-    ``options[spec]`` (the ``[plugin.<spec>]`` config table) is passed as
-    keyword arguments. ``shared``: proxy settings offered to every plugin whose
-    constructor has a keyword parameter of that name, unless its table sets
-    it (e.g. ``redis_url``, so the ledger joins cluster mode with the proxy).
+    A plugin's options table (``[plugin.<key>]`` of the config) is passed as
+    keyword arguments. Its key is the entry as written in ``plugins``; an
+    entry-point plugin also answers to its class's ``name``. ``shared``: proxy
+    settings offered to every plugin whose constructor has a keyword parameter
+    of that name, unless its table sets it (e.g. ``redis_url``, so the ledger
+    joins cluster mode with the proxy). With ``strict`` (the default), a table
+    no plugin of ``specs`` takes is an error: a typo must not be ignored.
 
     Raises:
-        PluginError: a plugin is unknown, not a :class:`Plugin`, or rejected its
-            options; the message names it.
+        PluginError: a plugin is unknown, not a :class:`Plugin`, rejected its
+            options or has two tables; a table belongs to no plugin. The
+            message names it.
     """
     plugins: list[Plugin] = []
+    taken: set[str] = set()
     for spec in specs:
         cls, target = _resolve(spec)
-        kwargs = dict(options.get(spec, {}))
+        keys = [spec]
+        if ":" not in spec and cls.name and cls.name != spec:
+            keys.append(cls.name)
+        tables = [key for key in keys if key in options]
+        if len(tables) > 1:
+            raise PluginError(
+                f"plugin {spec!r}: options in both [{_table(tables[0])}] and "
+                f"[{_table(tables[1])}]; keep one"
+            )
+        taken.update(tables)
+        kwargs = dict(options[tables[0]]) if tables else {}
         if shared:
             accepted = inspect.signature(cls).parameters
             for name, value in shared.items():
@@ -367,7 +387,20 @@ def load_plugins(
             plugins.append(cls(**kwargs))
         except (TypeError, ValueError) as exc:
             raise PluginError(f"plugin {spec!r} ({target}): bad options: {exc}") from None
+    if strict:
+        for key in options:
+            if key not in taken:
+                raise PluginError(
+                    f"[{_table(key)}]: no plugin in the plugins list takes this table "
+                    "(its key is the entry as written there, or an entry-point "
+                    "plugin's name)"
+                )
     return PluginHost(plugins, timeout=timeout)
+
+
+def _table(key: str) -> str:
+    """The TOML header of the options table ``key`` (quoted when not a bare key)."""
+    return f"plugin.{key}" if _BARE_KEY.fullmatch(key) else f'plugin."{key}"'
 
 
 class PluginHost:

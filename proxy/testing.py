@@ -198,7 +198,7 @@ async def proxy_with_emulator(
             instances = [
                 item
                 if isinstance(item, Plugin)
-                else load_plugins([item], resolved.plugin, timeout=timeout).plugins[0]
+                else load_plugins([item], resolved.plugin, timeout=timeout, strict=False).plugins[0]
                 for item in plugins
             ]
             host = PluginHost(instances, timeout=timeout)

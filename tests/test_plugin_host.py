@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -205,3 +206,56 @@ async def test_a_failed_startup_shuts_down_every_earlier_plugin() -> None:
     with pytest.raises(PluginError, match="refuses: startup failed: port taken"):
         await host.startup()
     assert opens.closed
+
+
+# ------------------------------------------------------------------ options tables
+
+
+class Named(Plugin):
+    """A plugin whose ``name`` differs from the entry that loads it."""
+
+    name = "named"
+
+    def __init__(self, *, level: int = 0) -> None:
+        self.level = level
+
+
+def _entry_points(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register ``Named`` under the entry-point name "audit" (its name is "named")."""
+    ep = importlib.metadata.EntryPoint(
+        name="audit", value=f"{__name__}:Named", group=plugins_module.ENTRY_POINT_GROUP
+    )
+
+    def entry_points(*, group: str, name: str | None = None) -> list[Any]:
+        return [ep] if group == ep.group and name in (None, ep.name) else []
+
+    monkeypatch.setattr(plugins_module.importlib.metadata, "entry_points", entry_points)
+
+
+def test_an_entry_point_plugin_takes_the_table_of_its_entry_or_its_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _entry_points(monkeypatch)
+    for key in ("audit", "named"):
+        (plugin,) = plugins_module.load_plugins(["audit"], {key: {"level": 3}}, timeout=1.0).plugins
+        assert isinstance(plugin, Named) and plugin.level == 3
+    with pytest.raises(PluginError, match=r"both \[plugin\.audit\] and \[plugin\.named\]"):
+        plugins_module.load_plugins(
+            ["audit"], {"audit": {"level": 1}, "named": {"level": 2}}, timeout=1.0
+        )
+
+
+def test_a_module_class_plugin_takes_the_table_of_its_entry_string() -> None:
+    spec = f"{__name__}:Named"
+    (plugin,) = plugins_module.load_plugins([spec], {spec: {"level": 4}}, timeout=1.0).plugins
+    assert isinstance(plugin, Named) and plugin.level == 4
+    # Its name is no key for it: the table would be silently ignored, so it is an error.
+    with pytest.raises(PluginError, match=r"^\[plugin\.named\]: no plugin"):
+        plugins_module.load_plugins([spec], {"named": {"level": 4}}, timeout=1.0)
+
+
+def test_a_table_no_plugin_takes_is_a_startup_error_naming_it() -> None:
+    with pytest.raises(PluginError, match=r'^\[plugin\."my\.mod:Thing"\]: no plugin'):
+        plugins_module.load_plugins(["fold"], {"my.mod:Thing": {}}, timeout=1.0)
+    with pytest.raises(PluginError, match=r"^\[plugin\.jsonlgo\]: no plugin"):
+        plugins_module.load_plugins(["fold"], {"jsonlgo": {"path": "x"}}, timeout=1.0)
