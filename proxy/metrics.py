@@ -3,22 +3,60 @@
 Each app has its own ``CollectorRegistry`` so several proxies (tests, embedded
 use) can live in one process. Gauges that describe live state (bytes held by
 phase, sessions, tombstones) are computed at scrape time from the app state
-rather than kept up to date on every change.
+rather than kept up to date on every change. Every series is listed in the
+README's metrics table.
+
+Names follow the Prometheus conventions (https://prometheus.io/docs/practices/naming/):
+base units (seconds, bytes), ``_total`` on counters, ``code`` for an HTTP
+status. No ``_created`` series: importing this module turns them off for the
+process (prometheus-client has no per-registry switch), since they double the
+series count and no alert reads them.
 """
 
 from __future__ import annotations
 
+import platform
+import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol
+from importlib import metadata
+from typing import TYPE_CHECKING, Final, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+import aiohttp
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from .exchange import Exchange
 
-__all__ = ["LiveSource", "Metrics"]
+__all__ = ["BODY_BUCKETS", "TIME_BUCKETS", "LiveSource", "Metrics"]
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+#: Seconds, for time to first byte and exchange duration: a cached answer starts
+#: within milliseconds, a long agent turn streams for minutes (5 ms to 10 min).
+TIME_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+#: Bytes, for request bodies: 1 KiB to 256 MiB in steps of four.
+BODY_BUCKETS: Final = tuple(float(1024 * 4**i) for i in range(10))
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _Registry(Protocol):
@@ -124,15 +162,54 @@ class Metrics:
     def __init__(self, state: LiveSource) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        # The process (RSS, fds, CPU), GC and platform collectors read process-wide
+        # facts; the default registry's instances serve any number of registries.
+        for collector in (PROCESS_COLLECTOR, GC_COLLECTOR, PLATFORM_COLLECTOR):
+            r.register(collector)
+        build = Gauge(
+            "context_proxy_build_info",
+            "Always 1; the labels name the versions running",
+            ["version", "python_version", "aiohttp_version"],
+            registry=r,
+        )
+        build.labels(_version("context-proxy"), platform.python_version(), aiohttp.__version__).set(
+            1
+        )
         self.requests = Counter(
             "context_proxy_requests",
-            "Finished requests",
-            ["protocol", "status", "outcome"],
+            "Finished requests, by protocol, HTTP status code and outcome",
+            ["protocol", "code", "outcome"],
             registry=r,
         )
         # Labelled children by (protocol, status, outcome) as the exchange holds them:
         # labels() validates and locks on every call; a finished exchange needs one.
         self._requests_by_key: dict[tuple[object, object, str], Counter] = {}
+        self.ttfb = Histogram(
+            "context_proxy_time_to_first_byte_seconds",
+            "Seconds from the request's arrival to the first response byte sent to the client",
+            ["protocol"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "context_proxy_exchange_duration_seconds",
+            "Seconds from the request's arrival to the end of its exchange",
+            ["protocol"],
+            buckets=TIME_BUCKETS,
+            registry=r,
+        )
+        self.body_size = Histogram(
+            "context_proxy_request_body_bytes",
+            "Request body size in bytes (decoded), per exchange with a body",
+            buckets=BODY_BUCKETS,
+            registry=r,
+        )
+        self._timing_by_protocol: dict[object, tuple[Histogram, Histogram]] = {}
+        self.fd_exhausted = Counter(
+            "context_proxy_fd_exhausted",
+            "Requests answered 503 because the process ran out of file descriptors",
+            registry=r,
+        )
         self.in_flight = Gauge("context_proxy_in_flight", "In-flight exchanges", registry=r)
         self.releases = Counter(
             "context_proxy_releases", "Exchanges whose buffers were released", registry=r
@@ -177,6 +254,16 @@ class Metrics:
                 str(ex.protocol), str(ex.status), ex.outcome.value
             )
         child.inc()
+        timing = self._timing_by_protocol.get(ex.protocol)
+        if timing is None:
+            label = str(ex.protocol)
+            timing = self._timing_by_protocol[ex.protocol] = (
+                self.ttfb.labels(label),
+                self.duration.labels(label),
+            )
+        if ex.ttfb is not None:
+            timing[0].observe(ex.ttfb)
+        timing[1].observe(time.monotonic() - ex.started)
         self.releases.inc(ex.releases)
         if ex.refolds:
             self.refolds.inc(ex.refolds)
@@ -184,6 +271,7 @@ class Metrics:
             self.retries.inc(ex.retries)
         if ex.meta is not None:
             self.request_bytes.inc(ex.meta.byte_length)
+            self.body_size.observe(ex.meta.byte_length)
         self.response_bytes.inc(ex.response_bytes)
 
     def render(self) -> bytes:

@@ -377,7 +377,7 @@ async def test_metrics_series_after_traffic(http: aiohttp.ClientSession) -> None
 
         text, samples = await metrics(http, h)
     # Requests by protocol and status (and outcome), exactly the traffic sent.
-    requests = series(samples, "context_proxy_requests_total", "protocol", "status", "outcome")
+    requests = series(samples, "context_proxy_requests_total", "protocol", "code", "outcome")
     assert requests == {
         (Protocol.CHAT, "200", "ok"): 2,
         (Protocol.MESSAGES, "429", "upstream_error"): 1,

@@ -202,7 +202,7 @@ async def test_hangup_seen_by_the_relay_is_not_logged_as_a_server_error(
         booked = h.metric(
             "context_proxy_requests_total",
             protocol="openai-chat",
-            status="0",
+            code="0",
             outcome="client_gone",
         )
         assert booked == 1
@@ -429,7 +429,7 @@ async def test_upstream_cut_right_after_the_final_event_is_a_complete_answer(pat
             path, "anthropic-messages"
         )
         assert h.metric(
-            "context_proxy_requests_total", protocol=protocol, status="200", outcome="ok"
+            "context_proxy_requests_total", protocol=protocol, code="200", outcome="ok"
         ) == len(h.emulator.stats)
     assert status == 200
     events = sse_events(raw)
