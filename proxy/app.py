@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
-from . import protocols, wire
+from . import logs, protocols, wire
 from .admin import add_admin_routes
 from .body import BodyBusy, BodyError, check_content_length, read_body
 from .cancel import orderly_cancel_reason
@@ -113,6 +113,8 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         keep_for_resend=settings.fake_completion_retries > 0,
         on_release=state.allocator.released,
     )
+    # Each request runs in a task of its own: the id marks this task's records only.
+    logs.EXCHANGE_ID.set(ex.id)
     task = asyncio.current_task()
     assert task is not None
     state.exchanges[ex.id] = ex
@@ -183,6 +185,8 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
+        if settings.access_log:
+            logs.log_access(ex, route=request.path)
 
 
 def _internal_error(
@@ -342,6 +346,7 @@ async def _run_exchange(
         body_hint=body_hint if settings.session_from_body else None,
         from_bearer=settings.session_from_bearer,
     )
+    logs.SESSION_ID.set(sid)
     if sid is None and settings.require_session and ex.protocol.is_exchange:
         ex.conclude(400, Outcome.REJECTED, "session_required")
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")

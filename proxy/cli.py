@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import sys
 import urllib.error
 import urllib.request
@@ -13,33 +12,11 @@ from typing import Any
 import click
 
 from .config import ConfigError, Settings, load_settings
+from .logs import setup_logging
 from .loops import run as run_loop
 from .plugins import PluginError, discover_plugins
 
 __all__ = ["main"]
-
-
-class _RedactingFormatter(logging.Formatter):
-    """Belt and braces: never let a credential header value reach a log line."""
-
-    _MARKERS = ("authorization", "x-api-key", "bearer ")
-
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        lowered = text.lower()
-        if any(marker in lowered for marker in self._MARKERS):
-            return f"{record.levelname} {record.name}: [log line withheld: it named a credential]"
-        return text
-
-
-def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    # aiohttp's access log would print query strings and client headers.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
 def _settings(config: str | None, **flags: Any) -> Settings:
@@ -83,6 +60,10 @@ def main() -> None:
     "--event-loop", type=click.Choice(["asyncio", "uvloop"]), help="Event loop [asyncio]."
 )
 @click.option("--log-level", help="DEBUG, INFO, WARNING or ERROR [INFO].")
+@click.option(
+    "--log-format", type=click.Choice(["text", "json"]), help="Log lines as text or JSON [text]."
+)
+@click.option("--access-log/--no-access-log", default=None, help="One log line per exchange [on].")
 def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     """Run the proxy until SIGTERM/SIGINT, then drain and exit 0."""
     from .app import serve as serve_app
@@ -90,7 +71,7 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     if plugins:
         flags["plugins"] = list(plugins)
     settings = _settings(config, **flags)
-    _setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     try:
         run_loop(serve_app(settings), settings.event_loop)
     except PluginError as exc:
@@ -108,7 +89,7 @@ def emulate(host: str, port: int) -> None:
     """Run the local upstream emulator (all three protocols, scriptable per request)."""
     from .emulator import run_emulator
 
-    _setup_logging("INFO")
+    setup_logging("INFO")
     run_emulator(host, port)
 
 
@@ -123,7 +104,7 @@ def demo(port: int, once: bool) -> None:
     """
     from .demo import run_demo
 
-    _setup_logging("WARNING")
+    setup_logging("WARNING")
     try:
         asyncio.run(run_demo(port, once=once))
     except OSError as exc:

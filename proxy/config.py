@@ -103,6 +103,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # more per open stream (bench overhead), so it is opt-in; absent, it falls back.
     event_loop: Literal["uvloop", "asyncio"] = "asyncio"
     log_level: str = "INFO"
+    # "text" lines or one JSON object per line (proxy/logs.py); the access log
+    # writes one line per exchange on the logger context_proxy.access.
+    log_format: Literal["text", "json"] = "text"
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         for name in ("upstream_openai", "upstream_anthropic"):

@@ -19,10 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import re
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +35,7 @@ from proxy import Plugin
 from proxy.emulator import DEFAULT_TEXT
 from proxy.plugins import ExchangeRecord, PrepareContext
 from proxy.testing import proxy_with_emulator
+from tests.process_support import Proc
 from tests.test_e2e_support import request_body, sse_events, streamed_text
 
 CHAT = "/v1/chat/completions"
@@ -303,72 +301,6 @@ async def test_drain_answers_exchanges_not_yet_streaming_with_503() -> None:
 
 
 # --------------------------------------------------------------------------- real processes
-
-
-class Proc:
-    """A child process whose output lines are collected by a background task."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
-        self.proc = proc
-        self.name = name
-        self.lines: list[str] = []
-        self._changed = asyncio.Event()
-        assert proc.stdout is not None
-        self._reader = asyncio.create_task(self._read(proc.stdout))
-
-    @classmethod
-    async def start(cls, name: str, *args: str) -> Proc:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXT_PROXY_")}
-        env["PYTHONUNBUFFERED"] = "1"
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy",
-            *args,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=env,
-        )
-        return cls(proc, name)
-
-    async def _read(self, stream: asyncio.StreamReader) -> None:
-        # Chunks, not readline(): an over-long line must not stop the draining of
-        # the pipe (a full pipe would block the child).
-        pending = b""
-        while chunk := await stream.read(64 * 1024):
-            *complete, pending = (pending + chunk).split(b"\n")
-            self.lines.extend(line.decode(errors="replace") for line in complete)
-            self._changed.set()
-        if pending:
-            self.lines.append(pending.decode(errors="replace"))
-        self._changed.set()
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    async def wait_line(self, pattern: str, within: float = BOUND_S) -> re.Match[str]:
-        """The first output line matching ``pattern``; raises at EOF or after ``within`` s."""
-        regex = re.compile(pattern)
-        checked = 0
-        async with asyncio.timeout(within):
-            while True:
-                for line in self.lines[checked:]:
-                    match = regex.search(line)
-                    if match:
-                        return match
-                checked = len(self.lines)
-                if self._reader.done():
-                    raise AssertionError(f"{self.name} exited without {pattern!r}:\n{self.output}")
-                self._changed.clear()
-                await self._changed.wait()
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
-        await self._reader
 
 
 @pytest.fixture
