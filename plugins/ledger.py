@@ -49,6 +49,7 @@ import logging
 import math
 import os
 import sqlite3
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Final, TypeVar
@@ -310,6 +311,11 @@ def _ensure_schema(conn: sqlite3.Connection, path: str) -> None:
                 conn.execute("ROLLBACK")
             raise
         return
+    _verify_schema(conn, path, version, tables)
+
+
+def _verify_schema(conn: sqlite3.Connection, path: str, version: int, tables: list[str]) -> None:
+    """Raise :class:`LedgerError` unless the database holds this version's schema."""
     if version != SCHEMA_VERSION:
         raise LedgerError(
             f"ledger database {path} has schema version {version} (expected "
@@ -320,6 +326,62 @@ def _ensure_schema(conn: sqlite3.Connection, path: str) -> None:
         raise LedgerError(
             f"ledger database {path} has an unexpected sessions table: columns {list(columns)}"
         )
+
+
+def _check_file(path: str, lock_timeout: float) -> None:
+    """Whether :meth:`_Database.open` would succeed on ``path``, opening it read-only.
+
+    A missing file needs a writable directory (start-up creates it); an
+    existing one must be readable and writable, pass ``PRAGMA quick_check`` and
+    hold an empty database or this version's schema. Nothing is created or changed.
+
+    Raises:
+        LedgerError: naming the path and what is wrong.
+    """
+    if path == ":memory:":
+        return
+    if not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            raise LedgerError(
+                f"ledger database {path} cannot be created: directory {parent} does not exist"
+            )
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise LedgerError(
+                f"ledger database {path} cannot be created: directory {parent} is not writable"
+            )
+        return
+    if not os.path.isfile(path):
+        raise LedgerError(f"ledger database {path} cannot be used: not a regular file")
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise LedgerError(f"ledger database {path} cannot be used: not readable and writable")
+    # No write-ahead log: no connection is open and every page is in the main file,
+    # so it is read as immutable (a plain read-only open of a WAL database would
+    # leave -wal and -shm files behind). With a log, another process (a running
+    # proxy) has it open: share it as any reader does.
+    mode = "ro" if os.path.exists(path + "-wal") else "ro&immutable=1"
+    try:
+        conn = sqlite3.connect(
+            f"file:{urllib.parse.quote(path)}?mode={mode}", uri=True, timeout=lock_timeout
+        )
+    except sqlite3.Error as exc:
+        raise _translate(path, exc) from exc
+    try:
+        problems = [str(r[0]) for r in conn.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            first = " ".join(" ".join(problems).split())[:200]
+            raise LedgerError(
+                f"ledger database {path} is corrupt: quick_check reported "
+                f"{len(problems)} problem(s): {first}"
+            )
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        if version or tables:
+            _verify_schema(conn, path, version, tables)
+    except sqlite3.Error as exc:
+        raise _translate(path, exc) from exc
+    finally:
+        conn.close()
 
 
 def _translate(path: str, exc: sqlite3.Error) -> LedgerError:
@@ -404,6 +466,15 @@ class LedgerPlugin(Plugin):
         self._seen: LRUCache[str, dict[str, Scalar]] = LRUCache(maxsize=cache_sessions)
 
     # -- hooks -----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """``context-proxy check``: the database could be opened, checked read-only.
+
+        Raises:
+            LedgerError: the file's directory is missing or not writable, or the
+                file is not readable and writable, corrupt, or of a foreign schema.
+        """
+        _check_file(self.path, self.lock_timeout)
 
     async def startup(self) -> None:
         """Open (or create) the database, verify it, and preload recent sessions.

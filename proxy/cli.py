@@ -190,6 +190,26 @@ def sessions(url: str, token: str | None) -> None:
 
 @main.command()
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
+def check(config: str | None) -> None:
+    """Check the settings and plugins `serve` would use, like `nginx -t`; start nothing.
+
+    Validates every setting (file and CONTEXT_PROXY_* environment), imports and
+    constructs every enabled plugin with its options, and opens plugin storage
+    read-only. Exit 0 with a one-line summary, or 1 with one line per problem.
+    """
+    from .check import check_config
+
+    report = check_config(config)
+    if report.ok:
+        click.echo(f"ok: {report.summary}")
+        return
+    for problem in report.problems:
+        click.echo(f"problem: {problem}", err=True)
+    sys.exit(1)
+
+
+@main.command()
+@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
 def plugins(config: str | None) -> None:
     """List the plugins found (config and entry points) with their versions."""
     settings = _settings(config)

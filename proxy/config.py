@@ -9,6 +9,7 @@ value anywhere produces exactly one :class:`ConfigError` naming the setting
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-__all__ = ["ENV_PREFIX", "ConfigError", "Settings", "load_settings"]
+__all__ = ["ENV_PREFIX", "ConfigError", "Settings", "check_settings", "load_settings"]
 
 ENV_PREFIX = "CONTEXT_PROXY_"
 
@@ -181,6 +182,41 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     return layer
 
 
+def _layers(
+    config_path: str | os.PathLike[str] | None,
+    environ: Mapping[str, str] | None,
+    overrides: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The merged layers and, per setting, where its value came from.
+
+    The source is what an error names: the environment variable
+    (``CONTEXT_PROXY_PORT``) or the flag (``--port``); a file's settings are
+    named by their key, as written in the file.
+
+    Raises:
+        ConfigError: the file cannot be read, or an environment variable is unknown.
+    """
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config_path is not None:
+        merged.update(_read_toml(Path(config_path)))
+    env = _env_layer(os.environ if environ is None else environ)
+    merged.update(env)
+    sources.update({name: ENV_PREFIX + name.upper() for name in env})
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            merged[name] = value
+            sources[name] = "--" + name.replace("_", "-")
+    return merged, sources
+
+
+def _convert(merged: Mapping[str, Any], sources: Mapping[str, str]) -> Settings:
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_one_line(str(exc), sources)) from None
+
+
 def load_settings(
     config_path: str | os.PathLike[str] | None = None,
     *,
@@ -193,25 +229,63 @@ def load_settings(
     an unset flag leaves the lower layers alone).
 
     Raises:
-        ConfigError: one line naming the offending setting.
+        ConfigError: one line naming the offending setting, by its environment
+            variable (``CONTEXT_PROXY_PORT: ...``) or flag when it came from one.
     """
-    merged: dict[str, Any] = {}
-    if config_path is not None:
-        merged.update(_read_toml(Path(config_path)))
-    merged.update(_env_layer(os.environ if environ is None else environ))
-    if overrides:
-        merged.update({k: v for k, v in overrides.items() if v is not None})
+    return _convert(*_layers(config_path, environ, overrides))
+
+
+def check_settings(
+    config_path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Settings | None, list[str]]:
+    """Validate every setting on its own and report each bad one (``context-proxy check``).
+
+    Returns the settings built from the good values (defaults in place of the
+    bad ones; ``None`` if the layers cannot be read at all) and one line per
+    problem, in the style of :func:`load_settings`'s errors. Never raises.
+    """
     try:
-        return msgspec.convert(merged, Settings, strict=False)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_one_line(str(exc))) from None
+        merged, sources = _layers(config_path, environ, None)
+    except ConfigError as exc:
+        return None, [str(exc)]
+    problems: list[str] = []
+    good: dict[str, Any] = {}
+    for name, value in merged.items():
+        try:
+            _convert({name: value}, sources)
+        except ConfigError as exc:
+            problems.append(str(exc))
+        else:
+            good[name] = value
+    try:
+        settings: Settings | None = _convert(good, sources)
+    except ConfigError as exc:  # settings valid alone, not together
+        problems.append(str(exc))
+        settings = None
+    return settings, problems
 
 
-def _one_line(message: str) -> str:
-    """Turn msgspec's ``Expected `int` >= 1 - at `$.port``` into ``port: ...``."""
+def _one_line(message: str, sources: Mapping[str, str] | None = None) -> str:
+    """Turn msgspec's ``Expected `int` >= 1 - at `$.port``` into ``port: ...``.
+
+    A setting found in ``sources`` is named by its source instead
+    (``CONTEXT_PROXY_PORT: ...``).
+    """
     text, sep, where = message.rpartition(" - at `$.")
     if not sep:
         if message.startswith("Object contains unknown field"):
             return f"unknown setting: {message.split('`')[1]}"
-        return message
-    return f"{where.rstrip('`')}: {text}"
+        # A check of __post_init__ already says "name: ...".
+        path, colon, text = message.partition(": ")
+        if not colon or path not in Settings.__struct_fields__:
+            return message
+    else:
+        path = where.rstrip("`")
+    name = re.split(r"[.\[]", path, maxsplit=1)[0]
+    source = (sources or {}).get(name)
+    if source is not None:
+        rest = path[len(name) :]
+        path = source + rest if source.startswith(ENV_PREFIX) else source
+    return f"{path}: {text}"

@@ -22,6 +22,10 @@ Hooks, in the order an exchange meets them (docs/design.md §5):
     Scalars shown by ``GET /admin/sessions/{id}``; must not block.
 ``startup()`` / ``shutdown()``
     Process start and graceful stop; ``shutdown`` must flush what it keeps.
+``check()``
+    Only for ``context-proxy check``: raise with a one-line message if the
+    plugin could not start as configured (open its storage read-only; change
+    nothing, start nothing).
 
 A hook that raises, or runs past ``plugin_timeout`` seconds, is logged with
 the plugin's name and skipped; the request goes on. Plugins run in the order
@@ -268,6 +272,14 @@ class Plugin:
 
     async def shutdown(self) -> None:
         """Called once at graceful shutdown, after every session was closed; flush here."""
+
+    def check(self) -> None:
+        """``context-proxy check``: raise if the plugin could not start as configured.
+
+        Called on a constructed plugin that was never started. Open storage
+        read-only, create and change nothing; the exception's message (one
+        line) is printed as the problem. Default: nothing to check.
+        """
 
 
 _HOOKS: Final = (

@@ -37,8 +37,13 @@ def test_environment_booleans_read_as_people_write_them(raw: str, expected: bool
     ("environ", "message"),
     [
         ({"CONTEXT_PROXY_PROT": "1"}, "unknown setting: environment variable CONTEXT_PROXY_PROT"),
-        ({"CONTEXT_PROXY_REQUIRE_SESSION": "maybe"}, "require_session: Expected `bool`"),
-        ({"CONTEXT_PROXY_PORT": "99999"}, "port: Expected `int` <= 65535"),
+        (
+            {"CONTEXT_PROXY_REQUIRE_SESSION": "maybe"},
+            "CONTEXT_PROXY_REQUIRE_SESSION: Expected `bool`",
+        ),
+        ({"CONTEXT_PROXY_PORT": "99999"}, "CONTEXT_PROXY_PORT: Expected `int` <= 65535"),
+        ({"CONTEXT_PROXY_PORT": "eighty"}, "CONTEXT_PROXY_PORT: Expected `int`"),
+        ({"CONTEXT_PROXY_LOG_LEVEL": "LOUD"}, "CONTEXT_PROXY_LOG_LEVEL: unknown level"),
         ({"CONTEXT_PROXY_PLUGIN": "{not json"}, "plugin (env CONTEXT_PROXY_PLUGIN)"),
     ],
 )
