@@ -25,7 +25,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler
 
-from . import logs, protocols, wire
+from . import fdlimit, logs, protocols, wire
 from .admin import add_admin_routes
 from .body import BodyBusy, BodyError, check_content_length, read_body
 from .cancel import orderly_cancel_reason
@@ -568,6 +568,12 @@ async def serve(settings: Settings) -> None:
     state = app[STATE]
     # Process-wide, so only here (not in build_app: tests embed apps in their runner).
     state.allocator.tune()
+    before, limit = fdlimit.raise_nofile_limit()
+    log.info(
+        "file descriptor limit: %d%s (each open stream holds two)",
+        limit,
+        f" (raised from {before})" if limit != before else "",
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)

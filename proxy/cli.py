@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -24,6 +25,16 @@ def _settings(config: str | None, **flags: Any) -> Settings:
         return load_settings(config, overrides=flags)
     except ConfigError as exc:
         raise click.ClickException(f"bad setting: {exc}") from None
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> click.ClickException:
+    """One line for a start-up that could not bind: ``cannot listen on HOST:PORT: reason``.
+
+    asyncio's message repeats the address (``error while attempting to bind on
+    address ...``); the errno's own text says it once.
+    """
+    reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+    return click.ClickException(f"cannot listen on {host}:{port}: {reason}")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -77,9 +88,7 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     except PluginError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
-        raise click.ClickException(
-            f"cannot listen on {settings.host}:{settings.port}: {exc}"
-        ) from None
+        raise _cannot_listen(settings.host, settings.port, exc) from None
 
 
 @main.command()
@@ -90,7 +99,10 @@ def emulate(host: str, port: int) -> None:
     from .emulator import run_emulator
 
     setup_logging("INFO")
-    run_emulator(host, port)
+    try:
+        run_emulator(host, port)
+    except OSError as exc:
+        raise _cannot_listen(host, port, exc) from None
 
 
 @main.command()
@@ -108,7 +120,7 @@ def demo(port: int, once: bool) -> None:
     try:
         asyncio.run(run_demo(port, once=once))
     except OSError as exc:
-        raise click.ClickException(f"cannot listen on 127.0.0.1:{port}: {exc}") from None
+        raise _cannot_listen("127.0.0.1", port, exc) from None
     except KeyboardInterrupt:
         pass
 
