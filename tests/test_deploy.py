@@ -46,9 +46,9 @@ async def test_a_busy_port_is_one_line_naming_the_address(
         await proc.stop()
     lines = [line for line in proc.lines if line.strip()]
     assert code != 0
-    assert lines == [
-        f"Error: cannot listen on 127.0.0.1:{busy_port}: address already in use"
-    ], proc.output
+    assert lines == [f"Error: cannot listen on 127.0.0.1:{busy_port}: address already in use"], (
+        proc.output
+    )
 
 
 def _unit() -> configparser.ConfigParser:
@@ -75,9 +75,7 @@ def test_the_documented_unit_stops_gracefully_within_its_timeout() -> None:
     assert service["StateDirectory"] == "context-proxy"
     assert "ExecStart" in service and "serve" in service["ExecStart"]
     assert "ExecStartPre" in service and "check" in service["ExecStartPre"]
-    environment = dict(
-        item.split("=", 1) for item in service["Environment"].split() if "=" in item
-    )
+    environment = dict(item.split("=", 1) for item in service["Environment"].split() if "=" in item)
     grace = float(environment.get("CONTEXT_PROXY_SHUTDOWN_GRACE", Settings().shutdown_grace))
     # The drain: grace, then up to 5 s for cut streams, sessions and the ledger flush.
     assert _seconds(service["TimeoutStopSec"]) >= grace + 15
