@@ -569,11 +569,6 @@ async def serve(settings: Settings) -> None:
     # Process-wide, so only here (not in build_app: tests embed apps in their runner).
     state.allocator.tune()
     before, limit = fdlimit.raise_nofile_limit()
-    log.info(
-        "file descriptor limit: %d%s (each open stream holds two)",
-        limit,
-        f" (raised from {before})" if limit != before else "",
-    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)
@@ -581,6 +576,11 @@ async def serve(settings: Settings) -> None:
         plugins = ", ".join(p.name or type(p).__name__ for p in state.host.plugins)
         log.info("plugins enabled: %s", plugins or "none")
         log.info("event loop: %s", type(loop).__module__.split(".")[0])
+        log.info(
+            "file descriptor limit: %d%s (each open stream holds two)",
+            limit,
+            f" (raised from {before})" if limit != before else "",
+        )
         log.info(
             "context-proxy listening on http://%s:%d (openai → %s, anthropic → %s)",
             settings.host,

@@ -11,10 +11,13 @@ import errno
 import resource
 from typing import Final
 
-__all__ = ["EXHAUSTION_ERRNOS", "is_fd_exhaustion", "raise_nofile_limit"]
+__all__ = ["EXHAUSTED_MESSAGE", "EXHAUSTION_ERRNOS", "is_fd_exhaustion", "raise_nofile_limit"]
 
 #: ``EMFILE``: this process is at its limit; ``ENFILE``: the whole system is.
 EXHAUSTION_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE})
+
+#: What the client of a request refused for want of a descriptor reads (in a 503).
+EXHAUSTED_MESSAGE: Final = "proxy is out of file descriptors; retry later"
 
 
 def raise_nofile_limit() -> tuple[int, int]:

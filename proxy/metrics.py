@@ -36,6 +36,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from .fdlimit import EXHAUSTED_MESSAGE
+
 if TYPE_CHECKING:
     from .exchange import Exchange
 
@@ -273,6 +275,8 @@ class Metrics:
             self.request_bytes.inc(ex.meta.byte_length)
             self.body_size.observe(ex.meta.byte_length)
         self.response_bytes.inc(ex.response_bytes)
+        if ex.error == EXHAUSTED_MESSAGE:
+            self.fd_exhausted.inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

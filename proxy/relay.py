@@ -28,6 +28,7 @@ from .cancel import orderly_cancel_reason
 from .coding import BodyError, ContentDecoder, parse_content_encoding
 from .config import Settings
 from .exchange import Exchange, Outcome
+from .fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
 from .headers import response_headers
 from .protocols import Protocol
 from .stream import (
@@ -68,7 +69,7 @@ class ClientGone(Exception):
 
 
 class _UpstreamFailure(Exception):
-    """No usable answer from the upstream: ``status`` 502 or 504 goes to the client."""
+    """No usable answer from the upstream: ``status`` 502, 503 (out of descriptors) or 504."""
 
     def __init__(self, status: int, outcome: Outcome, message: str) -> None:
         super().__init__(message)
@@ -285,6 +286,9 @@ class _Relay:
             # (a header value): only our own words go to the client and the log.
             raise _UpstreamFailure(502, Outcome.UPSTREAM_ERROR, _bad_head(exc)) from None
         except aiohttp.ClientError as exc:
+            if is_fd_exhaustion(exc):
+                # Our limit, not the upstream's fault: the client may retry (here or elsewhere).
+                raise _UpstreamFailure(503, Outcome.REJECTED, EXHAUSTED_MESSAGE) from None
             message = _unreachable(exc)
             # The class name helps whoever reads the log; the client gets plain words.
             log.info("%s: upstream request failed (%s)", ex.id, type(exc).__name__)
@@ -338,7 +342,8 @@ class _Relay:
                 ex.release()
                 ex.conclude(failure.status, failure.outcome, failure.message)
                 log.warning("%s %s: %s", ex.id, ex.protocol, failure.message)
-                return error_response(ex.protocol, failure.status, failure.message)
+                retry = {"Retry-After": str(self.retry_after)} if failure.status == 503 else None
+                return error_response(ex.protocol, failure.status, failure.message, headers=retry)
             try:
                 verdict = await self._answer(resp)
             finally:
