@@ -263,8 +263,9 @@ class Series:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Panel:
-    """One subplot: a title, axis labels, its series and horizontal reference lines
-    (``(y, legend label)``, drawn dashed)."""
+    """One subplot: a one-line title saying what is measured, axis labels, its series
+    and horizontal reference lines (``(y, label)``: each drawn in its own colour and
+    style, labelled on the plot at its right end and in the legend)."""
 
     title: str
     xlabel: str
@@ -274,11 +275,16 @@ class Panel:
     step: bool = False
 
 
-_HLINE_STYLES: Final = ("--", ":", "-.")
+#: (colour, line style) of the 1st, 2nd, 3rd reference line of a panel: distinguishable
+#: from each other and from the data lines (which are solid).
+_HLINE_STYLES: Final = (("black", "--"), ("#e67e00", ":"), ("#7f7f7f", "-."))
 
 
 def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int = 2) -> None:
-    """Save ``panels`` as one PNG at ``path`` (matplotlib, Agg backend), ``columns`` wide."""
+    """Save ``panels`` as one PNG at ``path`` (matplotlib, Agg backend), ``columns`` wide.
+
+    Legends go below their panel, outside the plotting area, so they never cover data.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,7 +293,9 @@ def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int
 
     rows = max(1, math.ceil(len(panels) / columns))
     cols = min(columns, max(1, len(panels)))
-    fig, axes = plt.subplots(rows, cols, figsize=(7.0 * cols, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(7.0 * cols, 5.0 * rows), squeeze=False, layout="constrained"
+    )
     for index, panel in enumerate(panels):
         ax = axes[index // cols][index % cols]
         for series in panel.series:
@@ -307,19 +315,36 @@ def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int
                     label=series.span_label if number == 0 and series.span_label else None,
                 )
         for number, (level, label) in enumerate(panel.hlines):
-            style = _HLINE_STYLES[number % len(_HLINE_STYLES)]
-            ax.axhline(level, color="grey", ls=style, lw=0.9, label=label)
-        ax.set_title(panel.title, fontsize=10)
+            colour, style = _HLINE_STYLES[number % len(_HLINE_STYLES)]
+            ax.axhline(level, color=colour, ls=style, lw=1.4, label=label)
+            # The first label sits above its line, the second below: two targets close
+            # together (1.1 and 1.05) keep readable labels.
+            ax.annotate(
+                label,
+                xy=(0.995, level),
+                xycoords=("axes fraction", "data"),
+                ha="right",
+                va="bottom" if number % 2 == 0 else "top",
+                fontsize=7.5,
+                color=colour,
+                bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
+            )
+        ax.set_title(panel.title, fontsize=9.5)
         ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         if panel.step:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(fontsize=7, loc="best", framealpha=0.85)
+        ax.legend(
+            fontsize=7.5,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.14),
+            ncol=3,
+            frameon=False,
+        )
     for index in range(len(panels), rows * cols):
         axes[index // cols][index % cols].set_visible(False)
     fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

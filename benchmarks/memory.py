@@ -56,7 +56,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -528,6 +528,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--publish-dir", type=Path, default=Path("docs"), help="[docs]")
     parser.add_argument(
+        "--replot",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: redraw memory.png in --out (and, with --publish, "
+        "bench-memory.png) from an earlier memory.json",
+    )
+    parser.add_argument(
         "--proxy-env",
         type=_env_pair,
         action="append",
@@ -737,7 +744,7 @@ def write_outputs(args: argparse.Namespace, results: Results, reporter: rpt.Repo
     out.mkdir(parents=True, exist_ok=True)
     rpt.write_json(out / "memory.json", doc)
     rpt.write_markdown(out / "memory.md", tables, _preamble(args, results.wall_s))
-    plot_memory(out / "memory.png", cases, sequential, variants)
+    plot_memory(out / "memory.png", doc)
     paths = [out / "memory.json", out / "memory.md", out / "memory.png"]
     if args.publish:
         docs: Path = args.publish_dir
@@ -1083,61 +1090,73 @@ def _timelines(
 
 def plot_memory(
     path: Path,
-    cases: Sequence[Case],
-    sequential: Sequence[ProcessRun],
-    variants: Sequence[Variant],
+    doc: Mapping[str, Any],
     *,
     title: str = "context-proxy vs a naive proxy: request memory over time",
 ) -> None:
-    """Save the PNG: RSS over time of the largest case per variant against the naive
-    proxy, held-open windows shaded, and the sequential trend."""
+    """Save the PNG from a result document (``memory.json``, see :func:`_document`):
+    RSS over time of the largest case per variant against the naive proxy, held-open
+    windows shaded, and the sequential trend. Growth is over the idle RSS, divided by
+    the request body size B."""
+    ylabel = "RSS growth ÷ request body size"
+    variants: Mapping[str, Mapping[str, Any]] = doc["options"]["variants"]
     panels: list[rpt.Panel] = []
-    if cases:
-        biggest = _plotted_case(cases)
-        naive = _timeline(biggest.naive) if biggest.naive else None
-        plain = biggest.ours.get("plain")
-        for variant in variants:
-            ours = _timeline(biggest.ours[variant.name])
-            series = [_series(f"context-proxy ({variant.name})", ours, _COLOURS[variant.name])]
-            if variant.name in ("refold", "edit") and plain is not None and plain.samples:
-                # The edited and refolded paths beside the plain one.
-                series.append(_series("context-proxy (plain)", _timeline(plain), _COLOURS["plain"]))
-            if naive:
-                series.append(_series("naive proxy", naive, _COLOURS["naive"]))
-            panels.append(
-                rpt.Panel(
-                    title=(
-                        f"{biggest.label or f'{biggest.size_mib:g} MiB'} "
-                        f"{biggest.protocol.value}, {variant.name}: {variant.description}"
-                    ),
-                    xlabel="seconds since the first large request",
-                    ylabel="RSS growth over idle (x body size)",
-                    series=series,
-                    hlines=[
-                        (variant.peak_limit, f"peak target {variant.peak_limit:g}"),
-                        (variant.mid_limit, f"mid-stream target {variant.mid_limit:g}"),
-                    ],
-                )
-            )
-    if sequential:
-        series = []
-        for run in sequential:
-            label = f"context-proxy ({run.variant})" if run.proxy == "ours" else "naive proxy"
-            xs = [float(i + 1) for i in range(len(run.samples))]
-            colour = _COLOURS[run.variant or "naive"]
-            series.append(rpt.Series(label, xs, [s.after for s in run.samples], colour=colour))
-        size = sequential[0].samples[0].body_bytes / MiB if sequential[0].samples else 0
+    timelines: Sequence[Mapping[str, Any]] = doc["timelines"]
+    naive = next((t for t in timelines if t["proxy"] == "naive"), None)
+    plain = next((t for t in timelines if t["variant"] == "plain"), None)
+    for timeline in timelines:
+        if timeline["proxy"] != "ours":
+            continue
+        variant = variants[timeline["variant"]]
+        name = variant["name"]
+        series = [_series(f"context-proxy ({name})", timeline, _COLOURS[name])]
+        if name in ("refold", "edit") and plain is not None:
+            # The edited and refolded paths beside the plain one.
+            series.append(_series("context-proxy (plain)", plain, _COLOURS["plain"]))
+        if naive:
+            series.append(_series("naive proxy", naive, _COLOURS["naive"]))
+        size = timeline["body_bytes"] / MiB
         panels.append(
             rpt.Panel(
-                title=f"RSS after each of {len(sequential[0].samples)} requests of {size:.0f} MiB",
-                xlabel="request number",
-                ylabel="RSS growth over idle after the response (x B)",
+                title=f"RSS over time, {size:.0f} MiB {timeline['protocol']}: "
+                f"{name} ({variant['description']})",
+                xlabel="seconds since the first large request",
+                ylabel=ylabel,
                 series=series,
-                hlines=[(AFTER_LIMIT, f"target {AFTER_LIMIT:g}")],
+                hlines=[
+                    (variant["peak_limit"], f"peak target {variant['peak_limit']:g}"),
+                    (variant["mid_limit"], f"mid-stream target {variant['mid_limit']:g}"),
+                ],
+            )
+        )
+    sequential: Sequence[Mapping[str, Any]] = [run for run in doc["sequential"] if run]
+    if sequential and sequential[0]["samples"]:
+        series = []
+        for run in sequential:
+            label = f"context-proxy ({run['variant']})" if run["proxy"] == "ours" else "naive proxy"
+            afters = [s["after_growth_x_body"] for s in run["samples"]]
+            xs = [float(i + 1) for i in range(len(afters))]
+            colour = _COLOURS[run["variant"] or "naive"]
+            series.append(rpt.Series(label, xs, afters, colour=colour))
+        count = len(sequential[0]["samples"])
+        size = sequential[0]["samples"][0]["body_bytes"] / MiB
+        after_limit = doc["options"]["after_limit_x_body"]
+        panels.append(
+            rpt.Panel(
+                title=f"RSS after each of {count} back-to-back {size:.0f} MiB requests",
+                xlabel="request number",
+                ylabel=ylabel,
+                series=series,
+                hlines=[(after_limit, f"after target {after_limit:g}")],
                 step=True,
             )
         )
     rpt.plot_series(path, title, panels)
+
+
+def replot(source: Path, target: Path) -> None:
+    """Redraw the PNG at ``target`` from an existing ``memory.json`` at ``source``."""
+    plot_memory(target, json.loads(source.read_text(encoding="utf-8")))
 
 
 _COLOURS: Final = {
@@ -1150,7 +1169,7 @@ _COLOURS: Final = {
 }
 
 
-def _series(label: str, timeline: dict[str, Any], colour: str) -> rpt.Series:
+def _series(label: str, timeline: Mapping[str, Any], colour: str) -> rpt.Series:
     marks: dict[str, list[float]] = {}
     for at, name in timeline["marks"]:
         marks.setdefault(name, []).append(at)
@@ -1183,6 +1202,14 @@ def main(argv: list[str]) -> int:
     args.argv = list(argv)
     if args.repeats < 1:
         build_parser().error("--repeats must be >= 1")
+    if args.replot is not None:
+        targets = [args.out / "memory.png"]
+        if args.publish:
+            targets.append(args.publish_dir / "bench-memory.png")
+        for target in targets:
+            replot(args.replot, target)
+        print("wrote " + ", ".join(map(str, targets)))
+        return 0
     raise_nofile_limit()
     reporter = rpt.Reporter(quiet=args.quiet)
     results = run_collect(collect, args, reporter, args.out / "logs" / "memory")

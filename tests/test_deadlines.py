@@ -135,7 +135,8 @@ def test_deadlines_are_settings_with_documented_defaults(name: str) -> None:
     assert getattr(Settings(), name) == {"header_timeout": 30.0, "body_timeout": 600.0}[name]
     env = {f"CONTEXT_PROXY_{name.upper()}": "2.5"}
     assert getattr(load_settings(environ=env), name) == 2.5
-    with pytest.raises(ConfigError, match=name):
+    # The error names the variable the bad value came from (issue 12, item 6).
+    with pytest.raises(ConfigError, match=f"CONTEXT_PROXY_{name.upper()}"):
         load_settings(environ={f"CONTEXT_PROXY_{name.upper()}": "0"})
 
 
