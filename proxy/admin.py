@@ -15,12 +15,16 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-from typing import Any
+import logging
+from collections.abc import Awaitable
+from typing import Any, Final
 
 from aiohttp import web
 
 from .sessions import SessionCloseError, SessionInfo
 from .state import STATE, AppState
+
+log = logging.getLogger("context_proxy.admin")
 
 __all__ = ["add_admin_routes"]
 
@@ -192,15 +196,33 @@ async def _closed_or_missing(state: AppState, sid: str) -> web.Response:
     return web.json_response(_closed_view(sid, left))
 
 
+_WAIT_VALUES: Final = {"true": True, "1": True, "false": False, "0": False}
+
+
 async def delete_session(request: web.Request) -> web.Response:
     """``shutdown_session``: tombstone, wait up to the timeout, cancel stragglers, drop.
 
-    In cluster mode the close holds on every node (:meth:`ClusterNode.close_session`)
-    and the answer adds ``expired``, ``remaining`` and ``degraded``.
+    By default the answer comes once the close is done (it can take up to
+    ``session_shutdown_timeout`` seconds while in-flight exchanges finish), with
+    the counts. ``?wait=false`` answers 202 at once and finishes the close in
+    the background; the tombstone is set before the answer (embedded mode) and
+    a failure is logged. In cluster mode the close holds on every node
+    (:meth:`ClusterNode.close_session`) and the answer adds ``expired``,
+    ``remaining`` and ``degraded``.
     """
     state = request.app[STATE]
     sid = request.match_info["sid"]
     grace = state.settings.session_shutdown_timeout
+    wait = _WAIT_VALUES.get(request.query.get("wait", "true").strip().lower())
+    if wait is None:
+        return web.json_response({"error": "wait: expected true or false"}, status=400)
+    if not wait:
+        if state.cluster is not None:
+            state.spawn(_close_later(sid, state.cluster.close_session(sid, grace)))
+        else:
+            # Synchronous: the tombstone is set before the 202 goes out.
+            state.spawn(_close_later(sid, state.registry.start_shutdown(sid, grace)))
+        return web.json_response({"id": sid, "status": "closing"}, status=202)
     try:
         if state.cluster is not None:
             # Every node: tombstone in Redis, close command on the stream, wait for
@@ -228,6 +250,16 @@ async def delete_session(request: web.Request) -> web.Response:
             "already_closed": result.already_closed,
         }
     )
+
+
+async def _close_later(sid: str, closing: Awaitable[object]) -> None:
+    """Await a session close nobody waits for (``?wait=false``); log a failure."""
+    try:
+        await closing
+    except SessionCloseError as exc:
+        log.error("closing session %s in the background failed: %s", sid, exc)
+    except Exception as exc:  # the close has no caller left to tell
+        log.error("closing session %s in the background failed: %r", sid, exc)
 
 
 async def list_exchanges(request: web.Request) -> web.Response:

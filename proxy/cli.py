@@ -7,8 +7,10 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
 
 import click
 
@@ -175,29 +177,75 @@ def _admin_get(url: str, token: str | None) -> Any:
         raise click.ClickException(f"{url}: {exc}") from None
 
 
+#: Width of the CLI's tables: they fit a classic terminal.
+TABLE_WIDTH: Final = 80
+
+
+def _print_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+    """A borderless rich table, at most :data:`TABLE_WIDTH` columns wide (long cells fold)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=TABLE_WIDTH, soft_wrap=False).print(table)
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
 @main.command()
 @click.option("--url", default="http://127.0.0.1:8787", show_default=True, help="Proxy URL.")
-@click.option("--token", envvar="CONTEXT_PROXY_ADMIN_TOKEN", help="Admin bearer token.")
-def sessions(url: str, token: str | None) -> None:
-    """Print the sessions of a running proxy, with each plugin's state, as a table."""
+@click.option(
+    "--token",
+    envvar="CONTEXT_PROXY_ADMIN_TOKEN",
+    help="Admin bearer token [env CONTEXT_PROXY_ADMIN_TOKEN; a flag shows in ps].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def sessions(url: str, token: str | None, as_json: bool) -> None:
+    """Print the sessions of a running proxy, with each plugin's state.
+
+    The table has a row per session; --json prints {"sessions": [...]} with each
+    session as GET /admin/sessions/{id} describes it.
+    """
     base = url.rstrip("/")
     listing = _admin_get(f"{base}/admin/sessions", token)["sessions"]
-    rows: list[dict[str, Any]] = []
-    for entry in listing:
-        detail = _admin_get(f"{base}/admin/sessions/{entry['id']}", token)
-        row = {k: detail.get(k) for k in ("id", "in_flight", "requests", "idle_s", "tombstoned")}
-        for plugin, state in (detail.get("plugins") or {}).items():
-            for key, value in state.items():
-                row[f"{plugin}.{key}"] = value
-        rows.append(row)
-    if not rows:
+    details = [
+        _admin_get(f"{base}/admin/sessions/{urllib.parse.quote(entry['id'], safe='')}", token)
+        for entry in listing
+    ]
+    if as_json:
+        click.echo(json.dumps({"sessions": details}, indent=2))
+        return
+    if not details:
         click.echo("no sessions")
         return
-    columns = list(dict.fromkeys(k for row in rows for k in row))
-    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
-    click.echo("  ".join(c.ljust(widths[c]) for c in columns))
-    for row in rows:
-        click.echo("  ".join(str(row.get(c, "")).ljust(widths[c]) for c in columns))
+    rows = []
+    for detail in details:
+        state = " ".join(
+            f"{plugin}.{key}={_cell(value)}"
+            for plugin, values in (detail.get("plugins") or {}).items()
+            for key, value in values.items()
+        )
+        rows.append(
+            [
+                str(detail.get("id")),
+                _cell(detail.get("in_flight")),
+                _cell(detail.get("requests")),
+                _cell(detail.get("idle_s")),
+                _cell(detail.get("tombstoned")),
+                state or "-",
+            ]
+        )
+    _print_table(["id", "in_flight", "requests", "idle_s", "closed", "plugins"], rows)
 
 
 @main.command()
@@ -238,10 +286,7 @@ def plugins(config: str | None) -> None:
                 info.target if info else name,
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    for row in rows:
-        padded = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
-        click.echo("  ".join([*padded, row[3]]))
+    _print_table(rows[0], rows[1:])
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -280,28 +280,6 @@ async def test_a_bad_ledger_database_stops_the_start_with_one_clear_line(
 # -- `context-proxy sessions` against a running proxy ---------------------------------------
 
 
-def parse_table(text: str) -> list[dict[str, str]]:
-    """Rows of the ``sessions`` table, cut at the header's column starts."""
-    header, *lines = text.rstrip("\n").split("\n")
-    names = header.split()
-    # Columns are left-justified and separated by two spaces, so every name starts
-    # where its cells start; search left to right so a repeated prefix is no problem.
-    starts: list[int] = []
-    position = 0
-    for name in names:
-        position = header.index(name, position)
-        starts.append(position)
-        position += len(name)
-    ends = [*starts[1:], None]
-    return [
-        {
-            name: line[start:end].strip()
-            for name, start, end in zip(names, starts, ends, strict=True)
-        }
-        for line in lines
-    ]
-
-
 async def test_sessions_command_prints_each_plugins_state(
     tmp_path: Path, emulator: EmulatorServer
 ) -> None:
@@ -319,21 +297,39 @@ async def test_sessions_command_prints_each_plugins_state(
 
         result = await asyncio.to_thread(runner.invoke, cli_main, ["sessions", "--url", proxy.url])
         assert result.exit_code == 0, result.output
+        as_json = await asyncio.to_thread(
+            runner.invoke, cli_main, ["sessions", "--url", proxy.url, "--json"]
+        )
+        assert as_json.exit_code == 0, as_json.output
 
-    rows = {row["id"]: row for row in parse_table(result.output)}
-    assert rows.keys() == {"alpha", "beta"}
+    # --json: each session exactly as the admin API describes it.
+    listed = {entry["id"]: entry for entry in json.loads(as_json.output)["sessions"]}
+    assert listed.keys() == {"alpha", "beta"}
     for sid, view in views.items():
         assert view is not None
-        row = rows[sid]
-        assert row["requests"] == str(view["requests"])
+        entry = listed[sid]
+        assert entry["requests"] == view["requests"]
         for plugin in ("ledger", "usage"):
             for key, value in view["plugins"][plugin].items():
-                if key != "last_activity":  # a float; its rounding is the table's business
-                    assert row[f"{plugin}.{key}"] == str(value), (sid, plugin, key)
-    assert rows["beta"]["ledger.revision_epoch"] == "1"
-    assert rows["beta"]["ledger.dirty"] == "True"
-    assert rows["alpha"]["ledger.digest"] == digest12(compact(HISTORY_A))
-    assert int(rows["alpha"]["usage.input_tokens"]) == len(compact(HISTORY_A)) // 4
+                if key != "last_activity":  # moves with every read
+                    assert entry["plugins"][plugin][key] == value, (sid, plugin, key)
+    assert listed["beta"]["plugins"]["ledger"]["revision_epoch"] == 1
+    assert listed["beta"]["plugins"]["ledger"]["dirty"] is True
+    assert listed["alpha"]["plugins"]["ledger"]["digest"] == digest12(compact(HISTORY_A))
+    assert listed["alpha"]["plugins"]["usage"]["input_tokens"] == len(compact(HISTORY_A)) // 4
+
+    # The table fits 80 columns; a row per session, its plugins' state in the last column.
+    lines = result.output.rstrip("\n").split("\n")
+    assert all(len(line) <= 80 for line in lines), result.output
+    assert lines[0].split() == ["id", "in_flight", "requests", "idle_s", "closed", "plugins"]
+    starts = {line.split()[0]: n for n, line in enumerate(lines[1:], 1) if not line.startswith(" ")}
+    assert starts.keys() == {"alpha", "beta"}
+    beta = " ".join(
+        lines[starts["beta"] :]
+        if starts["beta"] > starts["alpha"]
+        else lines[starts["beta"] : starts["alpha"]]
+    )
+    assert "ledger.revision_epoch=1" in beta and "ledger.dirty=yes" in beta
 
 
 # -- debounce ----------------------------------------------------------------------------------
