@@ -28,6 +28,7 @@ from .memory import (
     Case,
     build_tables,
     open_bench,
+    plot_document,
     plot_memory,
     run_json,
     run_process,
@@ -165,9 +166,7 @@ def main(argv: list[str]) -> int:
     )
     plot_memory(
         out / "concurrency.png",
-        [case],
-        [],
-        variants,
+        plot_document([case], [], variants),
         title=f"{args.concurrency} concurrent {args.size:g} MiB requests: RSS over time",
     )
     reporter.note(

@@ -1154,6 +1154,20 @@ def plot_memory(
     rpt.plot_series(path, title, panels)
 
 
+def plot_document(
+    cases: Sequence[Case], sequential: Sequence[ProcessRun], variants: Sequence[Variant]
+) -> dict[str, Any]:
+    """The parts of a result document that :func:`plot_memory` reads."""
+    return {
+        "options": {
+            "variants": {v.name: dataclasses.asdict(v) for v in variants},
+            "after_limit_x_body": AFTER_LIMIT,
+        },
+        "sequential": [run_json(run) for run in sequential],
+        "timelines": _timelines(cases, sequential, variants),
+    }
+
+
 def replot(source: Path, target: Path) -> None:
     """Redraw the PNG at ``target`` from an existing ``memory.json`` at ``source``."""
     plot_memory(target, json.loads(source.read_text(encoding="utf-8")))
