@@ -17,61 +17,76 @@ import argparse
 import datetime
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import click
 
 from . import _report as rpt
 from ._harness import raise_nofile_limit, run_collect
 from ._workload import BenchProtocol, Corpus, MiB, build_body
 from .memory import (
+    CONTEXT_SETTINGS,
     VARIANTS,
     Case,
+    _choices,
+    _env_pair,
     build_tables,
+    converted,
     open_bench,
     plot_document,
     plot_memory,
+    run_command,
     run_json,
     run_process,
 )
 
-__all__ = ["build_parser", "main"]
+__all__ = ["command", "main"]
 
 _WARMUP_BYTES = 64 * 1024
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line options of ``context-proxy bench concurrency``."""
-    parser = argparse.ArgumentParser(
-        prog="context-proxy bench concurrency",
-        description="N concurrent large requests, answers held open: RSS against N x B.",
-    )
-    parser.add_argument("-n", "--concurrency", type=int, default=8, help="requests at once [8]")
-    parser.add_argument("--size", type=float, default=16.0, help="MiB per request body [16]")
-    parser.add_argument(
-        "--protocol",
-        choices=[p.value for p in BenchProtocol],
-        default="chat",
-        help="[chat]",
-    )
-    parser.add_argument(
-        "--variants",
-        default="plain,plugin,retry",
-        help="variants of this proxy, comma-separated [plain,plugin,retry]",
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="batches per process [3]")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
-    parser.add_argument(
-        "--proxy-env",
-        type=lambda text: tuple(text.split("=", 1)),
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="environment variable for this proxy's process (repeatable)",
-    )
-    parser.add_argument("--proxy-module", default="proxy", help="`python -m MODULE serve`")
-    parser.add_argument("--interval", type=float, default=0.005, help="RSS sampling, s")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
+@click.command(
+    context_settings=CONTEXT_SETTINGS,
+    help="N concurrent large requests, answers held open: RSS against N x B.",
+)
+@click.option(
+    "-n", "--concurrency", type=click.IntRange(min=1), default=8, help="requests at once [8]"
+)
+@click.option(
+    "--size",
+    type=click.FloatRange(min=0, min_open=True),
+    default=16.0,
+    help="MiB per request body [16]",
+)
+@click.option(
+    "--protocol", type=click.Choice([p.value for p in BenchProtocol]), default="chat", help="[chat]"
+)
+@click.option(
+    "--variants",
+    default="plain,plugin,retry",
+    callback=converted(_choices(list(VARIANTS))),
+    help="variants of this proxy, comma-separated [plain,plugin,retry]",
+)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, help="batches per process [3]")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
+)
+@click.option(
+    "--proxy-env",
+    multiple=True,
+    callback=converted(_env_pair),
+    metavar="NAME=VALUE",
+    help="environment variable for this proxy's process (repeatable)",
+)
+@click.option("--proxy-module", default="proxy", help="`python -m MODULE serve`")
+@click.option("--interval", type=float, default=0.005, help="RSS sampling, s")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@click.pass_context
+def command(ctx: click.Context, **options: Any) -> int:
+    """``context-proxy bench concurrency``."""
+    return _run(argparse.Namespace(**options), list(ctx.obj or []))
 
 
 async def _collect(
@@ -111,16 +126,10 @@ def main(argv: list[str]) -> int:
     Returns 0 when the run completed (targets missed are reported, not an error),
     1 when a server failed, 2 for bad options.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in args.variants if v not in VARIANTS]
-    if unknown or not args.variants:
-        parser.error(f"--variants: choose from {', '.join(VARIANTS)}")
-    if args.concurrency < 1 or args.repeats < 1 or args.size <= 0:
-        parser.error("--concurrency and --repeats must be >= 1, --size > 0")
-    if any(len(pair) != 2 for pair in args.proxy_env):
-        parser.error("--proxy-env expects NAME=VALUE")
+    return run_command(command, "context-proxy bench concurrency", argv)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     raise_nofile_limit()
     reporter = rpt.Reporter(quiet=args.quiet)
     out: Path = args.out

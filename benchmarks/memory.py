@@ -56,11 +56,12 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import click
 
 from . import _report as rpt
 from ._harness import (
@@ -93,10 +94,15 @@ __all__ = [
     "Variant",
     "build_tables",
     "collect",
+    "command",
+    "converted",
     "main",
     "measure_batch",
     "open_bench",
+    "out_option",
+    "plot_document",
     "plot_memory",
+    "run_command",
     "run_json",
     "run_process",
     "write_outputs",
@@ -465,18 +471,18 @@ def _sizes(text: str) -> list[float]:
     try:
         sizes = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MiB numbers like 1,16,64: {text!r}") from None
+        raise click.BadParameter(f"expected MiB numbers like 1,16,64: {text!r}") from None
     if not sizes or any(size <= 0 for size in sizes):
-        raise argparse.ArgumentTypeError("sizes must be positive MiB numbers")
+        raise click.BadParameter("sizes must be positive MiB numbers")
     return sizes
 
 
-def _choices(allowed: Sequence[str]) -> Any:
+def _choices(allowed: Sequence[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         items = [part.strip() for part in text.split(",") if part.strip()]
         bad = [item for item in items if item not in allowed]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"choose from {', '.join(allowed)}: {text!r}")
+            raise click.BadParameter(f"choose from {', '.join(allowed)}: {text!r}")
         return items
 
     return parse
@@ -485,74 +491,110 @@ def _choices(allowed: Sequence[str]) -> Any:
 def _env_pair(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+        raise click.BadParameter(f"expected NAME=VALUE, got {text!r}")
     return name, value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line options of ``context-proxy bench memory``."""
-    parser = argparse.ArgumentParser(
-        prog="context-proxy bench memory",
-        description="Request-memory lifetime of context-proxy against a naive proxy.",
-    )
-    parser.add_argument(
-        "--sizes", type=_sizes, default=[1.0, 16.0, 64.0], help="body sizes, MiB [1,16,64]"
-    )
-    parser.add_argument(
-        "--protocols",
-        type=_choices([p.value for p in BenchProtocol]),
-        default=[p.value for p in BenchProtocol],
-        help="chat,responses,messages [all]",
-    )
-    parser.add_argument(
-        "--variants",
-        type=_choices(list(VARIANTS)),
-        default=list(VARIANTS),
-        help="plain,plugin,retry,edit,refold [all]",
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="requests per case [3]")
-    parser.add_argument(
-        "--sequential",
-        type=int,
-        default=20,
-        help="back-to-back requests for the RSS-after trend (0: skip) [20]",
-    )
-    parser.add_argument(
-        "--sequential-size", type=float, default=16.0, help="MiB per sequential request [16]"
-    )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
-    parser.add_argument(
-        "--publish",
-        action="store_true",
-        help="also write docs/bench-memory.png, .json and .md (for the README)",
-    )
-    parser.add_argument("--publish-dir", type=Path, default=Path("docs"), help="[docs]")
-    parser.add_argument(
-        "--replot",
-        type=Path,
-        metavar="JSON",
-        help="run nothing: redraw memory.png in --out (and, with --publish, "
-        "bench-memory.png) from an earlier memory.json",
-    )
-    parser.add_argument(
-        "--proxy-env",
-        type=_env_pair,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="environment variable for this proxy's process (repeatable), "
-        "e.g. MALLOC_MMAP_THRESHOLD_=1048576",
-    )
-    parser.add_argument(
-        "--proxy-module",
-        default="proxy",
-        help="run this proxy as `python -m MODULE serve` (a locally patched build) [proxy]",
-    )
-    parser.add_argument(
-        "--interval", type=float, default=0.005, help="RSS sampling interval, s [0.005]"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
+def converted(convert: Callable[[str], Any]) -> Any:
+    """A click callback applying ``convert`` to a string option (or to each of a repeated one)."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if isinstance(value, tuple):
+            return [convert(item) for item in value]
+        return convert(value) if isinstance(value, str) else value
+
+    return callback
+
+
+#: The ``--out`` option every benchmark command has.
+out_option: Final = click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
+)
+
+#: Click settings shared by the benchmark commands.
+CONTEXT_SETTINGS: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def run_command(command: click.Command, prog: str, argv: Sequence[str]) -> int:
+    """Run a benchmark's click ``command`` on ``argv``; its exit status (2: bad options).
+
+    ``argv`` reaches the command as ``ctx.obj`` (the results record the command line).
+    """
+    try:
+        status = command.main(
+            args=list(argv), prog_name=prog, standalone_mode=False, obj=list(argv)
+        )
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.Abort:
+        return 1
+    return int(status or 0)
+
+
+@click.command(
+    context_settings=CONTEXT_SETTINGS,
+    help="Request-memory lifetime of context-proxy against a naive proxy.",
+)
+@click.option(
+    "--sizes", default="1,16,64", callback=converted(_sizes), help="body sizes, MiB [1,16,64]"
+)
+@click.option(
+    "--protocols",
+    default=",".join(p.value for p in BenchProtocol),
+    callback=converted(_choices([p.value for p in BenchProtocol])),
+    help="chat,responses,messages [all]",
+)
+@click.option(
+    "--variants",
+    default=",".join(VARIANTS),
+    callback=converted(_choices(list(VARIANTS))),
+    help="plain,plugin,retry,edit,refold [all]",
+)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, help="requests per case [3]")
+@click.option(
+    "--sequential",
+    type=click.IntRange(min=0),
+    default=20,
+    help="back-to-back requests for the RSS-after trend (0: skip) [20]",
+)
+@click.option("--sequential-size", type=float, default=16.0, help="MiB per sequential request [16]")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
+)
+@click.option(
+    "--publish",
+    is_flag=True,
+    help="also write docs/bench-memory.png, .json and .md (for the README)",
+)
+@click.option("--publish-dir", type=click.Path(path_type=Path), default=Path("docs"), help="[docs]")
+@click.option(
+    "--replot",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    metavar="JSON",
+    help="run nothing: redraw memory.png in --out (and, with --publish, "
+    "bench-memory.png) from an earlier memory.json",
+)
+@click.option(
+    "--proxy-env",
+    multiple=True,
+    callback=converted(_env_pair),
+    metavar="NAME=VALUE",
+    help="environment variable for this proxy's process (repeatable), "
+    "e.g. MALLOC_MMAP_THRESHOLD_=1048576",
+)
+@click.option(
+    "--proxy-module",
+    default="proxy",
+    help="run this proxy as `python -m MODULE serve` (a locally patched build) [proxy]",
+)
+@click.option("--interval", type=float, default=0.005, help="RSS sampling interval, s [0.005]")
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@click.pass_context
+def command(ctx: click.Context, **options: Any) -> int:
+    """``context-proxy bench memory``: the options become the ``args`` of :func:`collect`."""
+    args = argparse.Namespace(**options, argv=list(ctx.obj or []))
+    return _run(args)
 
 
 # --------------------------------------------------------------------------- running
@@ -648,7 +690,7 @@ def measure_refold_cpu(protocol: BenchProtocol, body: bytes, repeats: int = 3) -
 
 
 async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
-    """Run the benchmark described by ``args`` (from :func:`build_parser`).
+    """Run the benchmark described by ``args`` (the options of :data:`command`).
 
     Server logs go to ``log_dir``. Raises :class:`~benchmarks._harness.ServiceError`
     when a server did not start or died (its log is named), ``TimeoutError`` when a
@@ -1210,12 +1252,12 @@ def main(argv: list[str]) -> int:
     """Entry point of ``context-proxy bench memory`` (and ``python -m benchmarks.memory``).
 
     Returns 0 when the run completed (targets missed are reported, not an error),
-    1 when a server failed.
+    1 when a server failed, 2 for bad options.
     """
-    args = build_parser().parse_args(argv)
-    args.argv = list(argv)
-    if args.repeats < 1:
-        build_parser().error("--repeats must be >= 1")
+    return run_command(command, "context-proxy bench memory", argv)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.replot is not None:
         targets = [args.out / "memory.png"]
         if args.publish:

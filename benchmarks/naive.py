@@ -15,12 +15,12 @@ Run: ``python -m benchmarks.naive --port 8789 --upstream http://127.0.0.1:8788``
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Final
 
 import aiohttp
+import click
 from aiohttp import web
 
 from proxy.loops import EVENT_LOOPS, loop_factory
@@ -95,28 +95,37 @@ def build_naive_app(upstream: str, *, max_body_bytes: int = 1 << 30) -> web.Appl
     return app
 
 
-def main(argv: list[str]) -> int:
-    """Run the baseline until SIGINT/SIGTERM; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.naive", description=__doc__)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8789)
-    parser.add_argument("--upstream", required=True, help="upstream base URL")
-    parser.add_argument(
-        "--event-loop",
-        choices=EVENT_LOOPS,
-        default="asyncio",
-        help="the same loop as the proxy it is compared with [asyncio]",
-    )
-    args = parser.parse_args(argv)
-    factory, _ = loop_factory(args.event_loop)
+@click.command(help=__doc__, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8789, show_default=True)
+@click.option("--upstream", required=True, help="upstream base URL")
+@click.option(
+    "--event-loop",
+    type=click.Choice(EVENT_LOOPS),
+    default="asyncio",
+    show_default=True,
+    help="the same loop as the proxy it is compared with",
+)
+def command(host: str, port: int, upstream: str, event_loop: str) -> None:
+    """``python -m benchmarks.naive``: run the baseline until SIGINT/SIGTERM."""
+    factory, _ = loop_factory(event_loop)
     web.run_app(
-        build_naive_app(args.upstream),
+        build_naive_app(upstream),
         loop=factory(),
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         access_log=None,
         print=None,
     )
+
+
+def main(argv: list[str]) -> int:
+    """Run the baseline until SIGINT/SIGTERM; returns the exit status (2: bad options)."""
+    try:
+        command.main(args=argv, prog_name="python -m benchmarks.naive", standalone_mode=False)
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
     return 0
 
 

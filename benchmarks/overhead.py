@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import click
 import psutil  # type: ignore[import-untyped]  # as in _harness
 
 from . import _report as rpt
@@ -57,13 +58,14 @@ from ._harness import (
     start_proxy,
 )
 from ._workload import BenchProtocol, Corpus, build_body
+from .memory import CONTEXT_SETTINGS, run_command
 
 __all__ = [
     "ADDED_LATENCY_SLACK",
     "CPU_RATIO_TARGET",
     "RPS_RATIO_TARGET",
     "SEQUENTIAL_LATENCY_SLACK",
-    "build_parser",
+    "command",
     "main",
 ]
 
@@ -82,44 +84,57 @@ _TARGETS: Final = ("direct", "ours", "naive")
 _REQUEST_TIMEOUT: Final = 60.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line options of ``context-proxy bench overhead``."""
-    parser = argparse.ArgumentParser(
-        prog="context-proxy bench overhead",
-        description="Added latency against the upstream direct, and memory per idle stream.",
-    )
-    parser.add_argument(
-        "--requests", type=int, default=300, help="sequential requests per target [300]"
-    )
-    parser.add_argument("--concurrency", type=int, default=50, help="concurrent workers [50]")
-    parser.add_argument(
-        "--concurrent-requests",
-        type=int,
-        default=1000,
-        help="requests per target in the concurrent run [1000]",
-    )
-    parser.add_argument(
-        "--throughput-requests",
-        type=int,
-        default=2000,
-        help="requests per proxy and answer kind in the throughput run [2000]",
-    )
-    parser.add_argument(
-        "--throughput-bytes", type=int, default=1024, help="body size there, bytes [1024]"
-    )
-    parser.add_argument(
-        "--event-loop",
-        choices=["uvloop", "asyncio"],
-        default="asyncio",
-        help="both proxies [asyncio]",
-    )
-    parser.add_argument("--streams", type=int, default=500, help="idle streams held open [500]")
-    parser.add_argument(
-        "--protocol", choices=[p.value for p in BenchProtocol], default="chat", help="[chat]"
-    )
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
+@click.command(
+    context_settings=CONTEXT_SETTINGS,
+    help="Added latency against the upstream direct, and memory per idle stream.",
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=300,
+    help="sequential requests per target [300]",
+)
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), default=50, help="concurrent workers [50]"
+)
+@click.option(
+    "--concurrent-requests",
+    type=click.IntRange(min=1),
+    default=1000,
+    help="requests per target in the concurrent run [1000]",
+)
+@click.option(
+    "--throughput-requests",
+    type=click.IntRange(min=1),
+    default=2000,
+    help="requests per proxy and answer kind in the throughput run [2000]",
+)
+@click.option(
+    "--throughput-bytes",
+    type=click.IntRange(min=1),
+    default=1024,
+    help="body size there, bytes [1024]",
+)
+@click.option(
+    "--event-loop",
+    type=click.Choice(["uvloop", "asyncio"]),
+    default="asyncio",
+    help="both proxies [asyncio]",
+)
+@click.option(
+    "--streams", type=click.IntRange(min=1), default=500, help="idle streams held open [500]"
+)
+@click.option(
+    "--protocol", type=click.Choice([p.value for p in BenchProtocol]), default="chat", help="[chat]"
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
+)
+@click.option("--quiet", is_flag=True, help="no progress bar")
+@click.pass_context
+def command(ctx: click.Context, **options: Any) -> int:
+    """``context-proxy bench overhead``."""
+    return _run(argparse.Namespace(**options), list(ctx.obj or []))
 
 
 @dataclasses.dataclass(slots=True)
@@ -583,13 +598,12 @@ def main(argv: list[str]) -> int:
     """Entry point of ``context-proxy bench overhead`` (and ``python -m benchmarks.overhead``).
 
     Returns 0 when the run completed (targets missed are reported, not an error),
-    1 when a server failed.
+    1 when a server failed, 2 for bad options.
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    counts = (args.requests, args.concurrency, args.concurrent_requests, args.streams)
-    if min(*counts, args.throughput_requests, args.throughput_bytes) < 1:
-        parser.error("counts must be >= 1")
+    return run_command(command, "context-proxy bench overhead", argv)
+
+
+def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     limits = raise_nofile_limit()
     if limits[0] < 3 * args.streams + 200:
         print(

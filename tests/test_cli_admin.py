@@ -121,3 +121,20 @@ async def test_sessions_json_parses_and_the_token_comes_from_the_environment(
     assert sorted(entry["id"] for entry in listed) == ["s-one", "s-two"]
     assert all(entry["requests"] == 1 and entry["tombstoned"] is False for entry in listed)
     assert TOKEN not in result.output
+
+
+@pytest.mark.parametrize("kind", ["memory", "overhead", "concurrency"])
+def test_every_benchmark_is_a_click_command_under_the_cli(kind: str) -> None:
+    import importlib
+
+    import click
+
+    module = importlib.import_module(f"benchmarks.{kind}")
+    assert isinstance(module.command, click.Command)
+    runner = CliRunner()
+    shown = runner.invoke(cli_main, ["bench", kind, "--help"])
+    assert shown.exit_code == 0
+    assert shown.output.startswith(f"Usage: context-proxy bench {kind} [OPTIONS]")
+    bad = runner.invoke(cli_main, ["bench", kind, "--out"])
+    assert bad.exit_code == 2
+    assert "Error: Option '--out' requires an argument." in bad.output
