@@ -191,7 +191,11 @@ def _print_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*row)
-    Console(width=TABLE_WIDTH, soft_wrap=False).print(table)
+    console = Console(width=TABLE_WIDTH, soft_wrap=False)
+    with console.capture() as captured:
+        console.print(table)
+    # rich pads every cell to its column's width: drop the trailing blanks.
+    click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
 
 
 def _cell(value: object) -> str:
@@ -270,23 +274,37 @@ def check(config: str | None) -> None:
 
 @main.command()
 @click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
-def plugins(config: str | None) -> None:
-    """List the plugins found (config and entry points) with their versions."""
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plugins(config: str | None, as_json: bool) -> None:
+    """List the plugins found (config and entry points) with their versions.
+
+    The table fits 80 columns (long names fold); --json prints
+    {"plugins": [{"name", "enabled", "version", "target"}, ...]}.
+    """
     settings = _settings(config)
     found = {info.name: info for info in discover_plugins()}
     enabled = set(settings.plugins)
-    rows = [("name", "enabled", "version", "target")]
+    listed = []
     for name in sorted(found.keys() | enabled):
         info = found.get(name)
-        rows.append(
-            (
-                name,
-                "yes" if name in enabled else "no",
-                (info.version if info else None) or "-",
-                info.target if info else name,
-            )
+        listed.append(
+            {
+                "name": name,
+                "enabled": name in enabled,
+                "version": info.version if info else None,
+                "target": info.target if info else name,
+            }
         )
-    _print_table(rows[0], rows[1:])
+    if as_json:
+        click.echo(json.dumps({"plugins": listed}, indent=2))
+        return
+    _print_table(
+        ["name", "enabled", "version", "target"],
+        [
+            [str(p["name"]), _cell(p["enabled"]), _cell(p["version"]), str(p["target"])]
+            for p in listed
+        ],
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

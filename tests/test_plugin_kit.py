@@ -323,14 +323,19 @@ async def test_make_record_defaults_are_those_of_a_real_chat_exchange(
 
 
 def plugins_table(output: str) -> dict[str, tuple[str, str, str]]:
-    """``{name: (enabled, version, target)}`` from the command's output."""
-    header, *rows = output.strip().split("\n")
-    assert header.split() == ["name", "enabled", "version", "target"]
+    """``{name: (enabled, version, target)}`` from the command's ``--json`` output."""
     table: dict[str, tuple[str, str, str]] = {}
-    for row in rows:
-        name, enabled, version, target = row.split()
-        table[name] = (enabled, version, target)
+    for entry in json.loads(output)["plugins"]:
+        enabled = "yes" if entry["enabled"] else "no"
+        table[entry["name"]] = (enabled, entry["version"] or "-", entry["target"])
     return table
+
+
+def plugins_text_fits(output: str) -> None:
+    """The table form: a header naming the columns, every line within 80 columns."""
+    lines = output.rstrip("\n").split("\n")
+    assert lines[0].split() == ["name", "enabled", "version", "target"]
+    assert all(len(line) <= 80 for line in lines), output
 
 
 def invoke(*args: str) -> Any:
@@ -339,7 +344,8 @@ def invoke(*args: str) -> Any:
 
 
 def test_plugins_command_lists_the_installed_plugins_with_versions() -> None:
-    result = invoke("plugins")
+    plugins_text_fits(invoke("plugins").output)
+    result = invoke("plugins", "--json")
     assert result.exit_code == 0, result.output
     table = plugins_table(result.output)
     assert table["fold"] == ("yes", VERSION, "plugins.fold:FoldPlugin")  # on by default
@@ -353,7 +359,7 @@ def test_plugins_command_marks_what_the_config_enables(tmp_path: Path) -> None:
     config.write_text(
         'plugins = ["ledger", "usage", "my_pkg.audit:AuditPlugin"]\n', encoding="utf-8"
     )
-    result = invoke("plugins", "--config", str(config))
+    result = invoke("plugins", "--config", str(config), "--json")
     assert result.exit_code == 0, result.output
     table = plugins_table(result.output)
     assert table["fold"][0] == "no"
@@ -425,7 +431,9 @@ async def test_the_example_projects_own_tests_pass(example_project: Path) -> Non
 
 
 def test_the_example_config_is_listed_by_the_plugins_command(example_project: Path) -> None:
-    result = invoke("plugins", "--config", str(example_project / "context-proxy.toml"))
+    config = str(example_project / "context-proxy.toml")
+    plugins_text_fits(invoke("plugins", "--config", config).output)
+    result = invoke("plugins", "--config", config, "--json")
     assert result.exit_code == 0, result.output
     table = plugins_table(result.output)
     target = "count_per_model:CountPerModelPlugin"
