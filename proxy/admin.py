@@ -16,7 +16,6 @@ import asyncio
 import hmac
 import ipaddress
 import logging
-from collections.abc import Awaitable
 from typing import Any, Final
 
 from aiohttp import web
@@ -218,10 +217,17 @@ async def delete_session(request: web.Request) -> web.Response:
         return web.json_response({"error": "wait: expected true or false"}, status=400)
     if not wait:
         if state.cluster is not None:
-            state.spawn(_close_later(sid, state.cluster.close_session(sid, grace)))
+            task = asyncio.create_task(state.cluster.close_session(sid, grace))
+            # Referenced until done (the loop keeps only weak references to tasks).
+            closing = request.app[_BACKGROUND_CLOSES]
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+            task.add_done_callback(lambda done: _log_failure(sid, done))
         else:
-            # Synchronous: the tombstone is set before the 202 goes out.
-            state.spawn(_close_later(sid, state.registry.start_shutdown(sid, grace)))
+            # Synchronous: the tombstone is set before the 202 goes out; the close
+            # runs in the registry's own task, which close_all at shutdown awaits.
+            future = state.registry.start_shutdown(sid, grace)
+            future.add_done_callback(lambda done: _log_failure(sid, done))
         return web.json_response({"id": sid, "status": "closing"}, status=202)
     try:
         if state.cluster is not None:
@@ -252,14 +258,17 @@ async def delete_session(request: web.Request) -> web.Response:
     )
 
 
-async def _close_later(sid: str, closing: Awaitable[object]) -> None:
-    """Await a session close nobody waits for (``?wait=false``); log a failure."""
-    try:
-        await closing
-    except SessionCloseError as exc:
+def _log_failure(sid: str, done: asyncio.Future[Any]) -> None:
+    """Log the failure of a session close nobody waits for (``?wait=false``)."""
+    if done.cancelled():
+        return
+    exc = done.exception()
+    if exc is not None:
         log.error("closing session %s in the background failed: %s", sid, exc)
-    except Exception as exc:  # the close has no caller left to tell
-        log.error("closing session %s in the background failed: %r", sid, exc)
+
+
+#: Cluster-mode closes answered with 202 and still running (``?wait=false``).
+_BACKGROUND_CLOSES: Final = web.AppKey("context_proxy_background_closes", set[asyncio.Task[Any]])
 
 
 async def list_exchanges(request: web.Request) -> web.Response:
@@ -301,6 +310,7 @@ async def shutdown(request: web.Request) -> web.Response:
 def add_admin_routes(app: web.Application) -> None:
     """Register the health, metrics and admin routes and the admin guard."""
     app.middlewares.append(_admin_guard)
+    app[_BACKGROUND_CLOSES] = set()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -26,6 +26,7 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter
 
+from . import logs
 from .plugins import ExchangeRecord
 
 __all__ = ["CommitTracker"]
@@ -112,6 +113,9 @@ class CommitTracker:
                     del self._by_session[sid]
 
     async def _book(self, record: ExchangeRecord) -> None:
+        # A fresh context: give its log records the exchange's ids again.
+        logs.EXCHANGE_ID.set(record.exchange_id)
+        logs.SESSION_ID.set(record.session_id)
         began = time.monotonic()
         try:
             async with asyncio.timeout(self.timeout if math.isfinite(self.timeout) else None):
