@@ -70,7 +70,8 @@ async def test_wait_false_answers_202_at_once_and_the_close_finishes_in_the_back
             while h.state.registry.info(sid) is not None:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         async with http.get(f"{h.url}/admin/sessions/{sid}") as resp:
-            assert resp.status == 404
+            assert resp.status == 200
+            assert (await resp.json())["tombstoned"] is True
 
 
 async def test_the_default_delete_waits_and_answers_with_the_counts(
