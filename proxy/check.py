@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 
 from .config import check_settings
-from .plugins import PluginError, load_plugins
+from .plugins import PluginError, load_plugins, unclaimed_tables
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -49,7 +49,9 @@ def check_config(
     constructed: list[str] = []
     for spec in settings.plugins:
         try:
-            host = load_plugins([spec], settings.plugin, timeout=settings.plugin_timeout)
+            host = load_plugins(
+                [spec], settings.plugin, timeout=settings.plugin_timeout, strict=False
+            )
         except PluginError as exc:
             problems.append(str(exc))
             continue
@@ -62,6 +64,7 @@ def check_config(
                 problems.append(f"plugin {spec!r}: {' '.join(str(exc).split())}")
                 continue
         constructed.append(spec)
+    problems.extend(unclaimed_tables(settings.plugins, settings.plugin))
     where = os.fspath(config_path) if config_path is not None else "defaults and environment"
     summary = (
         f"{where}: settings ok, {len(constructed)} plugin(s) ok"

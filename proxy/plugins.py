@@ -379,9 +379,7 @@ def load_plugins(
     taken: set[str] = set()
     for spec in specs:
         cls, target = _resolve(spec)
-        keys = [spec]
-        if ":" not in spec and cls.name and cls.name != spec:
-            keys.append(cls.name)
+        keys = _table_keys(spec, cls)
         tables = [key for key in keys if key in options]
         if len(tables) > 1:
             raise PluginError(
@@ -402,12 +400,39 @@ def load_plugins(
     if strict:
         for key in options:
             if key not in taken:
-                raise PluginError(
-                    f"[{_table(key)}]: no plugin in the plugins list takes this table "
-                    "(its key is the entry as written there, or an entry-point "
-                    "plugin's name)"
-                )
+                raise PluginError(_unclaimed(key))
     return PluginHost(plugins, timeout=timeout)
+
+
+def _table_keys(spec: str, cls: type[Plugin]) -> list[str]:
+    """The option-table keys a plugin entry answers to: the entry, and an
+    entry-point plugin's ``name``."""
+    keys = [spec]
+    if ":" not in spec and cls.name and cls.name != spec:
+        keys.append(cls.name)
+    return keys
+
+
+def _unclaimed(key: str) -> str:
+    return (
+        f"[{_table(key)}]: no plugin in the plugins list takes this table "
+        "(its key is the entry as written there, or an entry-point plugin's name)"
+    )
+
+
+def unclaimed_tables(specs: Sequence[str], options: Mapping[str, object]) -> list[str]:
+    """One problem line per ``[plugin.<key>]`` table no entry of ``specs`` takes.
+
+    Entries that cannot be resolved are skipped (loading them reports that).
+    """
+    keys: set[str] = set()
+    for spec in specs:
+        try:
+            cls, _ = _resolve(spec)
+        except PluginError:
+            continue
+        keys.update(_table_keys(spec, cls))
+    return [_unclaimed(key) for key in options if key not in keys]
 
 
 def _table(key: str) -> str:

@@ -103,3 +103,14 @@ def test_plugins_command_still_lists_without_constructing(tmp_path: Path) -> Non
     config.write_text('plugins = ["fold"]\n[plugin.fold]\nkeep_lastt = 3\n')
     assert CliRunner().invoke(main, ["plugins", "--config", str(config)]).exit_code == 0
     assert _check(config).exit_code == 1
+
+
+def test_a_table_no_plugin_takes_is_one_problem_line(tmp_path: Path) -> None:
+    """A misspelt ``[plugin.<key>]`` header is reported once; the plugins it does name pass."""
+    config = tmp_path / "proxy.toml"
+    config.write_text('plugins = ["fold"]\n[plugin.fold]\nkeep_last = 3\n[plugin.flod]\n')
+    result = _check(config)
+    assert result.exit_code == 1
+    problems = [line for line in result.output.splitlines() if "plugin.flod" in line]
+    assert len(problems) == 1
+    assert "plugin.fold" not in result.output

@@ -35,7 +35,7 @@ def test_uvloop_setting_runs_on_uvloop() -> None:
 
 
 def test_unknown_loop_is_a_one_line_config_error() -> None:
-    with pytest.raises(ConfigError, match="^CONTEXT_PROXY_EVENT_LOOP: .*trio"):
+    with pytest.raises(ConfigError, match=r"^CONTEXT_PROXY_EVENT_LOOP: .*trio"):
         load_settings(environ={"CONTEXT_PROXY_EVENT_LOOP": "trio"})
 
 
