@@ -514,7 +514,7 @@ class EmulatorControl:
             resp.raise_for_status()
 
     async def records(self) -> list[dict[str, Any]]:
-        """The request records (see ``proxy.emulator.RequestRecord``)."""
+        """The request records (see ``proxy._emulator.RequestRecord``)."""
         async with self._session.get(self.url + "/_emulator/stats") as resp:
             resp.raise_for_status()
             data = await resp.json()

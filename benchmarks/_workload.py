@@ -54,7 +54,7 @@ class BenchProtocol(enum.Enum):
 
     ``first_delta_event`` is the 1-based index of the emulator's first text-delta
     SSE event (``x-emulator: stall_after``): holding there means the answer is
-    streaming. Event order per protocol is the emulator's (proxy/emulator.py).
+    streaming. Event order per protocol is the emulator's (proxy/_emulator.py).
     """
 
     CHAT = "chat"

@@ -37,7 +37,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from proxy.cluster import RedisStore
+from proxy._cluster import RedisStore
 
 from . import _report as rpt
 from ._cluster import nginx_config, start_redis

@@ -656,7 +656,7 @@ class RefoldCpu:
 def measure_refold_cpu(protocol: BenchProtocol, body: bytes, repeats: int = 3) -> RefoldCpu:
     """Time one refold of ``body`` in this process (see :class:`RefoldCpu`), in CPU seconds."""
     from plugins.fold import FoldPlugin
-    from proxy.structure import BodyView
+    from proxy._structure import BodyView
 
     wire_protocol = {
         BenchProtocol.CHAT: "openai-chat",

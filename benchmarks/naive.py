@@ -23,7 +23,7 @@ import aiohttp
 import click
 from aiohttp import web
 
-from proxy.loops import EVENT_LOOPS, loop_factory
+from proxy._loops import EVENT_LOOPS, loop_factory
 
 __all__ = ["build_naive_app", "main"]
 

@@ -33,7 +33,7 @@ retries) never start the timer; they ride along with the next write, and
 Cluster mode (``redis_url``, given by the proxy's own ``redis_url`` setting
 unless the ``[plugin.ledger]`` table sets it): the gate lives in one Redis hash
 per session and each commit passes it in one Lua script
-(``proxy.cluster.scripts.LEDGER_GATE``), so two nodes committing for one
+(``proxy._cluster.scripts.LEDGER_GATE``), so two nodes committing for one
 session at once still bump ``revision_epoch`` once. SQLite is not used then;
 an identical retry writes nothing at all (its counters are not kept), and a
 commit while Redis is unreachable is logged, counted in ``write_errors`` and
@@ -57,7 +57,7 @@ from typing import ClassVar, Final, TypeVar
 from cachetools import LRUCache
 
 from proxy import ExchangeRecord, Plugin, Scalar
-from proxy.cluster import ClusterUnavailable, RedisStore
+from proxy._cluster import ClusterUnavailable, RedisStore
 
 __all__ = ["SCHEMA_VERSION", "GateOutcome", "LedgerError", "LedgerPlugin", "hash_gate"]
 

@@ -9,12 +9,12 @@ in an aiohttp server, :func:`serve` to run it until SIGTERM). Test helpers live 
 :mod:`proxy.testing`; everything else is internal.
 """
 
-from .app import build_app, serve
-from .config import ConfigError, Settings, load_settings
-from .plugins import BodyUnavailable, ExchangeRecord, Plugin, PrepareContext, Scalar
-from .protocols import Protocol
-from .structure import BodyView, EditConflict, Node
-from .wire import WireError, WireMetadata
+from ._app import build_app, serve
+from ._config import ConfigError, Settings, load_settings
+from ._plugins import BodyUnavailable, ExchangeRecord, Plugin, PrepareContext, Scalar
+from ._protocols import Protocol
+from ._structure import BodyView, EditConflict, Node
+from ._wire import WireError, WireMetadata
 
 __all__ = [
     "BodyUnavailable",

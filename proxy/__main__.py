@@ -1,5 +1,5 @@
 """``python -m proxy`` is the ``context-proxy`` command."""
 
-from .cli import main
+from ._cli import main
 
 main()

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from .plugins import Plugin
+from ._plugins import Plugin
 from .testing import Harness, proxy_with_emulator
 
 __all__ = ["ProxyFactory", "context_proxy"]

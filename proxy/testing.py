@@ -40,11 +40,11 @@ from typing import Any, Final
 import aiohttp
 from aiohttp import web
 
-from .app import STATE, AppState, build_app, running
-from .config import Settings, load_settings
-from .emulator import EmulatorServer, start_emulator
-from .plugins import ExchangeRecord, Plugin, PluginHost, Scalar, load_plugins
-from .protocols import Protocol
+from ._app import STATE, AppState, build_app, running
+from ._config import Settings, load_settings
+from ._emulator import EmulatorServer, start_emulator
+from ._plugins import ExchangeRecord, Plugin, PluginHost, Scalar, load_plugins
+from ._protocols import Protocol
 
 __all__ = [
     "Harness",

@@ -21,10 +21,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import Plugin
-from proxy.plugins import PrepareContext, Scalar
-from proxy.protocols import Protocol
+from proxy._plugins import PrepareContext, Scalar
+from proxy._protocols import Protocol
+from proxy._wire import WireMetadata
 from proxy.testing import Harness, proxy_with_emulator
-from proxy.wire import WireMetadata
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"

@@ -5,7 +5,7 @@ of :class:`RawUpstream`, a loopback server that answers with canned bytes for th
 upstream misbehaviours the emulator cannot script), once as a real ``serve``
 process for SIGTERM. Ordering uses the emulator's ``hold``/``wait_*`` helpers and
 the proxy's own state; the only wall-clock waits are timeouts under test
-(``body_idle_timeout``, :data:`proxy.stream.TERMINAL_EOF_GRACE`, a grace period),
+(``body_idle_timeout``, :data:`proxy._stream.TERMINAL_EOF_GRACE`, a grace period),
 each bounded by ``asyncio.timeout``.
 """
 
@@ -28,14 +28,14 @@ import pytest
 from aiohttp import web
 
 from proxy import Plugin
-from proxy.app import build_app, running
-from proxy.config import load_settings
-from proxy.emulator import DEFAULT_TEXT, start_emulator
-from proxy.exchange import Phase
-from proxy.plugins import PrepareContext
-from proxy.relay import ClientGone
+from proxy._app import build_app, running
+from proxy._config import load_settings
+from proxy._emulator import DEFAULT_TEXT, start_emulator
+from proxy._exchange import Phase
+from proxy._plugins import PrepareContext
+from proxy._relay import ClientGone
+from proxy._wire import WireMetadata
 from proxy.testing import Harness, ProxyStartError, proxy_process, proxy_with_emulator
-from proxy.wire import WireMetadata
 from tests.test_e2e_support import (
     ANTHROPIC_PATH,
     CHAT_PATH,
@@ -189,7 +189,7 @@ async def test_hangup_seen_by_the_relay_is_not_logged_as_a_server_error(
     async def gone(*args: object, **kwargs: object) -> web.StreamResponse:
         raise ClientGone
 
-    monkeypatch.setattr("proxy.app.relay", gone)
+    monkeypatch.setattr("proxy._app.relay", gone)
     caplog.set_level(logging.INFO)
     async with proxy_with_emulator() as h:
         client = await RawClient.connect(h.url)

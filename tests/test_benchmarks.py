@@ -25,9 +25,9 @@ from benchmarks._workload import BenchProtocol, Corpus, MiB, build_body, marker_
 from benchmarks.naive import build_naive_app
 from benchmarks.plugins import Marker
 from proxy import PrepareContext
-from proxy.emulator import EmulatorServer, start_emulator
-from proxy.protocols import Protocol
-from proxy.wire import compute_wire_metadata, digest_bytes
+from proxy._emulator import EmulatorServer, start_emulator
+from proxy._protocols import Protocol
+from proxy._wire import compute_wire_metadata, digest_bytes
 
 
 @pytest.fixture(scope="module")

@@ -34,8 +34,8 @@ import zstandard
 from aiohttp import hdrs, web
 from aiohttp.base_protocol import BaseProtocol
 
-from proxy import body as body_module
-from proxy.body import (
+from proxy import _body as body_module
+from proxy._body import (
     DEFAULT_CHUNK_BYTES,
     MAX_CONTENT_CODINGS,
     BodyEncodingError,
@@ -46,7 +46,7 @@ from proxy.body import (
     parse_content_encoding,
     read_body,
 )
-from proxy.coding import ContentDecoder
+from proxy._coding import ContentDecoder
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -13,7 +13,7 @@ from pathlib import Path
 from click.testing import CliRunner, Result
 
 from plugins.ledger import LedgerPlugin
-from proxy.cli import main
+from proxy._cli import main
 
 
 def _check(path: Path, **env: str) -> Result:

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 
-from proxy.cli import main as cli_main
+from proxy._cli import main as cli_main
 from proxy.testing import Harness, proxy_with_emulator
 
 CHAT = "/v1/chat/completions"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from redis.crc import key_slot
 
-from proxy.cluster import ClusterNode, ClusterUnavailable, RedisStore
-from proxy.cluster.keys import SessionKeys
-from proxy.sessions import SessionClosed, SessionRegistry, shutdown_cause
+from proxy._cluster import ClusterNode, ClusterUnavailable, RedisStore
+from proxy._cluster.keys import SessionKeys
+from proxy._sessions import SessionClosed, SessionRegistry, shutdown_cause
 
 from .cluster_support import RedisServer, free_port
 from .test_e2e_support import wait_until
@@ -408,7 +408,7 @@ async def test_the_ledger_joins_cluster_mode_through_the_proxy_setting(
     redis_server: RedisServer,
 ) -> None:
     from plugins.ledger import LedgerPlugin
-    from proxy.plugins import load_plugins
+    from proxy._plugins import load_plugins
 
     host = load_plugins(
         ["ledger", "usage"],

@@ -1,7 +1,7 @@
 """The pure content-coding module: decoders, their output bound, the body sink. No sockets.
 
-:mod:`proxy.coding` is fed bytes and hands out bytes; these tests drive it
-directly, the way :mod:`proxy.body` does, and check what a caller relies on:
+:mod:`proxy._coding` is fed bytes and hands out bytes; these tests drive it
+directly, the way :mod:`proxy._body` does, and check what a caller relies on:
 every split of the wire decodes to the same body, no decoder call produces
 more than about one piece, a bomb stops at the limit, truncation and corruption
 are 400s, and the sink keeps nothing once it handed its buffer over.
@@ -19,7 +19,7 @@ import pytest
 import xxhash
 import zstandard
 
-from proxy.coding import (
+from proxy._coding import (
     ZSTD_BLOCK_MAX_BYTES,
     BodyEncodingError,
     BodySink,

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 from click.testing import CliRunner
 
-from proxy.cli import main
-from proxy.config import ConfigError, load_settings
+from proxy._cli import main
+from proxy._config import ConfigError, load_settings
 from proxy.testing import proxy_with_emulator
 
 

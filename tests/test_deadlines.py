@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from proxy.server import HeaderDeadlineHandler
+from proxy._server import HeaderDeadlineHandler
 from proxy.testing import proxy_with_emulator
 
 from .test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RawClient, exact_body, wait_until
@@ -130,7 +130,7 @@ async def test_a_body_trickled_under_the_idle_timeout_gets_408_at_the_body_deadl
 
 @pytest.mark.parametrize("name", ["header_timeout", "body_timeout"])
 def test_deadlines_are_settings_with_documented_defaults(name: str) -> None:
-    from proxy.config import ConfigError, Settings, load_settings
+    from proxy._config import ConfigError, Settings, load_settings
 
     assert getattr(Settings(), name) == {"header_timeout": 30.0, "body_timeout": 600.0}[name]
     env = {f"CONTEXT_PROXY_{name.upper()}": "2.5"}

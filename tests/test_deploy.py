@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import Settings
+from proxy._config import Settings
 from tests.process_support import Proc
 
 DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"

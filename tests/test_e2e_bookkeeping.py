@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from plugins.ledger import LedgerPlugin
 from plugins.usage import UsagePlugin
 from proxy import ExchangeRecord, Plugin
-from proxy.cli import main as cli_main
-from proxy.emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
+from proxy._cli import main as cli_main
+from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.testing import ProxyProcess, ProxyStartError, proxy_process, proxy_with_emulator
 
 SECRET: Final = "sk-bookkeeping-0c7e1d5a9b3f42e8a6d0c4b2f1e9a7d3"
@@ -385,7 +385,7 @@ async def anthropic_usage(base_url: str, stream: bool, model: str) -> Usage:
     """One Messages request with the ``anthropic`` SDK; its usage as the proxy counts it.
 
     Anthropic's ``input_tokens`` leaves out cached tokens, OpenAI's include
-    them; the proxy counts the whole prompt (``proxy.protocols.UsageMeter``),
+    them; the proxy counts the whole prompt (``proxy._protocols.UsageMeter``),
     so the SDK's figures are summed the same way here.
     """
     claude = anthropic.AsyncAnthropic(base_url=base_url, api_key=SECRET, default_headers=HEADERS)

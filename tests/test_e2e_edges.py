@@ -20,7 +20,7 @@ import xxhash
 from anthropic.types import MessageParam
 from openai.types.chat import ChatCompletionUserMessageParam
 
-from proxy.emulator import DEFAULT_TEXT, Script, start_emulator
+from proxy._emulator import DEFAULT_TEXT, Script, start_emulator
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_e2e_support import (
     ANTHROPIC_PATH,

@@ -26,9 +26,9 @@ from anthropic.types import MessageParam
 from anthropic.types.beta import BetaMessageParam
 from openai.types.chat import ChatCompletionUserMessageParam
 
-from proxy.app import build_app, running
-from proxy.config import load_settings
-from proxy.emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
+from proxy._app import build_app, running
+from proxy._config import load_settings
+from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_e2e_support import (
     ANTHROPIC_PATH,

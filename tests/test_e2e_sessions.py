@@ -24,11 +24,11 @@ import pytest
 from multidict import CIMultiDictProxy
 
 from proxy import Plugin
-from proxy.emulator import DEFAULT_TEXT
-from proxy.plugins import ExchangeRecord, PrepareContext
-from proxy.session_ids import bearer_session_id
+from proxy._emulator import DEFAULT_TEXT
+from proxy._plugins import ExchangeRecord, PrepareContext
+from proxy._session_ids import bearer_session_id
+from proxy._wire import WireMetadata
 from proxy.testing import proxy_with_emulator
-from proxy.wire import WireMetadata
 from tests.test_e2e_support import Event, request_body, sse_events, streamed_text, wait_until
 
 CHAT = "/v1/chat/completions"

@@ -2,7 +2,7 @@
 
 The request-body builders and the SSE reader here serve ``test_e2e_sessions.py``,
 ``test_shutdown.py`` and ``test_emulator.py`` too. The reader is independent of
-the proxy's own framer (``proxy/sse.py``) on purpose, so a test of that framer,
+the proxy's own framer (``proxy/_sse.py``) on purpose, so a test of that framer,
 or of the emulator that feeds it, never checks the code under test against itself.
 
 Everything talks to real sockets on 127.0.0.1: :class:`RawClient` is a

@@ -1,4 +1,4 @@
-"""The local upstream emulator (proxy/emulator.py): real SDKs, every script key, instrumentation.
+"""The local upstream emulator (proxy/_emulator.py): real SDKs, every script key, instrumentation.
 
 Everything runs on loopback against a real emulator on an ephemeral port. SSE is
 parsed by the small independent reader of ``test_e2e_support``, not by the proxy's framer.
@@ -27,8 +27,8 @@ from anthropic.types import MessageParam
 from anthropic.types.beta import BetaMessageParam
 from openai.types.chat import ChatCompletionUserMessageParam
 
-from proxy import emulator
-from proxy.emulator import (
+from proxy import _emulator as emulator
+from proxy._emulator import (
     DEFAULT_TEXT,
     EmulatorServer,
     EmulatorWaitError,
@@ -938,7 +938,7 @@ async def test_run_emulator_serves_until_sigterm() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        "from proxy.emulator import run_emulator; run_emulator('127.0.0.1', 0)",
+        "from proxy._emulator import run_emulator; run_emulator('127.0.0.1', 0)",
         stdout=asyncio.subprocess.PIPE,
     )
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 
-from proxy.emulator_frames import (
+from proxy._emulator_frames import (
     AnswerContext,
     Frame,
     SSEFrames,
@@ -16,7 +16,7 @@ from proxy.emulator_frames import (
     messages_stream,
     overflow_plan,
 )
-from proxy.emulator_script import DEFAULT_TEXT, Script
+from proxy._emulator_script import DEFAULT_TEXT, Script
 
 
 def render(frames: Iterable[Frame]) -> bytes:

@@ -1,6 +1,6 @@
 """The exchange's phase machine and bookkeeping methods, without sockets.
 
-Every legal move of :data:`proxy.exchange.TRANSITIONS` is driven through the
+Every legal move of :data:`proxy._exchange.TRANSITIONS` is driven through the
 public methods that make it; every move outside the table raises
 :class:`IllegalTransition`; the observer sees each move exactly once.
 """
@@ -12,8 +12,8 @@ import itertools
 
 import pytest
 
-from proxy import wire
-from proxy.exchange import (
+from proxy import _wire as wire
+from proxy._exchange import (
     TRANSITIONS,
     Exchange,
     IllegalTransition,
@@ -22,8 +22,8 @@ from proxy.exchange import (
     Preparer,
     null_lock,
 )
-from proxy.plugins import PluginHost
-from proxy.protocols import Protocol
+from proxy._plugins import PluginHost
+from proxy._protocols import Protocol
 
 BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from proxy.emulator import EmulatorServer, start_emulator
-from proxy.fdlimit import is_fd_exhaustion
+from proxy._emulator import EmulatorServer, start_emulator
+from proxy._fdlimit import is_fd_exhaustion
 from tests.process_support import Proc
 
 BOUND_S = 20.0

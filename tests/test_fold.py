@@ -14,10 +14,10 @@ import msgspec
 import pytest
 
 from plugins.fold import DEFAULT_PLACEHOLDER, FoldPlugin
-from proxy.plugins import PluginError, PluginHost, PrepareContext, load_plugins
-from proxy.protocols import Protocol
-from proxy.structure import Draft, Splice
-from proxy.wire import WireMetadata
+from proxy._plugins import PluginError, PluginHost, PrepareContext, load_plugins
+from proxy._protocols import Protocol
+from proxy._structure import Draft, Splice
+from proxy._wire import WireMetadata
 
 MARK = DEFAULT_PLACEHOLDER.split("{n}")[0]  # "[elided by context-proxy: "
 

@@ -18,37 +18,37 @@ PACKAGES = ("proxy", "plugins")
 # They may import only each other within the project, and no I/O library.
 PURE = frozenset(
     {
-        "proxy.cluster.keys",
-        "proxy.cluster.scripts",
-        "proxy.coding",
-        "proxy.emulator_frames",
-        "proxy.emulator_script",
-        "proxy.headers",
-        "proxy.protocols",
-        "proxy.session_ids",
-        "proxy.sse",
-        "proxy.stream",
-        "proxy.structure",
-        "proxy.tombstones",
-        "proxy.wire",
+        "proxy._cluster.keys",
+        "proxy._cluster.scripts",
+        "proxy._coding",
+        "proxy._emulator_frames",
+        "proxy._emulator_script",
+        "proxy._headers",
+        "proxy._protocols",
+        "proxy._session_ids",
+        "proxy._sse",
+        "proxy._stream",
+        "proxy._structure",
+        "proxy._tombstones",
+        "proxy._wire",
     }
 )
-PURE_PACKAGES = frozenset({"proxy.protocols"})  # every submodule is pure as well
+PURE_PACKAGES = frozenset({"proxy._protocols"})  # every submodule is pure as well
 
 # The I/O edges: a pure module importing one of these is the bug this test is for.
 IO_MODULES = frozenset(
     {
-        "proxy.admin",
-        "proxy.app",
-        "proxy.body",
-        "proxy.cli",
-        "proxy.cluster.node",
-        "proxy.cluster.store",
-        "proxy.demo",
-        "proxy.emulator",
-        "proxy.relay",
-        "proxy.server",
-        "proxy.state",
+        "proxy._admin",
+        "proxy._app",
+        "proxy._body",
+        "proxy._cli",
+        "proxy._cluster.node",
+        "proxy._cluster.store",
+        "proxy._demo",
+        "proxy._emulator",
+        "proxy._relay",
+        "proxy._server",
+        "proxy._state",
     }
 )
 IO_LIBRARIES = frozenset(
@@ -97,7 +97,7 @@ def import_graph(files: Mapping[str, pathlib.Path]) -> dict[str, set[str]]:
         for target in _imports(name, path):
             if target in files:
                 deps.add(target)
-        # `from . import wire` yields both "proxy" and "proxy.wire": keep only the module.
+        # `from . import wire` yields both "proxy" and "proxy._wire": keep only the module.
         for target in list(deps):
             parent = target.rpartition(".")[0]
             if parent in deps and _only_submodules_named(name, files[name], parent, files):
@@ -237,16 +237,16 @@ def test_the_checker_finds_cycles_including_type_checking_only_ones(tmp_path: pa
 
 def test_the_real_graph_has_the_edges_the_layout_promises() -> None:
     graph = import_graph(module_files())
-    assert "proxy.wire" in graph["proxy.app"]  # `from . import protocols, wire`
-    assert "proxy.sse" in graph["proxy.protocols._common"]  # `from ..sse import SSEEvent`
-    assert "proxy" not in graph["proxy.app"]  # the package itself only via a named import
+    assert "proxy._wire" in graph["proxy._app"]  # `from . import protocols, wire`
+    assert "proxy._sse" in graph["proxy._protocols._common"]  # `from ..sse import SSEEvent`
+    assert "proxy" not in graph["proxy._app"]  # the package itself only via a named import
 
 
 def test_the_emulator_shares_no_protocol_code_with_the_proxy() -> None:
     """The upstream emulator is an independent implementation: it must not agree with our bugs."""
     graph = import_graph(module_files())
-    for name in ("proxy.emulator", "proxy.emulator_frames", "proxy.emulator_script"):
+    for name in ("proxy._emulator", "proxy._emulator_frames", "proxy._emulator_script"):
         reached = reachable(graph, name).keys()
-        shared = {m for m in reached if m in {"proxy.sse", "proxy.protocols"} or is_pure(m)}
-        shared -= {"proxy.emulator_frames", "proxy.emulator_script"}
+        shared = {m for m in reached if m in {"proxy._sse", "proxy._protocols"} or is_pure(m)}
+        shared -= {"proxy._emulator_frames", "proxy._emulator_script"}
         assert shared == set(), f"{name} reaches {sorted(shared)}"

@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import ExchangeRecord, Plugin
-from proxy import app as app_module
-from proxy.exchange import Exchange
+from proxy import _app as app_module
+from proxy._exchange import Exchange
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_e2e_support import (
     ANTHROPIC_PATH,

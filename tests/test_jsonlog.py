@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from plugins.jsonlog import JsonLogPlugin
-from proxy.plugins import PluginError, load_plugins
+from proxy._plugins import PluginError, load_plugins
 from proxy.testing import make_record
 
 

@@ -34,15 +34,15 @@ import pytest
 import xxhash
 from aiohttp import web
 
-from proxy import coding as coding_module
-from proxy import wire
-from proxy.emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
-from proxy.exchange import SEND_SLICE_BYTES, Exchange, HeldBytes, Phase, Preparer, null_lock
-from proxy.plugins import BodyUnavailable, ExchangeRecord, Plugin, PluginHost, PrepareContext
-from proxy.protocols import Protocol
-from proxy.structure import Splice
+from proxy import _coding as coding_module
+from proxy import _wire as wire
+from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
+from proxy._exchange import SEND_SLICE_BYTES, Exchange, HeldBytes, Phase, Preparer, null_lock
+from proxy._plugins import BodyUnavailable, ExchangeRecord, Plugin, PluginHost, PrepareContext
+from proxy._protocols import Protocol
+from proxy._structure import Splice
+from proxy._wire import WireMetadata
 from proxy.testing import proxy_with_emulator
-from proxy.wire import WireMetadata
 from tests.test_lifetime_support import (
     CHAT,
     MESSAGES,
@@ -883,7 +883,7 @@ async def test_no_parse_of_the_body_once_the_answer_streams(
         body = encode(conversation(CHAT))
         async with http.post(h.url + CHAT, data=body, headers=headers) as resp:
             first = await resp.content.readany()
-            # From here on, any JSON parse in proxy.wire fails loudly.
+            # From here on, any JSON parse in proxy._wire fails loudly.
             monkeypatch.setattr(wire, "_decode_json", parse_after_forwarding)
             h.emulator.release("parse")
             answer = first + await resp.read()

@@ -38,13 +38,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy import app as app_module
-from proxy import wire
-from proxy.app import STATE, AppState, build_app, running
-from proxy.config import load_settings
-from proxy.exchange import Exchange, HeldBytes, Phase
-from proxy.plugins import ExchangeRecord, Plugin, PluginHost, PrepareContext
-from proxy.wire import WireMetadata
+from proxy import _app as app_module
+from proxy import _wire as wire
+from proxy._app import STATE, AppState, build_app, running
+from proxy._config import load_settings
+from proxy._exchange import Exchange, HeldBytes, Phase
+from proxy._plugins import ExchangeRecord, Plugin, PluginHost, PrepareContext
+from proxy._wire import WireMetadata
 
 __all__ = [
     "CHAT",
@@ -314,7 +314,7 @@ def install_codec_counts(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Count full parses and serializations of request bodies from now on.
 
     Returns ``{"parse": n, "encode": n}``, updated in place: ``parse`` counts
-    decodes with :mod:`proxy.wire`'s full decoder (the structural decode that
+    decodes with :mod:`proxy._wire`'s full decoder (the structural decode that
     computes wire metadata is not one), ``encode`` counts calls of
     ``wire.encode_body``. ``monkeypatch`` undoes it at the end of the test.
     """

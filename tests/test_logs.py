@@ -20,9 +20,9 @@ import openai
 import pytest
 
 from proxy import Plugin
-from proxy.emulator import EmulatorServer, start_emulator
-from proxy.logs import BurstFilter
-from proxy.plugins import ExchangeRecord
+from proxy._emulator import EmulatorServer, start_emulator
+from proxy._logs import BurstFilter
+from proxy._plugins import ExchangeRecord
 from tests.process_support import Proc
 
 API_KEY = "sk-logs-test-SECRET-9f8e7d"

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import uvloop
 
-from proxy import loops
-from proxy.config import ConfigError, load_settings
+from proxy import _loops as loops
+from proxy._config import ConfigError, load_settings
 
 
 def _loop_kind() -> str:
@@ -54,7 +54,7 @@ def test_without_uvloop_installed_it_falls_back_with_a_warning(
     factory, used = loops.loop_factory("uvloop")
     assert used == "asyncio"
     assert factory is asyncio.new_event_loop
-    with caplog.at_level(logging.WARNING, logger="proxy.loops"):
+    with caplog.at_level(logging.WARNING, logger="proxy._loops"):
         assert loops.run(_kind(), "uvloop") == "asyncio"
     assert "not importable" in caplog.text
     assert uvloop.__name__ == "uvloop"

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.metrics import BODY_BUCKETS, TIME_BUCKETS
-from proxy.protocols import Protocol
+from proxy._metrics import BODY_BUCKETS, TIME_BUCKETS
+from proxy._protocols import Protocol
 from proxy.testing import proxy_with_emulator
 
 CHAT = "/v1/chat/completions"

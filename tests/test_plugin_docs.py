@@ -6,8 +6,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from proxy.exchange import Outcome
-from proxy.plugins import ExchangeRecord
+from proxy._exchange import Outcome
+from proxy._plugins import ExchangeRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "plugins.md"

@@ -17,10 +17,11 @@ import aiohttp
 import pytest
 import xxhash
 
-from proxy import Plugin, PrepareContext, WireMetadata, wire
-from proxy.exchange import BodyHolder, Exchange, Preparer, null_lock
-from proxy.plugins import PluginHost
-from proxy.protocols import Protocol
+from proxy import Plugin, PrepareContext, WireMetadata
+from proxy import _wire as wire
+from proxy._exchange import BodyHolder, Exchange, Preparer, null_lock
+from proxy._plugins import PluginHost
+from proxy._protocols import Protocol
 from proxy.testing import proxy_with_emulator
 
 from .test_e2e_support import CHAT_PATH, request_body

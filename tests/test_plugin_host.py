@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-import proxy.plugins as plugins_module
+import proxy._plugins as plugins_module
 from proxy import Plugin
-from proxy.plugins import PluginError, PluginHost, PrepareContext
-from proxy.protocols import Protocol
+from proxy._plugins import PluginError, PluginHost, PrepareContext
+from proxy._protocols import Protocol
+from proxy._wire import WireMetadata, compute_wire_metadata, digest_bytes
 from proxy.testing import make_record
-from proxy.wire import WireMetadata, compute_wire_metadata, digest_bytes
 
 HOOKS = ("wants_body", "prepare", "commit", "session_closed", "session_state")
 REQUESTS = 50

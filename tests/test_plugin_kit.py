@@ -26,10 +26,10 @@ from click.testing import CliRunner
 from plugins.jsonlog import JsonLogPlugin
 from plugins.usage import UsagePlugin
 from proxy import ExchangeRecord, Plugin
-from proxy.cli import main as cli_main
-from proxy.emulator import start_emulator
-from proxy.plugins import PluginError
-from proxy.protocols import Protocol
+from proxy._cli import main as cli_main
+from proxy._emulator import start_emulator
+from proxy._plugins import PluginError
+from proxy._protocols import Protocol
 from proxy.pytest_plugin import ProxyFactory
 from proxy.testing import make_record, proxy_process
 

@@ -2,7 +2,7 @@
 
 Each example builds a body, applies a random stack of content codings, feeds
 the wire to an aiohttp payload in random pieces and reads it with
-:func:`proxy.body.read_body` at a random read size and limit, with and without
+:func:`proxy._body.read_body` at a random read size and limit, with and without
 a declared ``Content-Length``. What must hold for every example: a body within
 the limit comes back byte for byte with its digest; one over it is a 413
 carrying the limit; corrupted coded data is a :class:`BodyError` (400/413),
@@ -24,7 +24,7 @@ import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.body import BodyError, BodyTooLarge, read_body
+from proxy._body import BodyError, BodyTooLarge, read_body
 
 from .test_body import _NoFlowControl
 

@@ -1,7 +1,7 @@
 """Property-based tests of the SSE framer (hypothesis): random streams, random splits.
 
 The oracle is the whole-stream reference parser of ``tests/test_sse.py``,
-written from the WHATWG prose and sharing no code with :mod:`proxy.sse`.
+written from the WHATWG prose and sharing no code with :mod:`proxy._sse`.
 Streams are built from the things real upstreams send and the spec allows:
 ``data``/``event``/``id``/``retry``/unknown fields, comments, fields without a
 colon, CRLF / LF / lone CR line ends mixed, a BOM, long values, and a trailing
@@ -15,7 +15,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.sse import SSEFramer
+from proxy._sse import SSEFramer
 
 from .test_sse import BOM, reference_events, simple
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from proxy import protocols
-from proxy.protocols import DIALECTS, Protocol, UsageMeter, dialect
-from proxy.session_ids import DEFAULT_SESSION_HEADERS
-from proxy.sse import SSEEvent
-from proxy.wire import compute_wire_metadata, digest_bytes
+from proxy import _protocols as protocols
+from proxy._protocols import DIALECTS, Protocol, UsageMeter, dialect
+from proxy._session_ids import DEFAULT_SESSION_HEADERS
+from proxy._sse import SSEEvent
+from proxy._wire import compute_wire_metadata, digest_bytes
 
 NAMED = (Protocol.RESPONSES, Protocol.MESSAGES, Protocol.COUNT_TOKENS, Protocol.ANTHROPIC)
 

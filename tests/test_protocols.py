@@ -23,7 +23,7 @@ from anthropic.types.shared import ErrorResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseErrorEvent, ResponseStreamEvent
 
-from proxy.protocols import (
+from proxy._protocols import (
     Protocol,
     Route,
     UsageMeter,
@@ -36,7 +36,7 @@ from proxy.protocols import (
     is_terminal_event,
     route,
 )
-from proxy.sse import SSEEvent, SSEFramer
+from proxy._sse import SSEEvent, SSEFramer
 
 Handler = Callable[[httpx2.Request], httpx2.Response]
 JSON = dict[str, Any]

@@ -28,12 +28,12 @@ import pytest
 import xxhash
 
 from plugins.fold import FoldPlugin
-from proxy import stream as stream_module
-from proxy.emulator import DEFAULT_TEXT, start_emulator
-from proxy.exchange import Exchange, HeldBytes, Phase
-from proxy.plugins import Plugin, PrepareContext
-from proxy.protocols import Protocol
-from proxy.structure import BodyView, Splice
+from proxy import _stream as stream_module
+from proxy._emulator import DEFAULT_TEXT, start_emulator
+from proxy._exchange import Exchange, HeldBytes, Phase
+from proxy._plugins import Plugin, PrepareContext
+from proxy._protocols import Protocol
+from proxy._structure import BodyView, Splice
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_lifetime_support import (
     CHAT,

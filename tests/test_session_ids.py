@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from multidict import CIMultiDict
 
-from proxy.session_ids import (
+from proxy._session_ids import (
     MAX_SESSION_ID_CHARS,
     bearer_session_id,
     normalize_session_id,

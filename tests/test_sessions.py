@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from proxy.sessions import (
+from proxy._sessions import (
     SessionClosed,
     SessionCloseError,
     SessionRegistry,

@@ -32,8 +32,8 @@ from anthropic.types import MessageParam
 from openai.types.chat import ChatCompletionUserMessageParam
 
 from proxy import Plugin
-from proxy.emulator import DEFAULT_TEXT
-from proxy.plugins import ExchangeRecord, PrepareContext
+from proxy._emulator import DEFAULT_TEXT
+from proxy._plugins import ExchangeRecord, PrepareContext
 from proxy.testing import proxy_with_emulator
 from tests.process_support import Proc
 from tests.test_e2e_support import request_body, sse_events, streamed_text

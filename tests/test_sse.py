@@ -1,4 +1,4 @@
-"""Tests for the incremental SSE framer (proxy/sse.py).
+"""Tests for the incremental SSE framer (proxy/_sse.py).
 
 Property checks use seeded ``random`` generators (bounded iteration counts)
 and an independent whole-stream reference parser written from the WHATWG
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from proxy.sse import SSEEvent, SSEFramer
+from proxy._sse import SSEEvent, SSEFramer
 
 BOM = b"\xef\xbb\xbf"
 

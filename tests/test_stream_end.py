@@ -30,11 +30,11 @@ import openai
 import pytest
 
 from plugins.fold import FoldPlugin
-from proxy import protocols
-from proxy.app import build_app, running
-from proxy.config import load_settings
-from proxy.plugins import Plugin, PluginHost, PrepareContext
-from proxy.protocols import Protocol
+from proxy import _protocols as protocols
+from proxy._app import build_app, running
+from proxy._config import load_settings
+from proxy._plugins import Plugin, PluginHost, PrepareContext
+from proxy._protocols import Protocol
 from tests.test_adversarial import SSE_HEAD, RawUpstream, chunked, proxy_for
 from tests.test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RESPONSES_PATH
 from tests.test_lifetime_support import Recorder, conversation

@@ -1,4 +1,4 @@
-"""The stream gate (proxy/stream.py) driven like h11's and mitmproxy's Playbook tests.
+"""The stream gate (proxy/_stream.py) driven like h11's and mitmproxy's Playbook tests.
 
 Feed bytes, compare the actions. No aiohttp, no sockets: every decision the relay
 makes about an upstream answer is checked here, one action kind at a time, plus
@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from proxy import protocols, stream
-from proxy.protocols import Protocol
-from proxy.stream import (
+from proxy import _protocols as protocols
+from proxy import _stream as stream
+from proxy._protocols import Protocol
+from proxy._stream import (
     ERROR_BODY_CAP,
     PARTIAL_EVENT_CAP,
     TERMINAL_EOF_GRACE,

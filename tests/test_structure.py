@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.protocols import Protocol
-from proxy.structure import BodyView, Draft, EditConflict, Node, ParsedHolder, Splice
-from proxy.wire import WireError
+from proxy._protocols import Protocol
+from proxy._structure import BodyView, Draft, EditConflict, Node, ParsedHolder, Splice
+from proxy._wire import WireError
 
 # -- strategies ---------------------------------------------------------------------------
 

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from proxy.sessions import SessionClosed, SessionRegistry
-from proxy.tombstones import TombstoneSet, TombstoneStore
+from proxy._sessions import SessionClosed, SessionRegistry
+from proxy._tombstones import TombstoneSet, TombstoneStore
 
 
 class FakeClock:

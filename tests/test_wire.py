@@ -1,4 +1,4 @@
-"""Wire metadata: structural decode, comparable verdict, digest, full parse (proxy/wire.py)."""
+"""Wire metadata: structural decode, comparable verdict, digest, full parse (proxy/_wire.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from proxy import wire
-from proxy.protocols import Protocol
-from proxy.wire import (
+from proxy import _wire as wire
+from proxy._protocols import Protocol
+from proxy._wire import (
     WireError,
     WireMetadata,
     compute_wire_metadata,

@@ -1,0 +1,321 @@
+"""Health, readiness, metrics and the admin API.
+
+Open to anyone: ``GET /healthz`` (alive), ``GET /readyz`` (503 while draining),
+``GET /metrics`` (Prometheus text). Under ``/admin/`` (loopback, an address in
+``admin_allow``, or ``Authorization: Bearer <admin_token>``; otherwise 403):
+``GET /admin/sessions[?tombstoned=true]``, ``GET|DELETE /admin/sessions/{id}``,
+``GET /admin/exchanges``, ``POST /admin/shutdown``.
+
+The peer address is the socket's, never ``X-Forwarded-For`` (a header any
+client can set). No admin answer ever contains a body, a prompt or a key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import logging
+from typing import Any, Final
+
+from aiohttp import web
+
+from ._sessions import SessionCloseError, SessionInfo
+from ._state import STATE, AppState
+
+log = logging.getLogger("context_proxy.admin")
+
+__all__ = ["add_admin_routes"]
+
+
+def _allowed(request: web.Request, state: AppState) -> bool:
+    settings = state.settings
+    token = settings.admin_token
+    if token:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, value = auth.partition(" ")
+        # Compared as bytes: compare_digest refuses str with non-ASCII characters
+        # (TypeError, a 500), and a header may carry any byte (surrogate-escaped).
+        offered = value.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() == "bearer" and hmac.compare_digest(offered, token.encode("utf-8")):
+            return True
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    host = peer[0] if isinstance(peer, tuple) and peer else None
+    if not isinstance(host, str):
+        return False
+    return _canonical(host) in {_canonical(allowed) for allowed in settings.admin_allow}
+
+
+def _canonical(address: str) -> str:
+    """``::ffff:127.0.0.1`` (a dual-stack listener's view of IPv4) → ``127.0.0.1``."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+@web.middleware
+async def _admin_guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    if request.path.startswith("/admin/") and not _allowed(request, request.app[STATE]):
+        return web.json_response({"error": "forbidden"}, status=403)
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Alive: 200 as long as the event loop answers."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready: 200, or 503 from the moment shutdown begins (also in degraded cluster mode)."""
+    state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    if state.cluster is not None:
+        # Still ready while Redis is down: the node serves with its local view
+        # (docs/cluster.md, "When Redis dies"); the body says so.
+        cluster = "degraded" if state.cluster.degraded else "ok"
+        return web.json_response({"status": "ready", "cluster": cluster})
+    return web.json_response({"status": "ready"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition (version 0.0.4)."""
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def _ttl_view(remaining: float | None) -> float | None:
+    return None if remaining is None else round(remaining, 3)
+
+
+def _info_view(info: SessionInfo, tombstone_ttl_s: float | None) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "in_flight": info.in_flight,
+        "pinned": info.pinned,
+        "requests": info.requests,
+        "idle_s": round(info.idle_s, 3),
+        "tombstoned": info.tombstoned,
+        "tombstone_ttl_s": _ttl_view(tombstone_ttl_s) if info.tombstoned else None,
+    }
+
+
+def _closed_view(sid: str, remaining: float) -> dict[str, Any]:
+    """A session whose state is gone but whose tombstone lives (``remaining`` seconds)."""
+    return {
+        "id": sid,
+        "in_flight": 0,
+        "pinned": False,
+        "requests": None,
+        "idle_s": None,
+        "tombstoned": True,
+        "tombstone_ttl_s": _ttl_view(remaining),
+        "plugins": None,
+    }
+
+
+async def _tombstone_left(state: AppState, sid: str) -> float | None:
+    """Seconds the tombstone of ``sid`` still lives: the node's view, else Redis's.
+
+    In cluster mode a node that missed the close (started later, or down when it
+    was announced) still sees the tombstone in Redis; a Redis outage falls back
+    to the local view (``None`` here).
+    """
+    left = state.registry.tombstone_remaining(sid)
+    if left is None and state.cluster is not None:
+        left = await state.cluster.tombstone_left(sid)
+    return left
+
+
+#: Seconds a status read waits for a prepare or commit holding the session lock.
+STATUS_READ_TIMEOUT = 2.0
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    """Every live session: in-flight count, pinned, last activity, tombstoned.
+
+    With ``?tombstoned=true``: only the tombstoned ones instead, those still
+    being closed (with their state) and those closed (state gone, tombstone
+    alive), each with ``tombstone_ttl_s``; at most ``tombstone_cap`` closed
+    ones plus the closes in progress, from this node's view.
+    """
+    state = request.app[STATE]
+    registry = state.registry
+    if request.query.get("tombstoned", "").lower() not in ("true", "1", "yes"):
+        views = [
+            _info_view(i, registry.tombstone_remaining(i.id) if i.tombstoned else None)
+            for i in registry.snapshot()
+        ]
+        return web.json_response({"sessions": views})
+    out: list[dict[str, Any]] = []
+    for sid, left in registry.tombstoned():
+        info = registry.info(sid)
+        out.append(_closed_view(sid, left) if info is None else _info_view(info, left))
+    return web.json_response({"sessions": out})
+
+
+async def get_session(request: web.Request) -> web.Response:
+    """One session, with each plugin's scalar state for it.
+
+    The read is taken under the session's lock (between two commits) when it
+    can be had within :data:`STATUS_READ_TIMEOUT`; otherwise the lock-free
+    registry view is returned with ``"plugins": null``. A closed session (state
+    dropped, tombstone alive) answers 200 with ``tombstoned: true`` and
+    ``tombstone_ttl_s``; 404 only when neither state nor tombstone exists.
+    """
+    state = request.app[STATE]
+    sid = request.match_info["sid"]
+    view: dict[str, Any]
+    try:
+        async with asyncio.timeout(STATUS_READ_TIMEOUT):
+            status = await state.registry.status(sid, probe=state.host.session_state)
+    except TimeoutError:
+        info = state.registry.info(sid)
+        if info is None:
+            return await _closed_or_missing(state, sid)
+        view = _info_view(info, state.registry.tombstone_remaining(sid))
+        view["plugins"] = None
+        return web.json_response(view)
+    if status is None:
+        return await _closed_or_missing(state, sid)
+    view = _info_view(status.info, state.registry.tombstone_remaining(sid))
+    view["plugins"] = dict(status.state)
+    return web.json_response(view)
+
+
+async def _closed_or_missing(state: AppState, sid: str) -> web.Response:
+    left = await _tombstone_left(state, sid)
+    if left is None:
+        return web.json_response({"error": "no such session"}, status=404)
+    return web.json_response(_closed_view(sid, left))
+
+
+_WAIT_VALUES: Final = {"true": True, "1": True, "false": False, "0": False}
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    """``shutdown_session``: tombstone, wait up to the timeout, cancel stragglers, drop.
+
+    By default the answer comes once the close is done (it can take up to
+    ``session_shutdown_timeout`` seconds while in-flight exchanges finish), with
+    the counts. ``?wait=false`` answers 202 at once and finishes the close in
+    the background; the tombstone is set before the answer (embedded mode) and
+    a failure is logged. In cluster mode the close holds on every node
+    (:meth:`ClusterNode.close_session`) and the answer adds ``expired``,
+    ``remaining`` and ``degraded``.
+    """
+    state = request.app[STATE]
+    sid = request.match_info["sid"]
+    grace = state.settings.session_shutdown_timeout
+    wait = _WAIT_VALUES.get(request.query.get("wait", "true").strip().lower())
+    if wait is None:
+        return web.json_response({"error": "wait: expected true or false"}, status=400)
+    if not wait:
+        if state.cluster is not None:
+            task = asyncio.create_task(state.cluster.close_session(sid, grace))
+            # Referenced until done (the loop keeps only weak references to tasks).
+            closing = request.app[_BACKGROUND_CLOSES]
+            closing.add(task)
+            task.add_done_callback(closing.discard)
+            task.add_done_callback(lambda done: _log_failure(sid, done))
+        else:
+            # Synchronous: the tombstone is set before the 202 goes out; the close
+            # runs in the registry's own task, which close_all at shutdown awaits.
+            future = state.registry.start_shutdown(sid, grace)
+            future.add_done_callback(lambda done: _log_failure(sid, done))
+        return web.json_response({"id": sid, "status": "closing"}, status=202)
+    try:
+        if state.cluster is not None:
+            # Every node: tombstone in Redis, close command on the stream, wait for
+            # the session's in-flight set; counts are cluster-wide (docs/cluster.md).
+            closed = await state.cluster.close_session(sid, grace)
+            return web.json_response(
+                {
+                    "id": sid,
+                    "finished": closed.finished,
+                    "cancelled": closed.cancelled,
+                    "expired": closed.expired,
+                    "remaining": closed.remaining,
+                    "already_closed": closed.already_closed,
+                    "degraded": closed.degraded,
+                }
+            )
+        result = await state.registry.shutdown_session(sid, grace)
+    except SessionCloseError as exc:
+        return web.json_response({"id": sid, "error": f"cleanup failed: {exc}"}, status=500)
+    return web.json_response(
+        {
+            "id": sid,
+            "finished": result.finished,
+            "cancelled": result.cancelled,
+            "already_closed": result.already_closed,
+        }
+    )
+
+
+def _log_failure(sid: str, done: asyncio.Future[Any]) -> None:
+    """Log the failure of a session close nobody waits for (``?wait=false``)."""
+    if done.cancelled():
+        return
+    exc = done.exception()
+    if exc is not None:
+        log.error("closing session %s in the background failed: %s", sid, exc)
+
+
+#: Cluster-mode closes answered with 202 and still running (``?wait=false``).
+_BACKGROUND_CLOSES: Final = web.AppKey("context_proxy_background_closes", set[asyncio.Task[Any]])
+
+
+async def list_exchanges(request: web.Request) -> web.Response:
+    """Each in-flight exchange: session, protocol, phase, bytes held by kind, age."""
+    state = request.app[STATE]
+    out = []
+    for ex in list(state.exchanges.values()):
+        held = ex.held_bytes()
+        out.append(
+            {
+                "id": ex.id,
+                "session": ex.session_id,
+                "protocol": str(ex.protocol),
+                "phase": ex.phase.value,
+                "fold_level": ex.fold_level,
+                # Content-Length of a body being read (0: none); only received bytes are held.
+                "declared_bytes": ex.declared_bytes,
+                "held_bytes": {
+                    "raw": held.raw,
+                    "parsed": held.parsed,
+                    "outbound": held.outbound,
+                    "response": held.response,
+                    "total": held.total,
+                },
+                "age_s": round(ex.age(), 3),
+            }
+        )
+    return web.json_response({"exchanges": out})
+
+
+async def shutdown(request: web.Request) -> web.Response:
+    """Begin graceful shutdown (as SIGTERM does); answers 202 at once."""
+    state = request.app[STATE]
+    state.draining = True
+    state.stop.set()
+    return web.json_response({"status": "draining"}, status=202)
+
+
+def add_admin_routes(app: web.Application) -> None:
+    """Register the health, metrics and admin routes and the admin guard."""
+    app.middlewares.append(_admin_guard)
+    app[_BACKGROUND_CLOSES] = set()
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/admin/sessions", list_sessions)
+    app.router.add_get("/admin/sessions/{sid}", get_session)
+    app.router.add_delete("/admin/sessions/{sid}", delete_session)
+    app.router.add_get("/admin/exchanges", list_exchanges)
+    app.router.add_post("/admin/shutdown", shutdown)

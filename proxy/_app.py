@@ -1,0 +1,597 @@
+"""The aiohttp application: routes, admission, the exchange handler, drain, shutdown.
+
+``build_app(settings)`` returns an :class:`aiohttp.web.Application`;
+:func:`serve` runs it until SIGTERM/SIGINT or ``POST /admin/shutdown`` and then
+drains (docs/design.md §6, "Process shutdown"). The server must run with
+``handler_cancellation=True`` (a client that hangs up cancels its handler,
+which aborts the upstream request) and ``auto_decompress=False`` (request
+bodies are decoded by :mod:`proxy._body` under the size limit), which
+:func:`make_runner` sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable
+from typing import Final
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Handler
+
+from . import _fdlimit as fdlimit
+from . import _logs as logs
+from . import _protocols as protocols
+from . import _wire as wire
+from ._admin import add_admin_routes
+from ._body import BodyBusy, BodyError, check_content_length, read_body
+from ._cancel import orderly_cancel_reason
+from ._config import Settings
+from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
+from ._headers import forward_headers
+from ._plugins import PluginHost, load_plugins
+from ._protocols import Protocol
+from ._relay import ClientGone, Upstream, error_response, relay
+from ._server import ProxyRunner
+from ._session_ids import resolve_session_id
+from ._sessions import SessionClosed
+from ._state import STATE, AppState
+
+__all__ = ["STATE", "AppState", "build_app", "make_runner", "serve"]
+
+log = logging.getLogger("context_proxy")
+
+_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+
+
+class _NoRequestBytes(logging.Filter):
+    """Keeps request bytes out of the server's log of requests it could not parse.
+
+    aiohttp logs such a request with the parser's exception, whose text quotes
+    the offending bytes: the rest of a body sent past a too-small
+    ``Content-Length``, or a malformed header line with its value (an API key).
+    The record keeps the peer and the error class, never the bytes, and is at
+    most a warning: the client sent garbage, the server did not fail.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: malformed request ({type(exc).__name__})"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            if record.levelno > logging.WARNING:
+                record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_server_log: Final = logging.getLogger("context_proxy.server")
+_server_log.addFilter(_NoRequestBytes())
+
+
+def _reject(
+    protocol: Protocol,
+    status: int,
+    message: str,
+    state: AppState,
+    *,
+    code: str | None = None,
+    retry_after: str | None = None,
+) -> web.Response:
+    """An error answer in the client's protocol; a 503 carries ``Retry-After``.
+
+    ``retry_after`` (whole seconds, as sent) overrides the ``retry_after``
+    setting, e.g. with a tombstone's remaining TTL.
+    """
+    if retry_after is None and status == 503:
+        retry_after = str(state.settings.retry_after)
+    headers = {"Retry-After": retry_after} if retry_after is not None else None
+    resp = error_response(protocol, status, message, code=code, headers=headers)
+    if state.draining:
+        resp.force_close()
+    return resp
+
+
+async def handle_exchange(request: web.Request) -> web.StreamResponse:
+    """Proxy one request: admit, read the body, prepare, relay, commit."""
+    state = request.app[STATE]
+    settings = state.settings
+    route = protocols.route(request.method, request.path, request.headers)
+    if route is None:
+        return error_response(Protocol.OPENAI, 404, f"unknown route {request.path}")
+    protocol = route.protocol
+    if state.draining:
+        return _reject(protocol, 503, "proxy is shutting down", state)
+    ex = Exchange(
+        protocol=protocol,
+        method=request.method,
+        path=request.path,
+        query=request.query_string,
+        keep_for_resend=settings.fake_completion_retries > 0,
+        on_release=state.allocator.released,
+    )
+    # Each request runs in a task of its own: the id marks this task's records only.
+    logs.EXCHANGE_ID.set(ex.id)
+    task = asyncio.current_task()
+    assert task is not None
+    state.exchanges[ex.id] = ex
+    state.handlers.add(task)
+    state.metrics.in_flight.inc()
+    try:
+        return await _run_exchange(request, state, ex, route.upstream, task)
+    except BodyError as exc:
+        ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
+        if exc.kind == "incomplete":
+            _gone_mid_body(state, ex)
+        resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
+        # The rest of the body was never read: close rather than drain it.
+        resp.force_close()
+        return resp
+    except wire.WireError as exc:
+        ex.conclude(400, Outcome.REJECTED, "invalid_json")
+        return _reject(protocol, 400, str(exc), state, code="invalid_json")
+    except SessionClosed as exc:
+        ex.conclude(503, Outcome.REJECTED, "session_closed")
+        # Retrying is pointless until the tombstone expires: say when that is.
+        return _reject(
+            protocol,
+            503,
+            "session closed",
+            state,
+            code="session_closed",
+            retry_after=exc.retry_after_header,
+        )
+    except ClientGone:
+        _client_gone(state, ex)
+        # Raised, an ordinary hang-up would be logged by aiohttp as a server error with
+        # a traceback. The connection is closing: this answer is dropped without a word.
+        gone = web.Response(status=499, reason="Client Closed Request")
+        gone.force_close()
+        return gone
+    except asyncio.CancelledError as exc:
+        reason = orderly_cancel_reason(exc)
+        if reason is not None:
+            if ex.phase is Phase.STREAMING:
+                raise  # the answer is out: nothing left to tell the client
+            # An orderly stop (session shutdown, drain) before the relay answered, e.g.
+            # in prepare: the client gets a 503 in its protocol, not a dropped connection.
+            task.uncancel()
+            ex.conclude(503, Outcome.CANCELLED, reason.message)
+            resp = _reject(protocol, 503, reason.message, state, code=reason.code)
+            if ex.phase is Phase.READING:
+                resp.force_close()  # the rest of the body was never read
+            return resp
+        if ex.phase is Phase.READING:
+            _gone_mid_body(state, ex)
+        else:
+            _client_gone(state, ex)
+        raise
+    except Exception as exc:
+        return _internal_error(request, state, ex, exc)
+    finally:
+        del state.exchanges[ex.id]
+        state.handlers.discard(task)
+        state.metrics.in_flight.dec()
+        if ex.meta is not None:
+            # Every exchange whose body was read is booked exactly once, here, as
+            # tracked work of its own (proxy/_commits.py): a client that hangs up now
+            # cannot cancel it, and the keep-alive connection's next request does not
+            # wait for it. Synchronous with leaving the session's track() span, so a
+            # session shutdown that waited for this exchange finds its commit pending.
+            state.commits.start(ex.begin_commit())
+        ex.close()
+        # After close: an exchange released only there is counted too.
+        state.metrics.finished(ex)
+        if settings.access_log:
+            logs.log_access(ex, route=request.path)
+
+
+def _internal_error(
+    request: web.Request, state: AppState, ex: Exchange, exc: Exception
+) -> web.StreamResponse:
+    """A bug or an unforeseen failure in the proxy's own code: 500, never a traceback page.
+
+    Logged once with the exception's class, the exchange id and the code location
+    (file, line, function) that raised, never the exception's text, which may
+    quote a header value or a piece of the body. Counted in
+    ``context_proxy_internal_errors``; the exchange is committed with outcome
+    ``error``. When the answer has already begun, a 500 can no longer be sent:
+    the connection is closed so the client sees a truncated answer, not a spliced one.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
+    log.error("%s %s: internal error %s at %s", ex.id, ex.protocol, type(exc).__name__, where)
+    del frames, exc  # the traceback holds the handler's frames (and the body they reach)
+    state.metrics.internal_errors.labels(str(ex.protocol)).inc()
+    ex.conclude(500, Outcome.ERROR, "internal_error")
+    if ex.phase is Phase.STREAMING:
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        cut = web.Response(status=500)
+        cut.force_close()
+        return cut
+    resp = error_response(
+        ex.protocol, 500, f"internal proxy error (exchange {ex.id})", code="internal_error"
+    )
+    resp.force_close()  # the request may not have been read to its end
+    return resp
+
+
+def _gone_mid_body(state: AppState, ex: Exchange) -> None:
+    """The client hung up before its body completed (seen as a payload error or a cancel)."""
+    log.warning("%s: client closed the connection before the body completed", ex.id)
+    ex.set_outcome(Outcome.CLIENT_GONE, ex.error)
+    state.metrics.disconnects.labels(Phase.READING.value).inc()
+
+
+def _client_gone(state: AppState, ex: Exchange) -> None:
+    ex.client_gone()
+    state.metrics.disconnects.labels(ex.phase.value).inc()
+
+
+def _over_reading_budget(state: AppState, declared: int) -> bool:
+    """Whether a body declaring ``declared`` bytes cannot fit in ``max_reading_bytes`` now.
+
+    ``state.reading_bytes`` counts bytes *received* by the reads in progress (a
+    declaration reserves no memory, so it is not charged); a body whose declared
+    size would not fit next to them is refused before its upload. One body is
+    always admitted (the limit per body is ``max_body_bytes``).
+    """
+    reading = state.reading_bytes
+    return reading > 0 and reading + declared > state.settings.max_reading_bytes
+
+
+def _busy(ex: Exchange, state: AppState) -> web.Response:
+    ex.conclude(503, Outcome.REJECTED, "busy")
+    resp = _reject(ex.protocol, 503, BodyBusy().message, state, code="busy")
+    resp.force_close()  # the body was never read
+    return resp
+
+
+class _ReadingAccount:
+    """Charges one body read's received bytes to the shared ``max_reading_bytes`` budget.
+
+    ``grow`` is the reader's ``on_growth`` callback: the bytes the body buffer
+    grew by are charged as they arrive, to the app's total and the exchange's
+    held bytes. Past the budget, a read that shares it with others ends with
+    :class:`~proxy.body.BodyBusy` (503); a read alone may grow to ``max_body_bytes``.
+    ``settle`` returns everything charged (idempotent); call it in ``finally``.
+    """
+
+    __slots__ = ("_charged", "_ex", "_state")
+
+    def __init__(self, state: AppState, ex: Exchange) -> None:
+        self._state = state
+        self._ex = ex
+        self._charged = 0
+
+    def grow(self, nbytes: int) -> None:
+        state = self._state
+        self._charged += nbytes
+        state.reading_bytes += nbytes
+        self._ex.count_received(nbytes)
+        if (
+            state.reading_bytes > state.settings.max_reading_bytes
+            and state.reading_bytes > self._charged
+        ):
+            raise BodyBusy()
+
+    def settle(self) -> None:
+        self._state.reading_bytes -= self._charged
+        self._charged = 0
+
+
+async def _run_exchange(
+    request: web.Request,
+    state: AppState,
+    ex: Exchange,
+    upstream_name: str,
+    task: asyncio.Task[object],
+) -> web.StreamResponse:
+    settings = state.settings
+    body_hint: str | None = None
+    opaque = False
+    if request.method in _BODY_METHODS or request.body_exists:
+        codings = request.headers.getall("Content-Encoding", [])
+        encoding = ", ".join(codings) if codings else None
+        check_content_length(request.content_length, encoding, settings.max_body_bytes)
+        declared = request.content_length or 0
+        if _over_reading_budget(state, declared):
+            return _busy(ex, state)
+        ex.start_reading(declared)
+        account = _ReadingAccount(state, ex)
+        try:
+            result = await read_body(
+                request.content,
+                content_length=request.content_length,
+                content_encoding=encoding,
+                limit=settings.max_body_bytes,
+                idle_timeout=settings.body_idle_timeout,
+                body_timeout=settings.body_timeout,
+                chunk_bytes=settings.body_chunk_bytes,
+                on_growth=account.grow,
+            )
+        finally:
+            account.settle()
+            ex.end_reading()
+        try:
+            meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
+        except wire.WireError:
+            if ex.protocol.is_exchange:
+                raise
+            # A passthrough body need not be JSON (a multipart file upload): it goes
+            # upstream verbatim, described by its size and digest only, unprepared.
+            meta = wire.WireMetadata(
+                protocol=ex.protocol.value,
+                model=None,
+                stream=False,
+                message_count=0,
+                byte_length=len(result.buffer),
+                digest=result.digest,
+                comparable=False,
+                session_hint=None,
+            )
+            opaque = True
+        ex.attach_body(result.buffer, meta)
+        state.metrics.bodies_read.inc()
+        del result
+        body_hint = meta.session_hint
+    sid = resolve_session_id(
+        request.headers,
+        header_order=settings.session_headers,
+        body_hint=body_hint if settings.session_from_body else None,
+        from_bearer=settings.session_from_bearer,
+    )
+    logs.SESSION_ID.set(sid)
+    if sid is None and settings.require_session and ex.protocol.is_exchange:
+        ex.conclude(400, Outcome.REJECTED, "session_required")
+        return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
+    assert state.upstream is not None
+    # Cluster admission (one Redis round trip), then the local one; both refuse a
+    # tombstoned session. Nothing below, the stream included, calls Redis.
+    async with state.admitted(sid, ex, task):
+        if ex.meta is not None and not opaque:
+            ex.bind_preparer(
+                Preparer(
+                    state.host,
+                    (lambda: state.registry.locked(sid)) if sid else null_lock,
+                    sid,
+                )
+            )
+            await ex.prepare()
+        else:
+            ex.set_session(sid)
+        response = await relay(
+            request,
+            ex,
+            state.upstream,
+            # The target as the client sent it: decoding would turn %3F into a query,
+            # %2F into a path separator, %0D%0A into nothing.
+            target=state.upstream.url(
+                upstream_name, request.rel_url.raw_path, request.rel_url.raw_query_string
+            ),
+            headers=forward_headers(request.headers),
+            settings=settings,
+        )
+        if response.prepared:
+            # Every byte of the answer is with the connection: a hang-up from now on
+            # (an SDK closing at the last byte) does not make it a failed exchange.
+            ex.response_complete()
+            # A connection already closed (the client left after the last byte, or
+            # the relay cut a broken body) has nothing more to receive.
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
+        return response
+
+
+async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse or go on.
+
+    RFC 9110 section 10.1.1: a server that answers without reading the content
+    should send that final status instead of 100 (Continue), so the client does
+    not upload for nothing. A draining proxy (503), a declared length over the
+    limit (413) or an unknown Content-Encoding (415) are refused here, before
+    the upload; anything else gets 100 (Continue). An expectation other than
+    ``100-continue`` never gets here (:func:`_refuse_expectation`).
+    """
+    state = request.app[STATE]
+    route = protocols.route(request.method, request.path, request.headers)
+    if route is None:
+        return None  # the handler answers 404 without reading the body
+    refusal: web.Response | None = None
+    if state.draining:
+        refusal = _reject(route.protocol, 503, "proxy is shutting down", state)
+    else:
+        codings = request.headers.getall("Content-Encoding", [])
+        try:
+            check_content_length(
+                request.content_length,
+                ", ".join(codings) if codings else None,
+                state.settings.max_body_bytes,
+            )
+        except BodyError as exc:
+            refusal = _reject(route.protocol, exc.status, exc.message, state, code=exc.kind)
+        else:
+            if _over_reading_budget(state, request.content_length or 0):
+                refusal = _reject(route.protocol, 503, BodyBusy().message, state, code="busy")
+    if refusal is not None:
+        refusal.force_close()  # the body was never read
+        return refusal
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        # Interim bytes are not part of the response aiohttp is about to write.
+        request.writer.output_size = 0
+    return None
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The router's own 404/405 as JSON too (OpenAI shape; Anthropic under /v1/messages)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405):
+            raise
+        protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+        allow = exc.headers.get("Allow")
+        return error_response(
+            protocol,
+            exc.status,
+            f"{exc.reason}: {request.method} {request.path}",
+            headers={"Allow": allow} if allow else None,
+        )
+
+
+async def handle_root(request: web.Request) -> web.Response:
+    """``HEAD /`` and ``GET /``: answer at once (Claude Code preconnects with HEAD)."""
+    return web.Response(text="context-proxy\n")
+
+
+async def _on_startup(app: web.Application) -> None:
+    state = app[STATE]
+    # Plugins first: when one refuses to start, aiohttp runs no cleanup, so an
+    # upstream client session opened before it would be left unclosed.
+    await state.host.startup()
+    state.upstream = Upstream(state.settings)
+    if state.cluster is not None:
+        await state.cluster.start()
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    state = app[STATE]
+    if state.upstream is not None:
+        await state.upstream.close()
+
+
+def build_app(
+    settings: Settings,
+    *,
+    host: PluginHost | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """Build the proxy application.
+
+    ``host`` overrides the plugins named in ``settings`` (tests pass their own);
+    ``clock`` is the session registry's monotonic clock in seconds (tests inject
+    one to expire tombstones without sleeping).
+
+    Raises:
+        proxy.plugins.PluginError: a configured plugin cannot be loaded.
+    """
+    if host is None:
+        host = load_plugins(
+            settings.plugins,
+            settings.plugin,
+            timeout=settings.plugin_timeout,
+            # Cluster mode: a plugin taking redis_url (the ledger) shares the proxy's Redis.
+            shared={"redis_url": settings.redis_url} if settings.redis_url else None,
+        )
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    state = AppState(settings, host, clock=clock)
+    app[STATE] = state
+
+    add_admin_routes(app)
+    # add_get also answers HEAD (add_route("GET") would not).
+    app.middlewares.append(_json_errors)
+    app.router.add_get("/", handle_root)
+    app.router.add_route("*", "/v1/{tail:.*}", handle_exchange, expect_handler=_expect_continue)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+async def _refuse_expectation(request: web.BaseRequest) -> web.StreamResponse:
+    """417 for an ``Expect`` other than ``100-continue``, on any path, before routing.
+
+    JSON in the path's protocol shape (Anthropic under ``/v1/messages``, else
+    OpenAI); the value is never echoed. The body was not read: the connection closes.
+    """
+    protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+    resp = error_response(protocol, 417, "only Expect: 100-continue is supported")
+    resp.force_close()
+    return resp
+
+
+def make_runner(app: web.Application) -> web.AppRunner:
+    """An ``AppRunner`` with the server options the proxy relies on.
+
+    Its connections close when request headers miss ``header_timeout``, and an
+    ``Expect`` other than ``100-continue`` gets 417 on every route
+    (:class:`proxy._server.ProxyRunner`).
+    """
+    return ProxyRunner(
+        app,
+        header_timeout=app[STATE].settings.header_timeout,
+        expect_refusal=_refuse_expectation,
+        handler_cancellation=True,
+        auto_decompress=False,
+        access_log=None,
+        shutdown_timeout=1.0,
+        logger=_server_log,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+    """Serve ``app`` on ``host:port`` (0 = ephemeral) and yield the bound port.
+
+    On exit the app drains (grace from settings) and shuts down.
+    """
+    runner = make_runner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except BaseException:
+        # Start-up already ran (plugins, the upstream pool): undo it before reporting.
+        await app[STATE].drain(0)
+        await runner.cleanup()
+        raise
+    bound = port
+    for address in runner.addresses:
+        bound = int(address[1])
+        break
+    try:
+        yield bound
+    finally:
+        await app[STATE].drain(app[STATE].settings.shutdown_grace)
+        await runner.cleanup()
+
+
+async def serve(settings: Settings) -> None:
+    """Run the proxy until SIGTERM/SIGINT or ``POST /admin/shutdown``, then drain and exit."""
+    app = build_app(settings)
+    state = app[STATE]
+    # Process-wide, so only here (not in build_app: tests embed apps in their runner).
+    state.allocator.tune()
+    before, limit = fdlimit.raise_nofile_limit()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, state.stop.set)
+    async with running(app, settings.host, settings.port) as port:
+        plugins = ", ".join(p.name or type(p).__name__ for p in state.host.plugins)
+        log.info("plugins enabled: %s", plugins or "none")
+        log.info("event loop: %s", type(loop).__module__.split(".")[0])
+        log.info(
+            "file descriptor limit: %d%s (each open stream holds two)",
+            limit,
+            f" (raised from {before})" if limit != before else "",
+        )
+        log.info(
+            "context-proxy listening on http://%s:%d (openai → %s, anthropic → %s)",
+            settings.host,
+            port,
+            settings.upstream_openai,
+            settings.upstream_anthropic,
+        )
+        await state.stop.wait()
+        log.info("shutting down: readiness is now 503; grace %.1fs", settings.shutdown_grace)
+        state.draining = True
+    log.info("context-proxy stopped")

@@ -1,0 +1,372 @@
+"""Request body reader: size limit, content decoding, disconnects, idle timeout (I/O edge).
+
+docs/design.md §3 is the spec. :func:`read_body` turns an aiohttp request payload
+into exactly one ``bytearray`` holding the decoded body, plus the xxh3_128 digest
+of those bytes and the number of bytes that crossed the wire. Every way a read
+can end is one of two things:
+
+* a :class:`ReadResult` that owns the only buffer, or
+* a :class:`BodyError` subclass carrying the HTTP status, a short ``kind`` for
+  metrics and a message that is safe to show the client; by the time it is
+  raised the reader has dropped every buffer, decoder and timer it made.
+
+Cancellation (the app runs with ``handler_cancellation=True``, so a client that
+hangs up cancels the handler task) propagates unchanged after the same cleanup.
+
+This module is the driver: it reads chunks, keeps the clock and hands the bytes
+to the pure parts in :mod:`proxy._coding` (the decoder chain and the body sink),
+whose names it re-exports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Final
+
+import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import EofStream
+
+from ._coding import (
+    MAX_CONTENT_CODINGS,
+    SUPPORTED_CODINGS,
+    ZSTD_BLOCK_MAX_BYTES,
+    ZSTD_MAX_WINDOW_BYTES,
+    BodyEncodingError,
+    BodyError,
+    BodySink,
+    BodyTooLarge,
+    ContentDecoder,
+    encoded_size_cap,
+    parse_content_encoding,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "MAX_CONTENT_CODINGS",
+    "SUPPORTED_CODINGS",
+    "ZSTD_MAX_WINDOW_BYTES",
+    "BodyBusy",
+    "BodyEncodingError",
+    "BodyError",
+    "BodyIncomplete",
+    "BodyTimeout",
+    "BodyTooLarge",
+    "ReadResult",
+    "check_content_length",
+    "encoded_size_cap",
+    "parse_content_encoding",
+    "read_body",
+]
+
+DEFAULT_CHUNK_BYTES: Final = 256 * 1024
+"""Bytes asked of the payload per read; also the size of one decoded piece."""
+
+#: A declared body is read in pieces of at most 1/_READS_PER_BODY of its size (but not
+#: under _MIN_READ_BYTES): each piece is a transient copy beside the presized buffer, so
+#: a fixed 256 KiB piece would be a quarter of a 1 MiB body (issue 11 item 4).
+_READS_PER_BODY: Final = 16
+_MIN_READ_BYTES: Final = 16 * 1024
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class BodyIncomplete(BodyError):
+    """400: the client closed, or aiohttp reported broken framing, before the body was complete."""
+
+    status = 400
+    kind = "incomplete"
+
+    def __init__(self) -> None:
+        super().__init__("request closed before body completed")
+
+
+class BodyTimeout(BodyError):
+    """408: no body byte arrived for ``idle_timeout`` seconds, or the body missed its deadline.
+
+    ``BodyTimeout(seconds)`` is the idle case; :meth:`deadline` the total one.
+    """
+
+    status = 408
+    kind = "timeout"
+
+    def __init__(self, idle_timeout: float, *, message: str | None = None) -> None:
+        super().__init__(message or f"no request body bytes received for {idle_timeout:g} seconds")
+
+    @classmethod
+    def deadline(cls, body_timeout: float) -> BodyTimeout:
+        """408: the whole body was not received within ``body_timeout`` seconds."""
+        return cls(
+            body_timeout,
+            message=f"request body not received within {body_timeout:g} seconds",
+        )
+
+
+class BodyBusy(BodyError):
+    """503: the proxy's budget for bodies being read at once (``max_reading_bytes``) is spent.
+
+    Raised by the caller's ``on_growth`` callback; retryable (answer with ``Retry-After``).
+    """
+
+    status = 503
+    kind = "busy"
+
+    def __init__(self) -> None:
+        super().__init__("too many request bodies are being read at once; retry later")
+
+
+def _detached(exc: BodyError) -> BodyError:
+    """Cut ``exc`` loose from the frames it was raised through.
+
+    A traceback keeps every frame it passed alive with all their locals (chunks,
+    decoders, the buffer's owner), and ``__context__`` keeps a codec exception and
+    its frames alive; the caller may hold the error for a long time (logs, metrics).
+    """
+    exc.__traceback__ = None
+    exc.__context__ = None
+    exc.__cause__ = None
+    return exc
+
+
+# --------------------------------------------------------------------------- header checks
+
+
+def check_content_length(
+    content_length: int | None, content_encoding: str | None, limit: int
+) -> None:
+    """Refuse a body whose declared size is already too large, before a byte is read.
+
+    Args:
+        content_length: the ``Content-Length`` in bytes, None when absent (chunked).
+        content_encoding: the raw ``Content-Encoding`` value or None.
+        limit: largest decoded body accepted, in bytes.
+
+    With no content coding the declared length is the body size, so more than
+    ``limit`` is refused. With a coding the decoded size is unknown until read;
+    only a declared length above :func:`encoded_size_cap` is refused here.
+
+    Raises:
+        BodyTooLarge: 413, carrying ``limit``.
+        BodyEncodingError: 415 when ``content_encoding`` cannot be decoded at all.
+        ValueError: ``content_length`` or ``limit`` is negative (a caller bug).
+    """
+    _check_declared(content_length, parse_content_encoding(content_encoding), limit)
+
+
+def _check_declared(content_length: int | None, codings: tuple[str, ...], limit: int) -> None:
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0 bytes, got {limit}")
+    if content_length is None:
+        return
+    if content_length < 0:
+        raise ValueError(f"content_length must be >= 0 bytes, got {content_length}")
+    if content_length > (encoded_size_cap(limit) if codings else limit):
+        raise BodyTooLarge(limit)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadResult:
+    """A body read to the end.
+
+    Attributes:
+        buffer: the decoded body, exactly its length; the only copy, owned by the caller.
+        digest: hex xxh3_128 of ``buffer`` (docs/design.md §4), computed while reading.
+        wire_bytes: bytes received on the wire (after transfer decoding, before
+            content decoding); equals ``len(buffer)`` with no content coding.
+    """
+
+    buffer: bytearray
+    digest: str
+    wire_bytes: int
+
+
+# What aiohttp puts into a request payload when the client goes away or breaks the
+# framing: the protocol's ConnectionResetError("Connection lost"), the parser's
+# ContentLengthError / TransferEncodingError (HttpProcessingError), client errors.
+_PAYLOAD_ERRORS: Final = (
+    HttpProcessingError,
+    aiohttp.ClientError,
+    OSError,
+    asyncio.IncompleteReadError,
+    EofStream,
+)
+
+
+async def read_body(
+    content: aiohttp.StreamReader,
+    *,
+    content_length: int | None,
+    content_encoding: str | None,
+    limit: int,
+    idle_timeout: float,
+    body_timeout: float | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    on_growth: Callable[[int], None] | None = None,
+) -> ReadResult:
+    """Read and decode a request body within ``limit`` bytes (docs/design.md §3).
+
+    The server MUST run with ``auto_decompress=False`` (e.g.
+    ``web.AppRunner(app, auto_decompress=False, handler_cancellation=True)``):
+    otherwise aiohttp inflates the body itself, with no limit, before this
+    function sees a byte, and the decoding done here would be applied twice.
+
+    Args:
+        content: ``request.content``; nothing else may read it concurrently. Never
+            use aiohttp's ``Request.read()``: it caches a second copy on the request.
+        content_length: ``request.content_length`` (bytes) or None for chunked.
+        content_encoding: the ``Content-Encoding`` value or None; see
+            :func:`parse_content_encoding` for the accepted codings.
+        limit: largest decoded body accepted, in bytes (an exactly ``limit``-byte
+            body passes).
+        idle_timeout: seconds without a single body byte before giving up; the
+            clock restarts on every chunk, so a slow but moving upload is fine.
+        body_timeout: seconds the whole read may take, counted from the call
+            (None: no total deadline); a trickle that keeps the idle clock at
+            bay is cut here. Both clocks share one timer.
+        chunk_bytes: bytes asked of the payload per read (64-256 KiB is right);
+            also roughly the largest decoded piece a decoder produces at once.
+            An uncoded body with a declared length is read in pieces of at
+            most 1/16 of it (never under 16 KiB, never over ``chunk_bytes``).
+        on_growth: called with the number of bytes the decoded buffer grew by,
+            after each chunk that grew it (resident memory follows these, see
+            :class:`proxy._coding.BodySink`); a :class:`BodyError` it raises ends
+            the read with that error (e.g. a 503 when a shared budget is spent).
+
+    Returns:
+        ReadResult owning the only buffer.
+
+    Raises:
+        BodyTooLarge: 413, from the declared length before reading, or as soon as
+            the decoded size (or the wire size of an encoded body, see
+            :func:`encoded_size_cap`) passes the limit; reading stops there.
+        BodyIncomplete: 400, the client closed or broke the framing mid-body.
+        BodyTimeout: 408, no progress for ``idle_timeout`` seconds, or the body
+            not complete after ``body_timeout`` seconds.
+        BodyEncodingError: 415 for an unknown coding (before reading), 400 for
+            corrupt or truncated coded data.
+        asyncio.CancelledError: propagated unchanged (the handler was cancelled,
+            usually because the client hung up); the caller logs it.
+        ValueError: ``limit``, ``idle_timeout`` or ``chunk_bytes`` out of range.
+
+    Whatever the outcome, nothing is left behind: the buffer is freed on failure
+    (its storage released even if a frame still points at it), decoders and
+    chunks are dropped, the one idle timer is cancelled, no task or callback is
+    registered. After a BodyError the rest of the body is unread, so answer with
+    ``Connection: close`` (``response.force_close()``) unless lingering is wanted.
+    """
+    if idle_timeout <= 0 or chunk_bytes <= 0 or (body_timeout is not None and body_timeout <= 0):
+        raise ValueError("idle_timeout, body_timeout and chunk_bytes must be > 0")
+    codings = parse_content_encoding(content_encoding)
+    _check_declared(content_length, codings, limit)
+    sink = BodySink(limit, None if codings else content_length)
+    if content_length is not None and not codings:
+        # Only ever smaller than asked: the transient piece scales with the body.
+        chunk_bytes = min(chunk_bytes, max(_MIN_READ_BYTES, content_length // _READS_PER_BODY))
+    decoder: ContentDecoder | None = None
+    if codings:
+        piece = max(chunk_bytes, ZSTD_BLOCK_MAX_BYTES)
+        decoder = ContentDecoder(codings, sink.write, piece=piece, limit=limit)
+    wire_cap = encoded_size_cap(limit) if codings else limit
+    try:
+        failure, wire_bytes = await _pump(
+            content,
+            sink,
+            decoder,
+            expected=content_length,
+            wire_cap=wire_cap,
+            limit=limit,
+            idle_timeout=idle_timeout,
+            body_timeout=body_timeout,
+            chunk_bytes=chunk_bytes,
+            on_growth=on_growth,
+        )
+    except BaseException:
+        sink.release()
+        raise
+    finally:
+        if decoder is not None:
+            decoder.release()
+        decoder = None
+    if failure is not None:
+        sink.release()
+        try:
+            raise failure
+        finally:
+            # The traceback keeps this frame; without this it would keep the
+            # error itself too, a cycle only the garbage collector can break.
+            failure = None
+    buffer, digest = sink.take()
+    return ReadResult(buffer=buffer, digest=digest, wire_bytes=wire_bytes)
+
+
+async def _pump(
+    content: aiohttp.StreamReader,
+    sink: BodySink,
+    decoder: ContentDecoder | None,
+    *,
+    expected: int | None,
+    wire_cap: int,
+    limit: int,
+    idle_timeout: float,
+    body_timeout: float | None,
+    chunk_bytes: int,
+    on_growth: Callable[[int], None] | None,
+) -> tuple[BodyError | None, int]:
+    """Move the body from ``content`` into ``sink``: (error to raise or None, wire bytes).
+
+    BodyErrors are returned, not raised, detached from their traceback so the
+    caller can raise them outside any ``except`` block (no ``__context__``).
+    """
+    loop = asyncio.get_running_loop()
+    wire = 0
+    chunk = b""
+    # One timer for the whole read, for both clocks: its deadline is the nearer
+    # of "idle_timeout after the last chunk" and the body deadline, pushed back
+    # on each chunk. No task or timer per read call.
+    hard = loop.time() + body_timeout if body_timeout is not None else float("inf")
+    timer = asyncio.timeout(min(loop.time() + idle_timeout, hard))
+    try:
+        async with timer:
+            while True:
+                try:
+                    chunk = await content.read(chunk_bytes)
+                except _PAYLOAD_ERRORS:
+                    return BodyIncomplete(), wire
+                if not chunk:
+                    break
+                wire += len(chunk)
+                if wire > wire_cap:
+                    return BodyTooLarge(limit), wire
+                held = sink.size
+                if decoder is None:
+                    sink.write(chunk)
+                else:
+                    decoder.feed(chunk)
+                chunk = b""
+                if on_growth is not None and sink.size > held:
+                    on_growth(sink.size - held)
+                timer.reschedule(min(loop.time() + idle_timeout, hard))
+        if expected is not None and wire != expected:
+            return BodyIncomplete(), wire
+        if decoder is not None:
+            held = sink.size
+            decoder.finish()
+            if on_growth is not None and sink.size > held:
+                on_growth(sink.size - held)
+    except TimeoutError:
+        if not timer.expired():
+            raise
+        if body_timeout is not None and loop.time() >= hard:
+            return BodyTimeout.deadline(body_timeout), wire
+        return BodyTimeout(idle_timeout), wire
+    except BodyError as exc:
+        return _detached(exc), wire
+    finally:
+        chunk = b""
+    return None, wire

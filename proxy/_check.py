@@ -1,0 +1,74 @@
+"""``context-proxy check``: validate a configuration before a restart, like ``nginx -t``.
+
+:func:`check_config` validates every setting on its own (one line per bad one),
+imports every enabled plugin and constructs it with its options, and calls each
+plugin's optional ``check()`` hook, which opens the plugin's storage read-only
+(the ledger's SQLite file). Nothing is started, served or written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from ._config import check_settings
+from ._plugins import PluginError, load_plugins, unclaimed_tables
+
+__all__ = ["CheckReport", "check_config"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckReport:
+    """What :func:`check_config` found: ``problems`` (one line each) or a ``summary`` line."""
+
+    problems: tuple[str, ...]
+    summary: str
+
+    @property
+    def ok(self) -> bool:
+        """Whether the configuration would start."""
+        return not self.problems
+
+
+def check_config(
+    config_path: str | os.PathLike[str] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> CheckReport:
+    """Check the settings ``serve --config config_path`` would use, and their plugins.
+
+    The environment layer applies as for ``serve`` (``environ`` defaults to
+    ``os.environ``). Plugins are checked one by one, so every broken one is
+    reported; a plugin's ``check()`` hook runs only once it was constructed.
+    Never raises for a bad configuration: every problem is a line of the report.
+    """
+    settings, problems = check_settings(config_path, environ=environ)
+    if settings is None:
+        return CheckReport(tuple(problems), "")
+    constructed: list[str] = []
+    for spec in settings.plugins:
+        try:
+            host = load_plugins(
+                [spec], settings.plugin, timeout=settings.plugin_timeout, strict=False
+            )
+        except PluginError as exc:
+            problems.append(str(exc))
+            continue
+        plugin = host.plugins[0]
+        check = getattr(plugin, "check", None)
+        if callable(check):
+            try:
+                check()
+            except Exception as exc:
+                problems.append(f"plugin {spec!r}: {' '.join(str(exc).split())}")
+                continue
+        constructed.append(spec)
+    problems.extend(unclaimed_tables(settings.plugins, settings.plugin))
+    where = os.fspath(config_path) if config_path is not None else "defaults and environment"
+    summary = (
+        f"{where}: settings ok, {len(constructed)} plugin(s) ok"
+        f"{' (' + ', '.join(constructed) + ')' if constructed else ''},"
+        f" would listen on {settings.host}:{settings.port}"
+    )
+    return CheckReport(tuple(problems), summary)

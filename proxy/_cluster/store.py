@@ -1,0 +1,375 @@
+"""The Redis side of cluster mode: one object per node, one method per round trip.
+
+An I/O edge (docs/design.md §8): every method is one Redis round trip (a Lua
+script from :mod:`proxy._cluster.scripts`, or one command) and raises
+:class:`ClusterUnavailable` for any failure to reach Redis, so the node
+(:mod:`proxy._cluster.node`) has one exception to turn into its degraded mode.
+The connection pool is bounded and blocking (a burst waits for a free
+connection up to the command timeout instead of opening thousands), and every
+command has that timeout; the client retries only once, on a fresh
+connection, when a pooled one turns out broken (Redis restarted), because a
+request waiting on Redis is a request the proxy is not serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+
+from . import scripts
+from .keys import CLOSE_STREAM, SessionKeys
+
+__all__ = ["CloseCommand", "CloseStart", "ClusterUnavailable", "RedisStore", "Tally"]
+
+#: Close commands kept in the stream (approximately: ``MAXLEN ~``). A node cut off
+#: for longer than this many closes misses the oldest ones; the tombstones in Redis
+#: still refuse those sessions at its admission.
+STREAM_MAXLEN: Final = 100_000
+
+
+class ClusterUnavailable(Exception):
+    """Redis could not be reached or did not answer within the command timeout.
+
+    ``__cause__`` is the client's exception. The message never contains the
+    Redis URL (it may carry a password).
+    """
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloseCommand:
+    """One entry of the close stream: close ``sid``, giving exchanges ``timeout`` s."""
+
+    entry_id: str
+    sid: str
+    timeout: float
+    origin: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloseStart:
+    """What :meth:`RedisStore.begin_close` found.
+
+    ``new``: this call set the tombstone (it owns the close). Otherwise the
+    session was tombstoned already: ``done`` says whether that close has answered.
+    """
+
+    new: bool
+    close_id: str
+    done: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tally:
+    """Cluster-wide counts of one close: exchanges that ended within the timeout
+    (``finished``), were cancelled after it (``cancelled``), or whose node stopped
+    heartbeating and whose entries expired (``expired``)."""
+
+    finished: int
+    cancelled: int
+    expired: int
+    done: bool
+
+
+class RedisStore:
+    """Cluster state in Redis for one node (docs/design.md §9).
+
+    Args:
+        url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        timeout: seconds, for connecting, for each command and for waiting for a
+            free pooled connection.
+        max_connections: size of the bounded pool (>= 2).
+
+    Every coroutine method raises :class:`ClusterUnavailable` when Redis cannot
+    be reached in time. ``ResponseError`` (a script bug, a wrong-type key) is
+    not caught: that is a defect, not an outage.
+    """
+
+    __slots__ = ("_client", "_pool", "_scripts", "timeout", "url")
+
+    def __init__(self, url: str, *, timeout: float, max_connections: int) -> None:
+        self.url: Final = url
+        self.timeout: Final = timeout
+        self._pool: Final = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=timeout,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            # One retry, on a fresh connection, for a connection that broke while
+            # idle (Redis restarted); a timeout is never retried.
+            retry=Retry(NoBackoff(), 1),
+            retry_on_error=[RedisConnectionError],
+            decode_responses=True,
+        )
+        self._client: Final = aioredis.Redis(connection_pool=self._pool)
+        register = self._client.register_script
+        self._scripts: Final = {
+            "admit": register(scripts.ADMIT),
+            "deregister": register(scripts.DEREGISTER),
+            "refresh": register(scripts.REFRESH),
+            "begin_close": register(scripts.BEGIN_CLOSE),
+            "prune": register(scripts.PRUNE),
+            "ledger_gate": register(scripts.LEDGER_GATE),
+            "ledger_mark_clean": register(scripts.LEDGER_MARK_CLEAN),
+        }
+
+    def tail_client(self, block_s: float) -> aioredis.Redis:
+        """A separate one-connection client for ``XREAD BLOCK`` (``block_s`` seconds).
+
+        A blocking read holds its connection for the whole block; it must not
+        take one from the pool the admission path uses. Close it with ``aclose``.
+        """
+        return aioredis.Redis.from_url(
+            self.url,
+            single_connection_client=True,
+            socket_timeout=block_s + self.timeout,
+            socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+
+    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return await self._scripts[name](keys=list(keys), args=list(args))
+        except ResponseError:
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+
+    async def reset(self) -> None:
+        """Drop every pooled connection (after an outage: they may all be stale)."""
+        await self._pool.disconnect()
+
+    async def ping(self) -> None:
+        """One ``PING``."""
+        try:
+            await self._client.ping()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+
+    async def admit(self, sid: str, member: str, ttl: float) -> float | None:
+        """Tombstone check + in-flight registration of ``member``, in one script.
+
+        ``ttl``: seconds the entry lives without a heartbeat. Returns ``None``
+        when admitted, else the tombstone's remaining life in seconds (``-1.0``:
+        a tombstone without expiry).
+        """
+        k = SessionKeys(sid)
+        ok, left = await self._run("admit", (k.tombstone, k.in_flight), (member, _ms(ttl)))
+        if int(ok) == 1:
+            return None
+        return -1.0 if int(left) < 0 else int(left) / 1000.0
+
+    async def tombstone_left(self, sid: str) -> float | None:
+        """Seconds the tombstone of ``sid`` still lives in Redis, or ``None`` if it has none.
+
+        A tombstone without expiry answers ``-1.0``. Raises :class:`ClusterUnavailable`.
+        """
+        try:
+            left: Any = await self._client.pttl(SessionKeys(sid).tombstone)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        # PTTL: -2 no such key, -1 no expiry (redis.io/commands/pttl).
+        if int(left) == -2:
+            return None
+        return -1.0 if int(left) < 0 else int(left) / 1000.0
+
+    async def deregister(self, sid: str, member: str, *, cancelled: bool) -> bool:
+        """Remove ``member`` from the in-flight set; counts it in a running close's tally.
+
+        Returns whether it was there.
+        """
+        k = SessionKeys(sid)
+        removed = await self._run(
+            "deregister",
+            (k.tombstone, k.in_flight, k.tally),
+            (member, "cancelled" if cancelled else "finished"),
+        )
+        return int(removed) == 1
+
+    async def refresh(
+        self, entries: Mapping[str, Iterable[str]], ttl: float, *, readd: bool = False
+    ) -> None:
+        """Push the deadline of every entry (sid -> members) to now + ``ttl`` seconds.
+
+        One pipelined round trip for all sessions. ``readd``: also re-create
+        entries Redis no longer has (reconcile after an outage); otherwise only
+        existing entries are refreshed (a heartbeat never resurrects an entry a
+        closer already expired).
+        """
+        if not entries:
+            return
+        mode = "" if readd else "XX"
+        script = self._scripts["refresh"]
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for sid, members in entries.items():
+                    k = SessionKeys(sid)
+                    args: list[str | int] = [_ms(ttl), mode, *members]
+                    await script(keys=[k.tombstone, k.in_flight], args=args, client=pipe)
+                await pipe.execute()
+        except ResponseError:
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+
+    async def begin_close(self, sid: str, close_id: str, tombstone_ttl: float) -> CloseStart:
+        """Set the tombstone (if none) and reset the tally; see :class:`CloseStart`."""
+        k = SessionKeys(sid)
+        new, found, done = await self._run(
+            "begin_close", (k.tombstone, k.tally), (close_id, _ms(tombstone_ttl))
+        )
+        return CloseStart(new=int(new) == 1, close_id=str(found), done=int(done) == 1)
+
+    async def announce_close(self, sid: str, grace: float, origin: str) -> str:
+        """``XADD`` the close command to the stream every node tails; returns the entry id.
+
+        ``grace``: seconds each node gives the session's exchanges before cancelling.
+        """
+        try:
+            entry: Any = await self._client.xadd(
+                CLOSE_STREAM,
+                {"sid": sid, "timeout": repr(grace), "origin": origin},
+                maxlen=STREAM_MAXLEN,
+                approximate=True,
+            )
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        return str(entry)
+
+    async def stream_tip(self) -> str:
+        """The id of the newest close command, or ``0-0`` for an empty stream.
+
+        A tailer starts after it: ``$`` in a loop of ``XREAD`` calls would skip
+        whatever is added between two calls.
+        """
+        try:
+            newest = await self._client.xrevrange(CLOSE_STREAM, "+", "-", count=1)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        return str(newest[0][0]) if newest else "0-0"
+
+    async def prune(self, sid: str) -> int:
+        """Expire entries past their deadline (counted in the tally); entries left."""
+        k = SessionKeys(sid)
+        return int(await self._run("prune", (k.in_flight, k.tally), ()))
+
+    async def finish_close(self, sid: str) -> Tally:
+        """Mark the close answered and read its tally."""
+        k = SessionKeys(sid)
+        try:
+            async with self._client.pipeline(transaction=True) as pipe:
+                pipe.hset(k.tally, "done", 1)
+                pipe.hgetall(k.tally)
+                _, raw = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        return _tally(raw)
+
+    async def tally(self, sid: str) -> Tally:
+        """The tally of the session's current (or last) close."""
+        try:
+            raw: Any = await self._client.hgetall(SessionKeys(sid).tally)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        return _tally(raw)
+
+    async def in_flight(self, sid: str) -> list[str]:
+        """Members of the session's in-flight set (expired ones included until pruned)."""
+        try:
+            members: Any = await self._client.zrange(SessionKeys(sid).in_flight, 0, -1)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        return [str(m) for m in members]
+
+    async def ledger_gate(
+        self,
+        sid: str,
+        *,
+        digest: str,
+        comparable: bool,
+        request_bytes: int,
+        response_bytes: int,
+        last_activity: float,
+    ) -> tuple[str, int, bool]:
+        """The ledger's hash gate in one script: ``(outcome, revision_epoch, dirty)``."""
+        outcome, epoch, dirty = await self._run(
+            "ledger_gate",
+            (SessionKeys(sid).ledger,),
+            (digest, int(comparable), request_bytes, response_bytes, repr(last_activity)),
+        )
+        return str(outcome), int(epoch), int(dirty) == 1
+
+    async def ledger_mark_clean(self, sid: str, epoch: int | None) -> bool:
+        """Clear the ledger's ``dirty`` flag (only at ``epoch`` if given); whether it was."""
+        cleared = await self._run(
+            "ledger_mark_clean", (SessionKeys(sid).ledger,), ("" if epoch is None else epoch,)
+        )
+        return int(cleared) == 1
+
+    async def ledger_state(self, sid: str) -> dict[str, str]:
+        """The raw ledger hash of ``sid`` (empty for an unknown session)."""
+        try:
+            raw: Any = await self._client.hgetall(SessionKeys(sid).ledger)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        return {str(k): str(v) for k, v in raw.items()}
+
+    async def close(self) -> None:
+        """Close the pool's connections."""
+        await self._client.aclose()
+        await self._pool.aclose()
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _tally(raw: Mapping[str, str]) -> Tally:
+    return Tally(
+        finished=int(raw.get("finished", 0)),
+        cancelled=int(raw.get("cancelled", 0)),
+        expired=int(raw.get("expired", 0)),
+        done=raw.get("done", "0") == "1",
+    )
+
+
+async def read_closes(
+    client: aioredis.Redis, last_id: str, block_s: float, count: int = 500
+) -> list[CloseCommand]:
+    """One ``XREAD BLOCK`` of the close stream after ``last_id`` (``$``: only new ones).
+
+    Returns the commands in stream order (empty after ``block_s`` seconds of
+    silence). Malformed entries are returned with ``sid`` empty so the caller
+    still advances past them.
+
+    Raises:
+        ClusterUnavailable: Redis could not be read.
+    """
+    try:
+        answer: Any = await client.xread({CLOSE_STREAM: last_id}, count=count, block=_ms(block_s))
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+    commands: list[CloseCommand] = []
+    for _stream, entries in answer or ():
+        for entry_id, fields in entries:
+            try:
+                timeout = float(fields.get("timeout", "0"))
+            except ValueError:
+                timeout = 0.0
+            commands.append(
+                CloseCommand(
+                    entry_id=str(entry_id),
+                    sid=str(fields.get("sid", "")),
+                    timeout=max(0.0, timeout),
+                    origin=str(fields.get("origin", "")),
+                )
+            )
+    return commands

@@ -1,0 +1,157 @@
+"""Commits as tracked work: every admitted exchange's ``commit`` hooks run exactly once.
+
+docs/design.md §5: the commit runs after the last byte was written, exactly once,
+whatever the client does next; session close and shutdown wait for pending
+commits. A commit therefore never runs in the request handler's task: aiohttp
+cancels that task when the client hangs up (``handler_cancellation``), and a
+handler that awaited its commit would also hold its keep-alive connection, so
+the client's next request would wait for a slow hook. Instead the handler hands
+the record to :meth:`CommitTracker.start` in its ``finally`` and returns; the
+commit runs in a task of its own, owned by the app state, in a fresh context
+(it inherits no session lock and no cancellation), keyed by session id so that
+``shutdown_session`` and ``close_all`` can wait for a session's commits before
+they archive it, and the process drain for all of them before the plugins are
+flushed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter
+
+from . import _logs as logs
+from ._plugins import ExchangeRecord
+
+__all__ = ["CommitTracker"]
+
+log = logging.getLogger("context_proxy.commits")
+
+#: ``run(record)``: books one record (the app's: session lock, then the plugins' hooks).
+CommitRunner = Callable[[ExchangeRecord], Awaitable[None]]
+
+
+class CommitTracker:
+    """The pending commits of one proxy instance.
+
+    Args:
+        run: awaited with each record, once, in a task of its own.
+        timeout: seconds one commit may take in all (waiting for the session
+            lock included) before it is cancelled and counted ``timed_out``;
+            ``math.inf`` for no bound.
+        registry: the Prometheus registry the ``context_proxy_commits`` counter
+            (label ``event``: ``started``, ``finished``, ``failed``,
+            ``timed_out``) is registered in.
+
+    ``started = finished + failed + timed_out + pending`` at any time. A commit
+    counts ``failed`` when ``run`` raised (a plugin hook that raises or times
+    out is isolated by :class:`~proxy.plugins.PluginHost` and does not fail the
+    commit).
+    """
+
+    __slots__ = ("_by_session", "_counters", "_pending", "_run", "_tally", "timeout")
+
+    def __init__(self, run: CommitRunner, *, timeout: float, registry: CollectorRegistry) -> None:
+        self._run = run
+        self.timeout = timeout if timeout > 0 else math.inf
+        self._pending: set[asyncio.Task[None]] = set()
+        self._by_session: dict[str, set[asyncio.Task[None]]] = {}
+        counter = Counter(
+            "context_proxy_commits",
+            "Exchange commits (the plugins' commit hooks), by event",
+            ["event"],
+            registry=registry,
+        )
+        events = ("started", "finished", "failed", "timed_out")
+        self._counters: Final = {event: counter.labels(event) for event in events}
+        self._tally: Final = dict.fromkeys(events, 0)
+
+    @property
+    def pending(self) -> frozenset[asyncio.Task[None]]:
+        """The commit tasks not finished yet."""
+        return frozenset(self._pending)
+
+    def count(self, event: str) -> int:
+        """How many commits reached ``event`` (``started``, ``finished``, ``failed``,
+        ``timed_out``) since start."""
+        return self._tally[event]
+
+    def _bump(self, event: str) -> None:
+        self._tally[event] += 1
+        self._counters[event].inc()
+
+    def start(self, record: ExchangeRecord) -> asyncio.Task[None]:
+        """Book ``record`` in the background; returns at once (synchronous).
+
+        The task runs in a fresh context, so the caller's cancellation, session
+        lock and context variables do not reach it. Must run on the event loop.
+        """
+        self._bump("started")
+        task = asyncio.get_running_loop().create_task(
+            self._book(record), context=contextvars.Context()
+        )
+        self._pending.add(task)
+        sid = record.session_id
+        if sid is not None:
+            self._by_session.setdefault(sid, set()).add(task)
+        task.add_done_callback(lambda done: self._done(sid, done))
+        return task
+
+    def _done(self, sid: str | None, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        if sid is not None:
+            tasks = self._by_session.get(sid)
+            if tasks is not None:
+                tasks.discard(task)
+                if not tasks:
+                    del self._by_session[sid]
+
+    async def _book(self, record: ExchangeRecord) -> None:
+        # A fresh context: give its log records the exchange's ids again.
+        logs.EXCHANGE_ID.set(record.exchange_id)
+        logs.SESSION_ID.set(record.session_id)
+        began = time.monotonic()
+        try:
+            async with asyncio.timeout(self.timeout if math.isfinite(self.timeout) else None):
+                await self._run(record)
+        except TimeoutError:
+            self._bump("timed_out")
+            log.warning(
+                "%s: commit did not finish within %.1fs (%.1fs spent); cancelled",
+                record.exchange_id,
+                self.timeout,
+                time.monotonic() - began,
+            )
+        except asyncio.CancelledError:
+            # Only the process itself cancels a commit (a loop closing at exit).
+            self._bump("failed")
+            raise
+        except Exception as exc:
+            self._bump("failed")
+            log.error("%s: commit failed: %s", record.exchange_id, type(exc).__name__)
+        else:
+            self._bump("finished")
+
+    async def wait(self, session_id: str | None = None, *, timeout: float) -> int:  # noqa: ASYNC109
+        """Wait up to ``timeout`` seconds for the pending commits of ``session_id``
+        (all of them when ``None``), including any that start while waiting.
+
+        Returns the number still pending afterwards (0: all booked). Never
+        cancels a commit: one that outlives the wait goes on, bounded by
+        :attr:`timeout`.
+        """
+        deadline = time.monotonic() + max(timeout, 0.0)
+        for _ in range(100):  # bounded: each pass waits for the commits seen in it
+            tasks = self._pending if session_id is None else self._by_session.get(session_id, set())
+            live = {t for t in tasks if not t.done()}
+            left = deadline - time.monotonic()
+            if not live or left <= 0:
+                return len(live)
+            await asyncio.wait(live, timeout=left)
+        return len(self._pending)

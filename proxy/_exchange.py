@@ -1,0 +1,791 @@
+"""The exchange: the one owner of every buffer of one request (docs/design.md §1 and §2).
+
+Every buffer an exchange holds is dropped in this file, and only here:
+
+==========  ==============================================  ==========================
+buffer      held from                                       dropped by
+==========  ==============================================  ==========================
+raw         :meth:`Exchange.attach_body` (the wire bytes)   :meth:`_drop_raw` (via
+                                                            prepare, release, close)
+draft       :meth:`Exchange._prepare_at` (the body as       the end of
+            plugins see it during one prepare run: the      :meth:`_prepare_at`
+            structural view, or the parsed object)
+parsed      :meth:`Exchange._prepare_at` (only when a       :meth:`release`, :meth:`close`
+            plugin took the whole object and changed it)
+outbound    raw itself; a :class:`~proxy.structure.Splice`  :meth:`release` unless a
+            (slices of raw plus replacement pieces: raw     resend is still possible;
+            lives while it does); or the re-serialized      :meth:`drop_outbound`,
+            body (whole-object path)                        :meth:`close`
+preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :meth:`close`
+response    the relay's held stream head, JSON head and     the relay; accounted here
+            partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
+==========  ==============================================  ==========================
+
+``release()`` is the boundary: as soon as no refold can follow (the upstream
+accepted the request: 2xx headers and, for Responses, output started; or it
+answered an error that no refold can cure; or the fold levels are used up,
+before the last send) the raw buffer, the parsed body
+and the preparer go. It is idempotent, counts whether it really ran (exactly
+once per exchange), and :meth:`Exchange.close`, which the handler calls in
+``finally``, runs it on every early exit. Buffers live in small weak-referenceable
+holders (``bytes``, ``bytearray`` and ``dict`` cannot be weak-referenced) so
+tests can put a finalizer on them.
+
+The phase is a state machine: :data:`TRANSITIONS` lists every legal move and
+any other raises :class:`IllegalTransition`. The bookkeeping scalars (status,
+outcome, error, byte counts, usage, retries) are written only through the
+named methods in the "bookkeeping" section below, never assigned from outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Final
+
+import xxhash
+
+from . import _wire as wire
+from ._plugins import ExchangeRecord, PluginHost, PrepareContext
+from ._protocols import Protocol
+from ._structure import Draft, ParsedHolder, Splice
+from ._wire import WireMetadata
+
+__all__ = [
+    "TRANSITIONS",
+    "BodyHolder",
+    "Exchange",
+    "HeldBytes",
+    "IllegalTransition",
+    "Observer",
+    "Outcome",
+    "ParsedHolder",
+    "Phase",
+    "Preparer",
+]
+
+log = logging.getLogger("context_proxy.exchange")
+
+# What wire.encode_body raises for an object JSON cannot carry (UnicodeEncodeError is a ValueError).
+_UNENCODABLE: Final = (TypeError, ValueError, RecursionError, OverflowError)
+
+_ids = itertools.count(1)
+
+#: Slice size for sending the outbound body upstream. Python 3.11's socket
+#: transport copies whatever it cannot send at once into its own buffer, so one
+#: large ``bytes`` would be copied whole; slices bound that copy to one slice.
+SEND_SLICE_BYTES: Final = 256 * 1024
+
+
+class Phase(enum.Enum):
+    """Where an exchange is in its life.
+
+    Phases move forward in the order listed, with two loops back: a refold
+    goes from ``sent`` to ``prepared`` again, and a fake-completion resend
+    from ``accepted`` to ``sent``.
+    """
+
+    READING = "reading"
+    PARSED = "parsed"
+    PREPARED = "prepared"
+    SENT = "sent"
+    ACCEPTED = "accepted"
+    STREAMING = "streaming"
+    COMMITTED = "committed"
+    CLOSED = "closed"
+
+
+_EARLY_END: Final = frozenset({Phase.COMMITTED, Phase.CLOSED})
+
+#: Every legal phase move: ``TRANSITIONS[old]`` is the set of phases ``old`` may go to.
+#: Forward along the list, plus the loops: ``sent → prepared`` (a refold re-runs
+#: prepare after an overflow), ``accepted → sent`` (a fake-completion resend of an
+#: accepted stream) and ``sent → sent`` (a resend of a Responses stream held before
+#: acceptance). A request without a body goes from ``reading`` straight to ``sent``,
+#: a passthrough body from ``parsed``. A refold that shrank nothing goes from
+#: ``prepared`` to ``accepted``: the upstream's answer to the last send stands
+#: (its error goes to the client). Any phase before ``committed`` may end early
+#: (an error answer, a client gone) in ``committed`` or ``closed``.
+TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = {
+    Phase.READING: frozenset({Phase.PARSED, Phase.SENT}) | _EARLY_END,
+    Phase.PARSED: frozenset({Phase.PREPARED, Phase.SENT}) | _EARLY_END,
+    Phase.PREPARED: frozenset({Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
+    Phase.SENT: frozenset({Phase.PREPARED, Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
+    Phase.ACCEPTED: frozenset({Phase.SENT, Phase.STREAMING}) | _EARLY_END,
+    Phase.STREAMING: _EARLY_END,
+    Phase.COMMITTED: frozenset({Phase.CLOSED}),
+    Phase.CLOSED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A phase move that :data:`TRANSITIONS` does not allow (a bug in the caller)."""
+
+    def __init__(self, exchange_id: str, old: Phase, new: Phase) -> None:
+        super().__init__(f"{exchange_id}: illegal phase move {old.value} -> {new.value}")
+        self.old = old
+        self.new = new
+
+
+class Outcome(enum.StrEnum):
+    """What really happened to an exchange; the value is what records, logs and metrics carry."""
+
+    OK = "ok"
+    CLIENT_GONE = "client_gone"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    STREAM_ERROR = "stream_error"
+    ERROR = "error"
+
+
+#: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
+Observer = Callable[["Exchange", Phase, Phase], object]
+
+
+class BodyHolder:
+    """Weak-referenceable owner of one body buffer (``bytes`` or ``bytearray``)."""
+
+    __slots__ = ("__weakref__", "data")
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeldBytes:
+    """Bytes an exchange holds right now, by kind. ``parsed`` is an estimate.
+
+    ``response`` is what the response side holds (the stream head held while a
+    refold or resend is possible, the JSON head kept for usage, the partial-event
+    tail), as last reported through :meth:`Exchange.hold_response`.
+    """
+
+    raw: int
+    parsed: int
+    outbound: int
+    response: int = 0
+
+    @property
+    def total(self) -> int:
+        """``raw + parsed + outbound + response`` in bytes."""
+        return self.raw + self.parsed + self.outbound + self.response
+
+
+class Preparer:
+    """The prepare closure: what an exchange needs to run ``prepare`` hooks again.
+
+    ``lock`` returns the session's lock context (or a null context when the
+    request has no session); prepare hooks run inside it (docs/design.md §6,
+    rule 2). Dropped at release so nothing it reaches outlives the boundary.
+    """
+
+    __slots__ = ("host", "lock", "session_id")
+
+    def __init__(
+        self,
+        host: PluginHost,
+        lock: Callable[[], AbstractAsyncContextManager[object]],
+        session_id: str | None,
+    ) -> None:
+        self.host = host
+        self.lock = lock
+        self.session_id = session_id
+
+
+class Exchange:
+    """One request's buffers, phase and bookkeeping scalars.
+
+    Built by the app when a request arrives; driven by the relay; closed in the
+    handler's ``finally``. All sizes are bytes, times seconds (monotonic unless
+    named ``*_wall``).
+
+    Args:
+        protocol: the request's protocol.
+        method: HTTP method.
+        path: request path (no query string).
+        query: the raw query string ('' when none), forwarded unchanged.
+        keep_for_resend: keep the outbound body after release while a
+            fake-completion retry may still resend it.
+        on_release: called with the number of bytes each drop let go (the
+            app hands them to :class:`proxy._alloc.Allocator` so freed pages
+            go back to the OS).
+        observer: called as ``observer(exchange, old_phase, new_phase)`` after
+            every phase move (tests watch an exchange through it).
+
+    Raises:
+        IllegalTransition: from any method whose phase move
+            :data:`TRANSITIONS` does not allow.
+    """
+
+    __slots__ = (
+        "_complete",
+        "_draft",
+        "_outbound",
+        "_parsed",
+        "_phase",
+        "_preparer",
+        "_raw",
+        "declared_bytes",
+        "error",
+        "fold_level",
+        "id",
+        "keep_for_resend",
+        "meta",
+        "method",
+        "observer",
+        "on_release",
+        "outbound_digest",
+        "outbound_size",
+        "outcome",
+        "path",
+        "protocol",
+        "query",
+        "reading_bytes",
+        "refolds",
+        "releases",
+        "response_bytes",
+        "response_held",
+        "retries",
+        "session_id",
+        "started",
+        "started_wall",
+        "status",
+        "ttfb",
+        "usage",
+    )
+
+    def __init__(
+        self,
+        *,
+        protocol: Protocol,
+        method: str,
+        path: str,
+        query: str = "",
+        keep_for_resend: bool = False,
+        on_release: Callable[[int], object] | None = None,
+        observer: Observer | None = None,
+    ) -> None:
+        self.id: Final = f"ex-{next(_ids)}"
+        self.protocol: Final = protocol
+        self.method: Final = method
+        self.path: Final = path
+        self.query: Final = query
+        self.keep_for_resend = keep_for_resend
+        self.on_release = on_release
+        self.observer = observer
+        #: While reading: the body's declared Content-Length (0: none), and the
+        #: bytes received so far, which :meth:`held_bytes` counts as ``raw``.
+        self.declared_bytes = 0
+        self.reading_bytes = 0
+        self._phase = Phase.READING
+        self.started: Final = time.monotonic()
+        self.started_wall: Final = time.time()
+        self._raw: BodyHolder | None = None
+        self._parsed: ParsedHolder | None = None
+        self._draft: Draft | None = None
+        self._outbound: BodyHolder | Splice | None = None
+        self._preparer: Preparer | None = None
+        self.meta: WireMetadata | None = None
+        self.session_id: str | None = None
+        self.fold_level = 0
+        self.refolds = 0
+        self.retries = 0
+        self.releases = 0
+        self.outbound_size = 0
+        self.outbound_digest: str | None = None
+        self.status = 0
+        self.outcome = Outcome.OK
+        self.error: str | None = None
+        self._complete = False
+        self.response_bytes = 0
+        #: Bytes the response side holds now (see :meth:`hold_response`).
+        self.response_held = 0
+        self.ttfb: float | None = None
+        self.usage: tuple[int | None, int | None, int | None] = (None, None, None)
+
+    # -------------------------------------------------------------------- phase
+
+    @property
+    def phase(self) -> Phase:
+        """The current phase; it changes only through the methods below."""
+        return self._phase
+
+    def _move(self, new: Phase) -> None:
+        """Go to ``new`` if :data:`TRANSITIONS` allows it, then tell the observer.
+
+        Raises:
+            IllegalTransition: the move is not in the table.
+        """
+        old = self._phase
+        self._check(new)
+        self._phase = new
+        if self.observer is not None:
+            self.observer(self, old, new)
+
+    def _check(self, new: Phase) -> None:
+        """Raise before any work when the move to ``new`` is not in the table.
+
+        Raises:
+            IllegalTransition: the move is not in the table.
+        """
+        if new not in TRANSITIONS[self._phase]:
+            raise IllegalTransition(self.id, self._phase, new)
+
+    # ------------------------------------------------------------------ reading
+
+    def start_reading(self, declared_bytes: int) -> None:
+        """The body is being read; ``declared_bytes`` is its Content-Length (0: none).
+
+        A declaration reserves no memory (docs/design.md §2, "reading"), so it does
+        not count as held: only bytes received (:meth:`count_received`) count as ``raw``.
+
+        Raises:
+            IllegalTransition: not in the ``reading`` phase.
+        """
+        if self._phase is not Phase.READING:
+            raise IllegalTransition(self.id, self._phase, Phase.READING)
+        self.declared_bytes = declared_bytes
+        self.reading_bytes = 0
+
+    def count_received(self, nbytes: int) -> None:
+        """The body buffer grew by ``nbytes`` bytes; they count as ``raw`` while reading."""
+        self.reading_bytes += nbytes
+
+    def end_reading(self) -> None:
+        """The read settled (body, error or cancel): the bytes being read no longer count."""
+        self.reading_bytes = 0
+
+    def attach_body(self, buffer: bytearray, meta: WireMetadata) -> None:
+        """Take ownership of the body read from the wire and its metadata.
+
+        The raw buffer is the outbound body until a plugin changes the body.
+
+        Raises:
+            IllegalTransition: not in the ``reading`` phase.
+        """
+        self._check(Phase.PARSED)
+        self._raw = BodyHolder(buffer)
+        self._outbound = self._raw
+        self.outbound_size = len(buffer)
+        self.outbound_digest = meta.digest
+        self.meta = meta
+        self._move(Phase.PARSED)
+
+    def bind_preparer(self, preparer: Preparer) -> None:
+        """Set the prepare closure used at fold level 0 and by every refold."""
+        self._preparer = preparer
+        self.session_id = preparer.session_id
+
+    @property
+    def raw_holder(self) -> BodyHolder | None:
+        """The holder of the raw wire bytes, or ``None`` once dropped (for tests and metrics)."""
+        return self._raw
+
+    @property
+    def parsed_holder(self) -> ParsedHolder | None:
+        """The holder of the parsed body (while prepare runs: the one a plugin took),
+        or ``None`` when never parsed or dropped."""
+        if self._draft is not None and self._draft.object_holder is not None:
+            return self._draft.object_holder
+        return self._parsed
+
+    @property
+    def can_refold(self) -> bool:
+        """Whether a refold is still possible: the body was read and not released yet."""
+        return self._preparer is not None and self.meta is not None
+
+    @property
+    def outbound_holder(self) -> BodyHolder | Splice | None:
+        """The body to send upstream (raw's holder, a splice over raw, or the
+        re-serialized body's holder), or ``None`` once dropped."""
+        return self._outbound
+
+    # ---------------------------------------------------------------- preparing
+
+    async def prepare(self) -> None:
+        """Run the prepare hooks at fold level 0.
+
+        Raises:
+            RuntimeError: called without a body or after release.
+            wire.WireError: a plugin wanted the body and it is not a JSON object.
+        """
+        await self._prepare_at(0)
+
+    async def refold(self) -> bool:
+        """Re-run prepare at the next fold level after a context overflow.
+
+        Returns ``True`` when the outbound body changed and is smaller than
+        before, i.e. a resend may succeed; ``False`` when nothing shrank (the
+        caller then relays the upstream's error unchanged). ``refolds`` counts
+        only the refolds that shrank the body, so upstream requests = 1 +
+        ``refolds`` + ``retries``; ``fold_level`` counts every prepare run.
+        """
+        before = self.outbound_size
+        changed = await self._prepare_at(self.fold_level + 1)
+        shrank = changed and self.outbound_size < before
+        if shrank:
+            self.refolds += 1
+        return shrank
+
+    async def _prepare_at(self, level: int) -> bool:
+        preparer, meta = self._preparer, self.meta
+        if preparer is None or meta is None or self._outbound is None:
+            raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
+        self._check(Phase.PREPARED)
+        self.fold_level = level
+        host = preparer.host
+        wants = host.wants_body(meta, level)
+        async with preparer.lock():
+            # Each run starts from the body as received (raw), or from the object a
+            # whole-object plugin changed at an earlier level (raw is gone then).
+            if self._raw is not None:
+                draft = Draft(meta.protocol, base=self._raw.data)
+            elif self._parsed is not None:
+                draft = Draft(meta.protocol, obj=self._parsed)
+            else:
+                raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
+            self._draft = draft
+            ctx = PrepareContext(
+                meta=meta,
+                fold_level=level,
+                session_id=preparer.session_id,
+                path=self.path,
+                draft=draft,
+            )
+            try:
+                reported = await host.run_prepare(ctx, wants)
+                result = draft.result(reported)
+            finally:
+                ctx._close()
+                self._draft = None
+                draft.release()
+                del draft
+        if isinstance(result, Splice):
+            self._adopt_splice(result)
+        elif result is not None:
+            try:
+                self._reserialize(result)
+            except _UNENCODABLE as exc:
+                # A plugin put something JSON cannot carry into ctx.body (a lone
+                # surrogate, a set, a cycle). The object was changed in place, so
+                # there is no "before that plugin" to return to: the edits of
+                # this run are dropped and the body goes on as it was before it.
+                host.whole_body_edit_failed(wants, exc)
+                self._discard_object(result)
+                result = None
+        self._move(Phase.PREPARED)
+        return result is not None
+
+    def _adopt_splice(self, splice: Splice) -> None:
+        """Edits made through the view: the splice over raw becomes the outbound body.
+
+        Raw stays (the splice's slices are views of it; a refold builds a new
+        splice from it); only the previous outbound body goes.
+        """
+        before = self._held_total()
+        self._outbound = splice
+        self.outbound_size = splice.nbytes
+        self.outbound_digest = splice.digest
+        self._freed(before)
+
+    def _reserialize(self, parsed: ParsedHolder) -> None:
+        """A plugin changed the whole parsed object: it becomes the outbound body.
+
+        The raw buffer (or the last outbound body) is dropped once the new body
+        is serialized: an object a plugin left unserializable must not cost the
+        body as before the run. The parsed object stays for refolds.
+
+        Raises:
+            TypeError, ValueError, RecursionError, OverflowError: the object cannot
+                be serialized (nothing was changed).
+        """
+        # Serialized before anything is dropped: when it fails, the body before
+        # this run (raw, or the last outbound body) is still there to send.
+        data = wire.encode_body(parsed.body)
+        before = self._held_total()
+        self._parsed = parsed
+        self._drop_raw()
+        self._outbound = None
+        self._freed(before)
+        self._outbound = BodyHolder(data)
+        self.outbound_size = len(data)
+        self.outbound_digest = xxhash.xxh3_128_hexdigest(data)
+
+    def _discard_object(self, parsed: ParsedHolder) -> None:
+        """Forget a whole-object edit that could not be serialized.
+
+        The outbound body stays as before the run. When ``parsed`` is the object
+        kept from an earlier level it was changed in place, so later refolds
+        start from the outbound body of that level instead (it is that object's
+        serialization, a :class:`BodyHolder`).
+        """
+        if parsed is not self._parsed:
+            return  # a fresh decode of raw, held by nobody else
+        before = self._held_total()
+        self._parsed = None
+        outbound = self._outbound
+        if isinstance(outbound, BodyHolder):
+            self._raw = outbound
+        self._freed(before)
+
+    def _drop_raw(self) -> None:
+        # When the raw buffer is also the outbound body, the outbound reference
+        # keeps it alive on purpose (untouched bodies are forwarded as is).
+        self._raw = None
+
+    # ------------------------------------------------------------------ sending
+
+    async def outbound_chunks(self) -> AsyncIterator[memoryview]:
+        """The outbound body as ``memoryview`` slices of ``SEND_SLICE_BYTES``, no copy.
+
+        Each call starts a fresh pass (a resend sends the same bytes again).
+
+        Raises:
+            RuntimeError: the outbound body was already released.
+        """
+        holder = self._outbound
+        if holder is None:
+            raise RuntimeError(f"{self.id}: outbound body already released")
+        if isinstance(holder, Splice):
+            # Segment by segment, never joined; the slices are views of raw.
+            for chunk in holder.chunks(SEND_SLICE_BYTES):
+                yield chunk
+            return
+        view = memoryview(holder.data)
+        del holder
+        try:
+            for start in range(0, len(view), SEND_SLICE_BYTES):
+                yield view[start : start + SEND_SLICE_BYTES]
+        finally:
+            view.release()
+
+    def mark_sent(self) -> None:
+        """The request went upstream (again, after a refold or retry)."""
+        self._move(Phase.SENT)
+
+    def accept(self) -> None:
+        """The release boundary: the upstream accepted the request; no refold can follow.
+
+        Idempotent once accepted (a gated stream accepts again when its gate opens).
+        """
+        if self._phase is Phase.ACCEPTED:
+            self.release()
+            return
+        self._check(Phase.ACCEPTED)
+        self.release()
+        self._move(Phase.ACCEPTED)
+
+    def mark_streaming(self) -> None:
+        """The first response byte is going to the client; no resend can follow."""
+        self._check(Phase.STREAMING)
+        if self._outbound is not None:
+            self.drop_outbound()
+        if self.ttfb is None:
+            self.ttfb = time.monotonic() - self.started
+        self._move(Phase.STREAMING)
+
+    # ---------------------------------------------------------------- releasing
+
+    def release(self, *, keep_outbound: bool = False) -> None:
+        """Drop the raw buffer, the parsed body and the preparer; idempotent.
+
+        Called as soon as no refold can follow: before the last send when the
+        fold levels are used up (``keep_outbound=True``: that send still needs
+        the outbound body), else at :meth:`accept`. The outbound body survives
+        only while ``keep_outbound`` or ``keep_for_resend`` is set (a
+        fake-completion retry may still resend it); a later call without them
+        drops it. Its digest and size stay as scalars either way. ``releases``
+        is 1 once the drop has run, and never more.
+        """
+        before = self._held_total()
+        if not (self.keep_for_resend or keep_outbound):
+            self._outbound = None
+        if not self.releases:
+            self.releases = 1
+            self._preparer = None
+            self._parsed = None
+            self._drop_raw()
+        self._freed(before)
+
+    def drop_outbound(self) -> None:
+        """No resend can follow any more: let the outbound body go."""
+        before = self._held_total()
+        self.keep_for_resend = False
+        self._outbound = None
+        self._drop_raw()
+        self._freed(before)
+
+    def close(self) -> None:
+        """Final cleanup in the handler's ``finally``: nothing is held afterwards.
+
+        Idempotent: closing a closed exchange does nothing.
+        """
+        if self._phase is Phase.CLOSED:
+            return
+        self.keep_for_resend = False
+        self.release()
+        before = self._held_total()
+        self._outbound = None
+        self.response_held = 0
+        self._freed(before)
+        self._move(Phase.CLOSED)
+
+    def _held_total(self) -> int:
+        return self._held_sum() if self.on_release is not None else 0
+
+    def _held_sum(self) -> int:
+        """``held_bytes().total`` without building the record (several calls per exchange)."""
+        raw = len(self._raw) if self._raw is not None else self.reading_bytes
+        return raw + self._parsed_estimate() + self._outbound_extra()
+
+    def _parsed_estimate(self) -> int:
+        """The parsed object's estimate: the kept one, or the one a plugin took in prepare."""
+        parsed = self.parsed_holder
+        return parsed.estimate if parsed is not None else 0
+
+    def _outbound_extra(self) -> int:
+        """Bytes the outbound body holds beyond the raw buffer (which counts once)."""
+        out, raw = self._outbound, self._raw
+        if out is None or out is raw:
+            return 0
+        if isinstance(out, Splice):
+            on_raw = raw is not None and out.base is raw.data
+            return out.owned_bytes + (0 if on_raw else out.base_bytes)
+        return len(out)
+
+    def _freed(self, before: int) -> None:
+        """Tell ``on_release`` how many bytes the last drop let go (if any)."""
+        if self.on_release is not None:
+            freed = before - self._held_sum()
+            if freed > 0:
+                self.on_release(freed)
+
+    def held_bytes(self) -> HeldBytes:
+        """What this exchange holds now, by kind (the raw buffer counts once even
+        when it is also the outbound body)."""
+        raw = len(self._raw) if self._raw is not None else self.reading_bytes
+        return HeldBytes(raw, self._parsed_estimate(), self._outbound_extra(), self.response_held)
+
+    # ------------------------------------------------------------- bookkeeping
+
+    def set_session(self, session_id: str | None) -> None:
+        """The session this exchange belongs to (``None``: none), for requests with no preparer."""
+        self.session_id = session_id
+
+    def upstream_answered(self, status: int) -> None:
+        """The upstream's HTTP status for the current attempt (a refold or resend answers anew)."""
+        self.status = status
+
+    def conclude(self, status: int, outcome: Outcome, error: str | None = None) -> None:
+        """The final status, outcome and error when the proxy answers itself (a 4xx/5xx of ours)."""
+        self.status = status
+        self.outcome = outcome
+        self.error = error
+
+    def set_outcome(self, outcome: Outcome, error: str | None = None) -> None:
+        """The outcome (and error message) without touching the status."""
+        self.outcome = outcome
+        self.error = error
+
+    def response_complete(self) -> None:
+        """Every byte of the answer was handed to the client's connection.
+
+        After this a hang-up is no longer a failure of this exchange (see :meth:`client_gone`).
+        """
+        self._complete = True
+
+    @property
+    def answered(self) -> bool:
+        """Whether :meth:`response_complete` was called."""
+        return self._complete
+
+    def client_gone(self) -> None:
+        """The client hung up: the outcome becomes ``client_gone`` unless the answer was
+        already complete, or the outcome already names a failure of the proxy's own side
+        (an upstream that failed, a cancel, a rejection) that says more."""
+        if not self._complete and self.outcome in (Outcome.OK, Outcome.UPSTREAM_ERROR):
+            self.outcome = Outcome.CLIENT_GONE
+
+    def count_retry(self) -> None:
+        """One more fake-completion resend."""
+        self.retries += 1
+
+    def count_response_bytes(self, nbytes: int) -> None:
+        """``nbytes`` more response bytes went to the client."""
+        self.response_bytes += nbytes
+
+    def set_usage(
+        self, input_tokens: int | None, output_tokens: int | None, cache_read: int | None
+    ) -> None:
+        """Token usage the upstream reported (``None`` for a count it did not report)."""
+        self.usage = (input_tokens, output_tokens, cache_read)
+
+    def hold_response(self, nbytes: int) -> None:
+        """The response side holds ``nbytes`` bytes now (stream head, JSON head,
+        partial-event tail together); shown as ``held_bytes().response``."""
+        self.response_held = nbytes
+
+    def begin_commit(self) -> ExchangeRecord:
+        """Enter the committed phase and return the record for the ``commit`` hooks.
+
+        Raises:
+            IllegalTransition: already committed or closed (a commit runs once).
+        """
+        self._move(Phase.COMMITTED)
+        return self.commit_record()
+
+    def commit_record(self) -> ExchangeRecord:
+        """The scalars-only record for ``commit`` hooks as of now (no phase change)."""
+        meta = self.meta
+        input_tokens, output_tokens, cache_read = self.usage
+        return ExchangeRecord(
+            exchange_id=self.id,
+            session_id=self.session_id,
+            protocol=str(self.protocol),
+            path=self.path,
+            model=meta.model if meta else None,
+            stream=meta.stream if meta else False,
+            wire_digest=meta.digest if meta else "",
+            comparable=meta.comparable if meta else False,
+            message_count=meta.message_count if meta else 0,
+            request_bytes=meta.byte_length if meta else 0,
+            outbound_bytes=self.outbound_size,
+            outbound_digest=self.outbound_digest,
+            status=self.status,
+            outcome=self.outcome.value,
+            fold_level=self.fold_level,
+            refolds=self.refolds,
+            retries=self.retries,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            cache_read_tokens=cache_read,
+            response_bytes=self.response_bytes,
+            started_at=self.started_wall,
+            ttfb_s=self.ttfb,
+            duration_s=time.monotonic() - self.started,
+            error=self.error,
+        )
+
+    def age(self) -> float:
+        """Seconds since the request arrived."""
+        return time.monotonic() - self.started
+
+    def __repr__(self) -> str:
+        return f"<Exchange {self.id} {self.protocol} {self._phase.value} held={self.held_bytes()}>"
+
+
+def null_lock() -> AbstractAsyncContextManager[object]:
+    """The lock context for a request without a session."""
+    return contextlib.nullcontext()

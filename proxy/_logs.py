@@ -1,0 +1,284 @@
+"""Log records of one proxy process: text or JSON lines, the access log, quiet bursts.
+
+* :func:`setup_logging` installs one handler on the root logger writing to stderr,
+  as text (``2026-12-01 09:00:00,123 INFO context_proxy: ...``) or as one JSON
+  object per line (``log_format = "json"``) with ``timestamp`` (ISO 8601, UTC),
+  ``level``, ``logger``, ``message`` and, where known, ``exchange_id`` and
+  ``session_id``.
+* The exchange and session a record belongs to travel in the context variables
+  :data:`EXCHANGE_ID` and :data:`SESSION_ID`: each request handler runs in its
+  own task (so its own context copy), and background work spawned from it
+  (commits) inherits them. A filter on the handler copies them onto every record.
+* :func:`log_access` writes the access line of one exchange (logger
+  ``context_proxy.access``): method, route, status, outcome, request and response
+  bytes, time to first byte, duration, fold level, exchange and session id.
+  Never a header value (other than the session id the client chose to send), a
+  query string, a key or a body.
+* :class:`BurstFilter` keeps a storm of identical failures (``Too many open
+  files`` from every accept and connect while descriptors are exhausted) down to
+  a few lines per window plus one summary line.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
+
+if TYPE_CHECKING:
+    from ._exchange import Exchange
+
+__all__ = [
+    "ACCESS_LOG",
+    "EXCHANGE_ID",
+    "SESSION_ID",
+    "BurstFilter",
+    "JsonFormatter",
+    "RedactingFormatter",
+    "log_access",
+    "setup_logging",
+]
+
+#: Id of the exchange the running task works for (``None`` outside one).
+EXCHANGE_ID: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar(
+    "context_proxy_exchange_id", default=None
+)
+#: Session id of that exchange, once resolved.
+SESSION_ID: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar(
+    "context_proxy_session_id", default=None
+)
+
+ACCESS_LOG: Final = logging.getLogger("context_proxy.access")
+
+#: Fields of an access record, in the order the text line shows them.
+_ACCESS_FIELDS: Final = (
+    "method",
+    "route",
+    "status",
+    "outcome",
+    "request_bytes",
+    "response_bytes",
+    "ttfb_s",
+    "duration_s",
+    "fold_level",
+    "exchange_id",
+    "session_id",
+)
+
+_CREDENTIAL_MARKERS: Final = ("authorization", "x-api-key", "bearer ")
+_WITHHELD: Final = "[log line withheld: it named a credential]"
+
+
+def _names_a_credential(text: str) -> bool:
+    lowered = text.lower()
+    return any(marker in lowered for marker in _CREDENTIAL_MARKERS)
+
+
+class _ContextFilter(logging.Filter):
+    """Puts the task's exchange and session id on every record it passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "exchange_id"):
+            record.exchange_id = EXCHANGE_ID.get()
+        if not hasattr(record, "session_id"):
+            record.session_id = SESSION_ID.get()
+        return True
+
+
+class RedactingFormatter(logging.Formatter):
+    """Text lines; belt and braces: a line naming a credential header is withheld."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if _names_a_credential(text):
+            return f"{record.levelname} {record.name}: {_WITHHELD}"
+        return text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record, on one line (newlines inside values are escaped).
+
+    Keys: ``timestamp`` (ISO 8601 UTC, milliseconds), ``level``, ``logger``,
+    ``message``, ``exchange_id`` and ``session_id`` when known, the access
+    fields on access records, ``exception`` (the formatted traceback) when the
+    record carries one. A record naming a credential header has its message
+    and traceback withheld, as in the text form.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        exception = self.formatException(record.exc_info) if record.exc_info else None
+        if _names_a_credential(message) or (exception and _names_a_credential(exception)):
+            message, exception = _WITHHELD, None
+        out: dict[str, Any] = {
+            "timestamp": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": message,
+        }
+        for key in ("exchange_id", "session_id"):
+            value = getattr(record, key, None)
+            if value is not None:
+                out[key] = value
+        access = getattr(record, "access", None)
+        if isinstance(access, dict):
+            out.update(access)
+        if exception:
+            out["exception"] = exception
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+_PLAIN: Final = re.compile(r"[\w.:/@+-]+")
+
+
+def _text_value(value: object) -> str:
+    """A value for a ``key=value`` line: bare if plain, else JSON-quoted (no line breaks)."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6f}"
+    text = str(value)
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)
+
+
+def log_access(ex: Exchange, *, route: str) -> None:
+    """Write the access line of one finished exchange (INFO on ``context_proxy.access``).
+
+    ``route`` is the request path without its query string (which may carry a
+    key). Sizes are bytes: ``request_bytes`` is the decoded body received,
+    ``response_bytes`` what was relayed to the client; times are seconds.
+    """
+    if not ACCESS_LOG.isEnabledFor(logging.INFO):
+        return
+    fields: dict[str, object] = {
+        "method": ex.method,
+        "route": route,
+        "status": ex.status,
+        "outcome": str(ex.outcome),
+        "request_bytes": ex.meta.byte_length if ex.meta is not None else 0,
+        "response_bytes": ex.response_bytes,
+        "ttfb_s": None if ex.ttfb is None else round(ex.ttfb, 6),
+        "duration_s": round(ex.age(), 6),
+        "fold_level": ex.fold_level,
+        "exchange_id": ex.id,
+        "session_id": ex.session_id,
+    }
+    line = " ".join(f"{key}={_text_value(fields[key])}" for key in _ACCESS_FIELDS)
+    ACCESS_LOG.info(
+        "%s",
+        line,
+        extra={"access": fields, "exchange_id": ex.id, "session_id": ex.session_id},
+    )
+
+
+def _is_fd_exhaustion(record: logging.LogRecord) -> bool:
+    """Whether ``record`` is part of a descriptor-exhaustion storm.
+
+    Besides the ``EMFILE`` errors themselves: CPython 3.11's accept loop
+    (``BaseSelectorEventLoop._accept_connection``) keeps calling ``accept()``
+    after ``EMFILE`` and schedules one ``_start_serving`` retry per failed call;
+    retries still pending when the listener closes each log a ``ValueError``
+    traceback ("Invalid file descriptor: -1").
+    """
+    if record.exc_info and is_fd_exhaustion(record.exc_info[1]):
+        return True
+    message = record.getMessage()
+    if record.name == "asyncio" and "_start_serving" in message:
+        return True
+    return "Too many open files" in message or EXHAUSTED_MESSAGE in message
+
+
+class _Window:
+    """Records of one logger in the current window: when it began, passed, dropped."""
+
+    __slots__ = ("dropped", "passed", "start")
+
+    def __init__(self) -> None:
+        self.start = float("-inf")
+        self.passed = 0
+        self.dropped = 0
+
+
+class BurstFilter(logging.Filter):
+    """At most ``burst`` descriptor-exhaustion records per logger per ``window`` seconds.
+
+    While descriptors are exhausted every accept and every upstream connect
+    fails, and asyncio and the proxy would log each (with a traceback: in one
+    measurement 213,000 lines in 8 seconds). Past ``burst`` records of one
+    logger in one window the rest are counted and dropped; the first such
+    record after the window ends is let through with the count of those
+    dropped appended. Records that pass lose their traceback and line breaks
+    (one line each: the cause is the limit, not the code). Other records pass
+    untouched. ``clock`` is monotonic seconds (tests inject one).
+    """
+
+    def __init__(
+        self,
+        *,
+        burst: int = 5,
+        window: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__()
+        self.burst = burst
+        self.window = window
+        self._clock = clock
+        # Keyed by logger name: a handful of loggers (asyncio, the relay, the server).
+        self._windows: dict[str, _Window] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not _is_fd_exhaustion(record):
+            return True
+        w = self._windows.get(record.name)
+        if w is None:
+            w = self._windows[record.name] = _Window()
+        now = self._clock()
+        note = ""
+        if now - w.start >= self.window:
+            if w.dropped:
+                note = (
+                    f" ({w.dropped} similar record(s) dropped in the last"
+                    f" {self.window:g}s: out of file descriptors)"
+                )
+            w.start, w.passed, w.dropped = now, 0, 0
+        if w.passed >= self.burst:
+            w.dropped += 1
+            return False
+        w.passed += 1
+        message = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            message = f"{message}: {record.exc_info[1]!r}"
+        # asyncio's handler records add "handle: ..." and "socket: ..." lines.
+        record.msg = message.split("\n", 1)[0] + note
+        record.args = ()
+        record.exc_info = record.exc_text = None
+        return True
+
+
+def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
+    """Log every record (ours, aiohttp's, asyncio's) to stderr in ``fmt``, at ``level``.
+
+    aiohttp's own access logger is kept at WARNING: it would print query
+    strings; :func:`log_access` writes the proxy's access lines instead.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_ContextFilter())
+    handler.addFilter(BurstFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

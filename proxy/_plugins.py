@@ -1,0 +1,638 @@
+"""The plugin API: a plugin is a plain class with documented hook methods.
+
+Hooks, in the order an exchange meets them (docs/design.md §5):
+
+``wants_body(meta, fold_level) -> bool``
+    Asked before ``prepare``. Return ``True`` only if ``prepare`` must read or
+    change the parsed request body at this fold level: the proxy then decodes
+    the full JSON body (a transient ~2x the body size). If no plugin wants it,
+    the body is never materialized and the raw bytes are forwarded as is.
+``prepare(ctx) -> bool``
+    Runs under the session's lock (when the request has a session), before the
+    request is sent upstream, and again at fold level +1 after each context
+    overflow. Edit through ``ctx.view`` (the structural view, no copy of the
+    body) or, if granted, ``ctx.body`` (the whole object). Return ``True`` if
+    you changed the body; edits made through the view are sent either way.
+``commit(record)``
+    Runs under the session's lock after the response has been forwarded (or has
+    failed). ``record`` is an :class:`ExchangeRecord` of scalars only.
+``session_closed(session_id)``
+    The session was shut down; flush and forget its state.
+``session_state(session_id) -> Mapping[str, Scalar]``
+    Scalars shown by ``GET /admin/sessions/{id}``; must not block.
+``startup()`` / ``shutdown()``
+    Process start and graceful stop; ``shutdown`` must flush what it keeps.
+``check()``
+    Only for ``context-proxy check``: raise with a one-line message if the
+    plugin could not start as configured (open its storage read-only; change
+    nothing, start nothing).
+
+A hook that raises, or runs past ``plugin_timeout`` seconds, is logged with
+the plugin's name and skipped; the request goes on. Plugins run in the order
+the ``plugins`` setting lists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import importlib
+import importlib.metadata
+import inspect
+import logging
+import math
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, ClassVar, Final, ParamSpec, TypeVar
+
+from ._structure import BodyView, Draft, ParsedHolder
+from ._wire import WireMetadata
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BodyUnavailable",
+    "ExchangeRecord",
+    "Plugin",
+    "PluginError",
+    "PluginHost",
+    "PluginInfo",
+    "PrepareContext",
+    "Scalar",
+    "discover_plugins",
+    "load_plugins",
+]
+
+log = logging.getLogger("context_proxy.plugins")
+
+# A TOML bare key (TOML 1.0, "Keys"): what needs no quotes in a table header.
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+ENTRY_POINT_GROUP: Final = "context_proxy.plugins"
+
+Scalar = str | int | float | bool | None
+_SCALAR_TYPES: Final = (str, int, float, bool, type(None))
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+class _Skipped(enum.Enum):
+    SKIPPED = "skipped"
+
+
+# What a dispatch returns when the hook raised or ran out of time (it was logged).
+SKIPPED: Final = _Skipped.SKIPPED
+
+
+class PluginError(Exception):
+    """A plugin could not be found, imported or constructed (raised at start-up)."""
+
+
+class BodyUnavailable(RuntimeError):
+    """``PrepareContext.body`` was read without ``wants_body`` or after the hook returned."""
+
+
+# Field names per record class (a subclass may add fields): a pure memo, filled once
+# per class, so validating a record does not rebuild the field list each time.
+_FIELD_NAMES: Final[dict[type[ExchangeRecord], tuple[str, ...]]] = {}
+
+
+def _field_names(cls: type[ExchangeRecord]) -> tuple[str, ...]:
+    """Field names of the dataclass ``cls``, in declaration order."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ExchangeRecord:
+    """What a ``commit`` hook learns about one finished exchange: scalars only.
+
+    Sizes are bytes, times are seconds (``started_at`` is Unix time). Token
+    counts come from the protocol's usage events and are ``None`` when the
+    upstream reported none. ``outcome`` is one of ``ok``, ``upstream_error``,
+    ``client_gone``, ``upstream_unreachable``, ``upstream_timeout``,
+    ``stream_error``, ``rejected``, ``cancelled``, ``error`` (see
+    :class:`proxy._exchange.Outcome`).
+
+    Raises:
+        TypeError: on construction, if any field is not a str, int, float,
+            bool or None (so no container built from the body can leak through).
+    """
+
+    exchange_id: str
+    session_id: str | None
+    protocol: str
+    path: str
+    model: str | None
+    stream: bool
+    wire_digest: str
+    comparable: bool
+    message_count: int
+    request_bytes: int
+    outbound_bytes: int
+    outbound_digest: str | None
+    status: int
+    outcome: str
+    fold_level: int
+    refolds: int
+    retries: int
+    input_tokens: int | None
+    output_tokens: int | None
+    cache_read_tokens: int | None
+    response_bytes: int
+    started_at: float
+    ttfb_s: float | None
+    duration_s: float
+    error: str | None
+
+    def __post_init__(self) -> None:
+        # One record per exchange: the field list is cached, not rebuilt each time.
+        for name in _field_names(type(self)):
+            value = getattr(self, name)
+            if not isinstance(value, _SCALAR_TYPES):
+                raise TypeError(
+                    f"ExchangeRecord.{name} must be a scalar, got {type(value).__name__}"
+                )
+
+    def as_dict(self) -> dict[str, Scalar]:
+        """The record as a ``{field: scalar}`` dict (a fresh dict each call)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+class PrepareContext:
+    """What a ``prepare`` hook sees: wire metadata, fold level and the request body.
+
+    Two ways to the body (docs/design.md §5):
+
+    ``view``
+        The structural view (:class:`proxy._structure.BodyView`): history items
+        and their values located by byte range in the raw buffer, each decoded
+        only when asked and replaced piece by piece. The outbound body is then
+        the raw buffer's slices plus the replacement pieces (peak ~1.0x the
+        body). Available to every plugin while its hook runs.
+    ``body``
+        The whole parsed JSON object (a ``dict``), only for a plugin whose
+        ``wants_body`` returned ``True``; mutate it in place. Costs a transient
+        ~2x the body size (the parsed tree, then the re-serialized body).
+
+    Both show the same request: edits made through the view are in ``body``
+    for a later plugin, and changes to ``body`` are in a later plugin's view.
+    Each prepare run at a new fold level starts from the body as received
+    (or, once a plugin took the whole object, from that object). Reading
+    either after the hook returned raises :class:`BodyUnavailable`, so a
+    plugin cannot keep them.
+    """
+
+    __slots__ = ("_closed", "_draft", "_open", "fold_level", "meta", "path", "session_id")
+
+    def __init__(
+        self,
+        *,
+        meta: WireMetadata,
+        fold_level: int,
+        session_id: str | None,
+        path: str,
+        body: dict[str, Any] | None = None,
+        draft: Draft | None = None,
+    ) -> None:
+        self.meta: Final = meta
+        self.fold_level: Final = fold_level
+        self.session_id: Final = session_id
+        self.path: Final = path
+        if draft is None and body is not None:
+            draft = Draft(meta.protocol, obj=ParsedHolder(body, meta.byte_length))
+        self._draft = draft
+        self._open = False
+        self._closed = False
+
+    @property
+    def body(self) -> dict[str, Any]:
+        """The parsed request body. Raises :class:`BodyUnavailable` outside the hook.
+
+        Also raises :class:`proxy._wire.WireError` if the body is not a JSON object.
+        """
+        if not self._open or self._draft is None:
+            raise BodyUnavailable(
+                "the request body is only available inside prepare() to a plugin "
+                "whose wants_body() returned True"
+            )
+        return self._draft.body()
+
+    @property
+    def view(self) -> BodyView:
+        """The structural view of the request body. Raises :class:`BodyUnavailable`
+        after prepare, or when the exchange has no body."""
+        if self._closed or self._draft is None:
+            raise BodyUnavailable("the body view is only available inside prepare()")
+        return self._draft.view()
+
+    def _grant(self, granted: bool) -> None:
+        self._open = granted
+
+    def _close(self) -> None:
+        self._open = False
+        self._closed = True
+        self._draft = None
+
+
+class Plugin:
+    """Base class of a plugin; override only the hooks you need.
+
+    The proxy constructs a plugin with the keyword arguments of its
+    ``[plugin.<name>]`` table in the config file. ``name`` identifies it in
+    logs, metrics and the admin view; it defaults to the class name.
+    """
+
+    name: ClassVar[str] = ""
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        """Whether ``prepare`` needs the parsed body at this fold level (default: no)."""
+        return False
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        """Inspect or change the request; return ``True`` if the body was changed."""
+        return False
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        """Book-keep one finished exchange. Keep only scalars from ``record``."""
+
+    async def session_closed(self, session_id: str) -> None:
+        """Forget (after flushing) everything kept for ``session_id``."""
+
+    def session_state(self, session_id: str) -> Mapping[str, Scalar]:
+        """Scalars describing ``session_id`` for the admin view (default: none)."""
+        return {}
+
+    async def startup(self) -> None:
+        """Called once before the proxy accepts requests; raise to refuse to start."""
+
+    async def shutdown(self) -> None:
+        """Called once at graceful shutdown, after every session was closed; flush here."""
+
+    def check(self) -> None:
+        """``context-proxy check``: raise if the plugin could not start as configured.
+
+        Called on a constructed plugin that was never started. Open storage
+        read-only, create and change nothing; the exception's message (one
+        line) is printed as the problem. Default: nothing to check.
+        """
+
+
+_HOOKS: Final = (
+    "wants_body",
+    "prepare",
+    "commit",
+    "session_closed",
+    "session_state",
+    "startup",
+    "shutdown",
+)
+
+
+def _overrides(plugin: Plugin, hook: str) -> bool:
+    """Whether ``plugin`` defines ``hook`` itself rather than inheriting :class:`Plugin`'s.
+
+    Every base hook does nothing (and never suspends), so skipping a plugin that
+    does not override a hook changes nothing observable.
+    """
+    instance_attrs = getattr(plugin, "__dict__", None)
+    if instance_attrs is not None and hook in instance_attrs:
+        return True
+    return getattr(type(plugin), hook, None) is not getattr(Plugin, hook)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginInfo:
+    """One plugin found in the config or through the entry-point group."""
+
+    name: str
+    target: str
+    source: str
+    version: str | None
+
+
+def _plugin_name(plugin: Plugin) -> str:
+    return plugin.name or type(plugin).__name__
+
+
+def discover_plugins() -> list[PluginInfo]:
+    """Plugins registered under the ``context_proxy.plugins`` entry-point group."""
+    found: list[PluginInfo] = []
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        version = ep.dist.version if ep.dist is not None else None
+        dist = ep.dist.name if ep.dist is not None else "?"
+        found.append(PluginInfo(ep.name, ep.value, f"entry point ({dist})", version))
+    return sorted(found, key=lambda info: info.name)
+
+
+def _resolve(spec: str) -> tuple[type[Plugin], str]:
+    """Find the class for ``spec``: an entry-point name or ``module:Class``."""
+    target = spec
+    if ":" not in spec:
+        for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP, name=spec):
+            target = ep.value
+            break
+        else:
+            raise PluginError(
+                f"plugin {spec!r}: no entry point of that name and not a 'module:Class' path"
+            )
+    module_name, _, attr = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(f"plugin {spec!r}: cannot import {target}: {exc}") from None
+    if not (isinstance(obj, type) and issubclass(obj, Plugin)):
+        raise PluginError(f"plugin {spec!r}: {target} is not a subclass of proxy.Plugin")
+    return obj, target
+
+
+def load_plugins(
+    specs: Sequence[str],
+    options: Mapping[str, Mapping[str, Any]],
+    *,
+    timeout: float,
+    shared: Mapping[str, Any] | None = None,
+    strict: bool = True,
+) -> PluginHost:
+    """Import and construct the plugins named in ``specs``, in order.
+
+    A plugin's options table (``[plugin.<key>]`` of the config) is passed as
+    keyword arguments. Its key is the entry as written in ``plugins``; an
+    entry-point plugin also answers to its class's ``name``. ``shared``: proxy
+    settings offered to every plugin whose constructor has a keyword parameter
+    of that name, unless its table sets it (e.g. ``redis_url``, so the ledger
+    joins cluster mode with the proxy). With ``strict`` (the default), a table
+    no plugin of ``specs`` takes is an error: a typo must not be ignored.
+
+    Raises:
+        PluginError: a plugin is unknown, not a :class:`Plugin`, rejected its
+            options or has two tables; a table belongs to no plugin. The
+            message names it.
+    """
+    plugins: list[Plugin] = []
+    taken: set[str] = set()
+    for spec in specs:
+        cls, target = _resolve(spec)
+        keys = _table_keys(spec, cls)
+        tables = [key for key in keys if key in options]
+        if len(tables) > 1:
+            raise PluginError(
+                f"plugin {spec!r}: options in both [{_table(tables[0])}] and "
+                f"[{_table(tables[1])}]; keep one"
+            )
+        taken.update(tables)
+        kwargs = dict(options[tables[0]]) if tables else {}
+        if shared:
+            accepted = inspect.signature(cls).parameters
+            for name, value in shared.items():
+                if name in accepted and name not in kwargs:
+                    kwargs[name] = value
+        try:
+            plugins.append(cls(**kwargs))
+        except (TypeError, ValueError) as exc:
+            raise PluginError(f"plugin {spec!r} ({target}): bad options: {exc}") from None
+    if strict:
+        for key in options:
+            if key not in taken:
+                raise PluginError(_unclaimed(key))
+    return PluginHost(plugins, timeout=timeout)
+
+
+def _table_keys(spec: str, cls: type[Plugin]) -> list[str]:
+    """The option-table keys a plugin entry answers to: the entry, and an
+    entry-point plugin's ``name``."""
+    keys = [spec]
+    if ":" not in spec and cls.name and cls.name != spec:
+        keys.append(cls.name)
+    return keys
+
+
+def _unclaimed(key: str) -> str:
+    return (
+        f"[{_table(key)}]: no plugin in the plugins list takes this table "
+        "(its key is the entry as written there, or an entry-point plugin's name)"
+    )
+
+
+def unclaimed_tables(specs: Sequence[str], options: Mapping[str, object]) -> list[str]:
+    """One problem line per ``[plugin.<key>]`` table no entry of ``specs`` takes.
+
+    Entries that cannot be resolved are skipped (loading them reports that).
+    """
+    keys: set[str] = set()
+    for spec in specs:
+        try:
+            cls, _ = _resolve(spec)
+        except PluginError:
+            continue
+        keys.update(_table_keys(spec, cls))
+    return [_unclaimed(key) for key in options if key not in keys]
+
+
+def _table(key: str) -> str:
+    """The TOML header of the options table ``key`` (quoted when not a bare key)."""
+    return f"plugin.{key}" if _BARE_KEY.fullmatch(key) else f'plugin."{key}"'
+
+
+class PluginHost:
+    """Runs the hooks of an ordered list of plugins with isolation and a time budget.
+
+    Which plugin implements which hook is decided once, here: for each hook the
+    host keeps the plugins (in configured order) that override it, so a hook no
+    plugin overrides costs nothing per request (no lookup, no coroutine, no
+    timer). Hooks are therefore resolved when the host is built; a method
+    attached to a plugin later is not seen.
+
+    Every async hook call goes through one dispatch path (:meth:`_dispatch`):
+    the time budget, the isolation and the failure log live there. Every
+    ``run_*`` method catches a plugin's exception or timeout, logs it with the
+    plugin's name (never the body) and counts it in ``failures``; it never
+    raises to the caller, except for cancellation of the caller itself.
+
+    Args:
+        plugins: the plugins, in the order their hooks run.
+        timeout: seconds each async hook call may take (``plugin_timeout``);
+            0 or less means no limit.
+    """
+
+    __slots__ = ("_asks_body", "_by_hook", "failures", "plugins", "timeout")
+
+    def __init__(self, plugins: Iterable[Plugin], *, timeout: float) -> None:
+        self.plugins: tuple[Plugin, ...] = tuple(plugins)
+        self.timeout = timeout if timeout > 0 else math.inf
+        self.failures: dict[str, int] = {}
+        self._by_hook: Final[Mapping[str, tuple[Plugin, ...]]] = {
+            hook: tuple(p for p in self.plugins if _overrides(p, hook)) for hook in _HOOKS
+        }
+        # Per plugin with a prepare hook: whether it has a wants_body to ask.
+        self._asks_body: Final = tuple(
+            _overrides(p, "wants_body") for p in self._by_hook["prepare"]
+        )
+
+    def implementing(self, hook: str) -> tuple[Plugin, ...]:
+        """The plugins that override ``hook``, in order (``()`` for an unknown hook)."""
+        return self._by_hook.get(hook, ())
+
+    def _failed(self, plugin: Plugin, hook: str, exc: BaseException, budget: float) -> None:
+        name = _plugin_name(plugin)
+        self.failures[name] = self.failures.get(name, 0) + 1
+        if isinstance(exc, TimeoutError):
+            log.warning("plugin %s: %s exceeded its %.1fs budget; skipped", name, hook, budget)
+        else:
+            log.warning(
+                "plugin %s: %s raised %s: %s; skipped",
+                name,
+                hook,
+                type(exc).__name__,
+                exc,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
+
+    async def _dispatch(
+        self,
+        plugin: Plugin,
+        hook: str,
+        call: Callable[_P, Awaitable[_T]],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T | _Skipped:
+        """Await one hook call within the budget; a failure is logged and returns SKIPPED.
+
+        The budget is ``timeout`` (at least 10 s for ``shutdown``, which flushes).
+        Cancellation of the caller propagates.
+        """
+        budget = max(self.timeout, 10.0) if hook == "shutdown" else self.timeout
+        try:
+            async with asyncio.timeout(budget):
+                return await call(*args, **kwargs)
+        except Exception as exc:
+            self._failed(plugin, hook, exc, budget)
+            return SKIPPED
+
+    def _dispatch_sync(
+        self,
+        plugin: Plugin,
+        hook: str,
+        call: Callable[_P, _T],
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _T | _Skipped:
+        """One call of a synchronous hook (no budget: it must not block); failures as above."""
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:
+            self._failed(plugin, hook, exc, self.timeout)
+            return SKIPPED
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> list[bool]:
+        """Per plugin with a ``prepare`` hook (in order), whether it asked for the parsed body.
+
+        Only those plugins are asked: the body is for ``prepare``. A plugin
+        whose ``wants_body`` raises gets no body.
+        """
+        answers: list[bool] = []
+        for plugin, asks in zip(self._by_hook["prepare"], self._asks_body, strict=True):
+            if asks:
+                answer = self._dispatch_sync(
+                    plugin, "wants_body", plugin.wants_body, meta, fold_level
+                )
+                answers.append(answer is not SKIPPED and bool(answer))
+            else:
+                answers.append(False)
+        return answers
+
+    async def run_prepare(self, ctx: PrepareContext, wants: Sequence[bool]) -> bool:
+        """Run every ``prepare`` hook in order; ``True`` if any reported a change.
+
+        ``wants`` is what :meth:`wants_body` returned for this attempt. A plugin
+        granted the body that then raised may have changed it part way, so it
+        also counts as a change (the body is re-serialized, never guessed).
+        """
+        changed = False
+        for plugin, granted in zip(self._by_hook["prepare"], wants, strict=True):
+            ctx._grant(granted)
+            try:
+                result = await self._dispatch(plugin, "prepare", plugin.prepare, ctx)
+            finally:
+                ctx._grant(False)
+            # A skipped plugin that held the body may have half-changed it.
+            touched = granted if result is SKIPPED else bool(result)
+            changed = touched or changed
+        return changed
+
+    def whole_body_edit_failed(self, wants: Sequence[bool], exc: BaseException) -> None:
+        """Book a failure for the plugins of this prepare run that held ``ctx.body``.
+
+        Called when the object they changed cannot be serialized (``exc``: the
+        encoder's error); the caller then sends the body as it was before the
+        run. The error's message is not logged: it may quote the body.
+        """
+        names = [
+            _plugin_name(plugin)
+            for plugin, granted in zip(self._by_hook["prepare"], wants, strict=True)
+            if granted
+        ]
+        for name in names:
+            self.failures[name] = self.failures.get(name, 0) + 1
+        log.warning(
+            "plugin %s: prepare left ctx.body that cannot be serialized (%s); "
+            "the changes of this prepare run are skipped",
+            ", ".join(names),
+            type(exc).__name__,
+        )
+
+    async def run_commit(self, record: ExchangeRecord) -> None:
+        """Run every ``commit`` hook in order with the same immutable record."""
+        for plugin in self._by_hook["commit"]:
+            await self._dispatch(plugin, "commit", plugin.commit, record)
+
+    async def run_session_closed(self, session_id: str) -> None:
+        """Tell every plugin that ``session_id`` is closed."""
+        for plugin in self._by_hook["session_closed"]:
+            await self._dispatch(plugin, "session_closed", plugin.session_closed, session_id)
+
+    def session_state(self, session_id: str) -> dict[str, dict[str, Scalar]]:
+        """``{plugin name: {key: scalar}}`` for the admin view; non-scalars are dropped."""
+        state: dict[str, dict[str, Scalar]] = {}
+        for plugin in self._by_hook["session_state"]:
+            items = self._dispatch_sync(plugin, "session_state", plugin.session_state, session_id)
+            if items is SKIPPED:
+                continue
+            scalars = {k: v for k, v in items.items() if isinstance(v, _SCALAR_TYPES)}
+            if scalars:
+                state[_plugin_name(plugin)] = scalars
+        return state
+
+    async def startup(self) -> None:
+        """Start every plugin; unlike the other hooks a failure here is fatal.
+
+        Raises:
+            PluginError: naming the plugin whose ``startup`` raised.
+        """
+        starts = self._by_hook["startup"]
+        stops = self._by_hook["shutdown"]
+        started: list[Plugin] = []
+        for plugin in self.plugins:
+            try:
+                # Not _dispatch: a startup failure is fatal, and startup has no budget.
+                if any(plugin is p for p in starts):
+                    await plugin.startup()
+            except Exception as exc:
+                # Undo what already started (files, threads, connections), newest first:
+                # a plugin may have opened something in __init__, so every earlier one.
+                for done in reversed(started):
+                    if any(done is p for p in stops):
+                        await self._dispatch(done, "shutdown", done.shutdown)
+                raise PluginError(f"plugin {_plugin_name(plugin)}: startup failed: {exc}") from exc
+            started.append(plugin)
+
+    async def shutdown(self) -> None:
+        """Stop every plugin (flush); failures are logged, the others still run."""
+        for plugin in self._by_hook["shutdown"]:
+            await self._dispatch(plugin, "shutdown", plugin.shutdown)

@@ -1,0 +1,329 @@
+"""OpenAI wire shapes: chat completions and Responses (pure).
+
+References: the OpenAI API reference (error object, chat completion chunk,
+Responses streaming events) and the ``openai`` Python SDK, whose stream decoder
+(``openai/_streaming.py``) raises ``APIError`` on a chat ``data:`` payload with
+an ``error`` key and whose ``ResponseErrorEvent`` type defines the Responses
+``error`` event.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from .._sse import SSEEvent
+from ._common import SMALL_EVENT, UsageReport, decode_typed, encode
+
+__all__ = [
+    "RESPONSES_TERMINAL",
+    "RESPONSES_USAGE_EVENTS",
+    "chat_error_code",
+    "chat_inband_error",
+    "chat_is_output",
+    "chat_is_terminal",
+    "chat_usage",
+    "error_body",
+    "error_type",
+    "responses_error_code",
+    "responses_inband_error",
+    "responses_is_output",
+    "responses_sequence_number",
+    "responses_usage_from_body",
+    "responses_usage_from_event",
+]
+
+_ERROR_TYPES: Final = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type(status: int) -> str:
+    """OpenAI ``error.type`` for an HTTP status.
+
+    400/408/413/415/422 and other 4xx: ``invalid_request_error``; 401
+    ``authentication_error``; 403 ``permission_error``; 404 ``not_found_error``;
+    429 ``rate_limit_error``; 5xx ``server_error`` (the type OpenAI sends with
+    its 500/503 answers).
+    """
+    known = _ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(status: int, message: str, code: str | None) -> bytes:
+    """``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""
+    return encode(
+        {"error": {"message": message, "type": error_type(status), "param": None, "code": code}}
+    )
+
+
+def chat_inband_error(message: str, code: str) -> bytes:
+    """``data: {"error": {...}}`` + blank line: the openai SDK raises ``APIError`` on it."""
+    payload = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + encode(payload) + b"\n\n"
+
+
+def responses_inband_error(message: str, code: str, sequence_number: int) -> bytes:
+    """A Responses ``error`` event (SDK type ``ResponseErrorEvent``) + blank line."""
+    payload = {
+        "type": "error",
+        "code": code,
+        "message": message,
+        "param": None,
+        "sequence_number": sequence_number,
+    }
+    return b"event: error\ndata: " + encode(payload) + b"\n\n"
+
+
+# -- chat completions -------------------------------------------------------
+
+
+_ABSENT: Final = msgspec.Raw()
+
+
+class _Delta(msgspec.Struct):
+    # Raw: the emptiness test needs no decoded string (a delta may be megabytes),
+    # and any JSON type is accepted. An absent field stays an empty Raw.
+    content: msgspec.Raw = _ABSENT
+    tool_calls: msgspec.Raw = _ABSENT
+    function_call: msgspec.Raw = _ABSENT
+    refusal: msgspec.Raw = _ABSENT
+    reasoning_content: msgspec.Raw = _ABSENT  # vLLM, DeepSeek
+    reasoning: msgspec.Raw = _ABSENT  # vLLM >= 0.10, OpenRouter
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+
+
+class _ErrorObj(msgspec.Struct):
+    code: str | int | None = None
+    message: str | None = None
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _ChatUsage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _ChatChunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+    usage: _ChatUsage | None = None
+    error: _ErrorObj | str | None = None
+
+
+_CHUNK: Final = msgspec.json.Decoder(_ChatChunk, strict=False)
+_EMPTY_RAW: Final = frozenset({b"", b"null", b'""', b"[]", b"{}"})
+
+
+def _raw_nonempty(raw: msgspec.Raw) -> bool:
+    view = memoryview(raw)  # no copy of a long delta: only short values can be empty
+    return len(view) > 4 or bytes(view) not in _EMPTY_RAW
+
+
+def chat_is_output(event: SSEEvent) -> bool:
+    """A chat chunk whose ``choices[].delta`` carries content, tool calls, refusal or reasoning.
+
+    An event too large to keep (``truncated``) is taken as output: only
+    content deltas grow that large.
+    """
+    if event.truncated:
+        return True
+    if event.is_done or not event.data:
+        return False
+    chunk = decode_typed(_CHUNK, event.data)
+    if chunk is None or not chunk.choices:
+        return False
+    for choice in chunk.choices:
+        delta = choice.delta
+        if delta is not None and (
+            _raw_nonempty(delta.content)
+            or _raw_nonempty(delta.tool_calls)
+            or _raw_nonempty(delta.function_call)
+            or _raw_nonempty(delta.refusal)
+            or _raw_nonempty(delta.reasoning_content)
+            or _raw_nonempty(delta.reasoning)
+        ):
+            return True
+    return False
+
+
+def chat_error_code(event: SSEEvent) -> tuple[str | None, str] | None:
+    """``(code, message)`` of a small chat ``data: {"error": ...}`` chunk, else ``None``."""
+    if event.truncated or event.data_size > SMALL_EVENT or b'"error"' not in event.data:
+        return None
+    chunk = decode_typed(_CHUNK, event.data)
+    if chunk is None or chunk.error is None:
+        return None
+    if isinstance(chunk.error, str):
+        return None, chunk.error
+    code = chunk.error.code
+    return (code if isinstance(code, str) else None), chunk.error.message or ""
+
+
+def chat_is_terminal(event: SSEEvent) -> bool:
+    """``data: [DONE]``, or an error chunk (the SDK raises on it and stops reading)."""
+    return event.is_done or chat_error_code(event) is not None
+
+
+def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
+    """Usage of a chat chunk or a non-streaming chat completion body.
+
+    ``usage.prompt_tokens``, ``usage.completion_tokens``,
+    ``usage.prompt_tokens_details.cached_tokens``. ``None`` when the payload
+    has no usage object, is larger than ``limit`` bytes, or is not valid JSON.
+    """
+    if (limit is not None and len(data) > limit) or b'"usage"' not in data:
+        return None
+    chunk = decode_typed(_CHUNK, data)
+    if chunk is None or chunk.usage is None:
+        return None
+    usage = chunk.usage
+    details = usage.prompt_tokens_details
+    return UsageReport(
+        input_tokens=usage.prompt_tokens,
+        output_tokens=usage.completion_tokens,
+        cache_read_tokens=None if details is None else details.cached_tokens,
+    )
+
+
+# -- Responses --------------------------------------------------------------
+
+# Lifecycle events: they say where the response is, not what the model said.
+_RESPONSES_LIFECYCLE: Final = frozenset(
+    {
+        "response.created",
+        "response.in_progress",
+        "response.queued",
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    }
+)
+#: The events after which a Responses stream is over (end rule R1).
+RESPONSES_TERMINAL: Final = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "error"}
+)
+RESPONSES_USAGE_EVENTS: Final = frozenset(
+    {"response.completed", "response.incomplete", "response.failed"}
+)
+
+
+def responses_is_output(kind: str | None) -> bool:
+    """Any ``response.*`` event other than lifecycle ones: output items, content parts,
+    text / refusal / function-call-argument / reasoning deltas, tool-call progress.
+
+    Defined by exclusion so that event types added later count as output,
+    which is the safe side (no fake-completion retry after output started).
+    """
+    return kind is not None and kind.startswith("response.") and kind not in _RESPONSES_LIFECYCLE
+
+
+class _Sequenced(msgspec.Struct):
+    sequence_number: int | None = None
+
+
+_SEQUENCED: Final = msgspec.json.Decoder(_Sequenced, strict=False)
+
+
+def responses_sequence_number(event: SSEEvent) -> int | None:
+    """The event's top-level ``sequence_number``; ``None`` when absent or not decoded.
+
+    Events over 64 KiB (content deltas) are not decoded: the caller counts them.
+    """
+    if event.truncated or event.data_size > SMALL_EVENT:
+        return None
+    found = decode_typed(_SEQUENCED, event.data)
+    return None if found is None else found.sequence_number
+
+
+class _InputDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _ResponsesUsage(msgspec.Struct):
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    input_tokens_details: _InputDetails | None = None
+
+
+class _ResponseObj(msgspec.Struct):
+    usage: _ResponsesUsage | None = None
+    error: _ErrorObj | None = None
+
+
+class _ResponsesEvent(msgspec.Struct):
+    type: str | None = None
+    response: _ResponseObj | None = None
+    code: str | int | None = None
+    message: str | None = None
+
+
+_RESPONSES_EVENT: Final = msgspec.json.Decoder(_ResponsesEvent, strict=False)
+_RESPONSE_OBJ: Final = msgspec.json.Decoder(_ResponseObj, strict=False)
+
+
+def _responses_usage(usage: _ResponsesUsage | None) -> UsageReport | None:
+    if usage is None:
+        return None
+    details = usage.input_tokens_details
+    return UsageReport(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cache_read_tokens=None if details is None else details.cached_tokens,
+    )
+
+
+def responses_usage_from_event(event: SSEEvent) -> UsageReport | None:
+    """``response.usage`` of a ``response.completed`` / ``.incomplete`` / ``.failed`` event.
+
+    These events embed the whole response object (output text, instructions,
+    tool definitions), so they are decoded whatever their size, with a typed
+    decoder that skips every field but ``usage``; an event the framer had to
+    truncate has no usage to offer. Other named events are not decoded at all.
+    """
+    kind = event.event
+    if event.truncated or (kind is not None and kind not in RESPONSES_USAGE_EVENTS):
+        return None
+    decoded = decode_typed(_RESPONSES_EVENT, event.data)
+    if decoded is None or decoded.response is None:
+        return None
+    if kind is None and decoded.type not in RESPONSES_USAGE_EVENTS:
+        return None  # an unnamed event: its data.type decides
+    return _responses_usage(decoded.response.usage)
+
+
+def responses_usage_from_body(body: bytes) -> UsageReport | None:
+    """Top-level ``usage`` of a non-streaming Responses body."""
+    if b'"usage"' not in body:
+        return None
+    decoded = decode_typed(_RESPONSE_OBJ, body)
+    return None if decoded is None else _responses_usage(decoded.usage)
+
+
+def responses_error_code(event: SSEEvent, kind: str | None) -> tuple[str | None, str] | None:
+    """``(code, message)`` of a ``response.failed`` (``response.error``) or ``error`` event."""
+    if event.truncated or kind not in ("response.failed", "error"):
+        return None
+    decoded = decode_typed(_RESPONSES_EVENT, event.data)
+    if decoded is None:
+        return None
+    if kind == "error":
+        code, message = decoded.code, decoded.message
+    elif decoded.response is not None and decoded.response.error is not None:
+        code, message = decoded.response.error.code, decoded.response.error.message
+    else:
+        return None
+    return (code if isinstance(code, str) else None), message or ""

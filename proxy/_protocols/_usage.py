@@ -1,0 +1,103 @@
+"""Token usage of one exchange, read from the upstream's own usage reports (pure)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from .._sse import SSEEvent
+from ._common import Protocol, UsageReport
+from ._dialects import DIALECTS
+
+__all__ = ["UsageMeter"]
+
+
+class UsageMeter:
+    """Collects token counts from a response's usage events or body; keeps no text.
+
+    Per protocol (the last report of each count wins, since streams repeat
+    cumulative counts):
+
+    * CHAT: ``usage`` of any chunk (the final chunk with
+      ``stream_options.include_usage``; every chunk with vLLM's continuous
+      usage): ``prompt_tokens``, ``completion_tokens``,
+      ``prompt_tokens_details.cached_tokens``. Chunks over 64 KiB are content
+      deltas and are skipped without a decode.
+    * RESPONSES: ``response.usage`` of ``response.completed`` /
+      ``.incomplete`` / ``.failed``: ``input_tokens``, ``output_tokens``,
+      ``input_tokens_details.cached_tokens``. These events embed the whole
+      response, so they are decoded at any size (a typed decode that skips
+      everything but ``usage``); other events are never decoded.
+    * MESSAGES: ``message_start.message.usage`` then ``message_delta.usage``
+      (cumulative). :attr:`input_tokens` is normalized to the total prompt
+      size, ``input_tokens + cache_read_input_tokens +
+      cache_creation_input_tokens``, because Anthropic's ``input_tokens``
+      excludes cached tokens while OpenAI's ``prompt_tokens`` includes them.
+    * COUNT_TOKENS, OPENAI, ANTHROPIC: nothing is consumed, nothing is counted.
+
+    Counts are in tokens, ``None`` until the upstream reported them. Malformed
+    JSON is ignored, never raised.
+
+    Args:
+        protocol: the exchange's protocol.
+    """
+
+    __slots__ = (
+        "_adds_cache",
+        "_cache_read",
+        "_cache_write",
+        "_from_body",
+        "_from_event",
+        "_input",
+        "_output",
+        "protocol",
+    )
+
+    def __init__(self, protocol: Protocol) -> None:
+        self.protocol = protocol
+        row = DIALECTS[protocol]
+        self._from_event: Final = row.usage_from_event
+        self._from_body: Final = row.usage_from_body
+        self._adds_cache: Final = row.input_excludes_cache
+        self._input: int | None = None
+        self._output: int | None = None
+        self._cache_read: int | None = None
+        self._cache_write: int | None = None
+
+    @property
+    def input_tokens(self) -> int | None:
+        """Prompt tokens, cached ones included (see the class docstring for Anthropic)."""
+        if self._input is None or not self._adds_cache:
+            return self._input
+        return self._input + (self._cache_read or 0) + (self._cache_write or 0)
+
+    @property
+    def output_tokens(self) -> int | None:
+        """Generated tokens (reasoning included, as the upstreams count them)."""
+        return self._output
+
+    @property
+    def cache_read_tokens(self) -> int | None:
+        """Prompt tokens served from the upstream's prompt cache."""
+        return self._cache_read
+
+    def feed_event(self, event: SSEEvent) -> None:
+        """Take the usage out of one streamed event, if it carries any."""
+        if self._from_event is not None:
+            self._merge(self._from_event(event))
+
+    def feed_json(self, body: bytes) -> None:
+        """Take the usage out of a complete non-streaming JSON response body."""
+        if self._from_body is not None:
+            self._merge(self._from_body(body))
+
+    def _merge(self, report: UsageReport | None) -> None:
+        if report is None:
+            return
+        if report.input_tokens is not None:
+            self._input = report.input_tokens
+        if report.output_tokens is not None:
+            self._output = report.output_tokens
+        if report.cache_read_tokens is not None:
+            self._cache_read = report.cache_read_tokens
+        if report.cache_write_tokens is not None:
+            self._cache_write = report.cache_write_tokens

@@ -1,0 +1,571 @@
+"""The upstream edge: a small driver performing a :class:`~proxy.stream.StreamGate`'s actions.
+
+One call of :func:`relay` drives one exchange from "prepared" to "streaming is
+over": it sends the outbound body as ``memoryview`` slices, makes a gate for
+each upstream answer, feeds it the decoded body chunk by chunk and performs
+what it returns: the release boundary (:meth:`Exchange.accept`), the client's
+headers, writes with backpressure, a refold or a resend (a new attempt), the
+grace read after the terminal event, the end. Every decision about the answer
+(event boundaries, the gate before first output, overflow, the stream end
+rule, usage) is the gate's; this module only does the I/O around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import re
+from collections.abc import Mapping
+from typing import Final
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from . import _protocols as protocols
+from ._cancel import orderly_cancel_reason
+from ._coding import BodyError, ContentDecoder, parse_content_encoding
+from ._config import Settings
+from ._exchange import Exchange, Outcome
+from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
+from ._headers import response_headers
+from ._protocols import Protocol
+from ._stream import (
+    Accept,
+    Action,
+    Fail,
+    Finish,
+    Forward,
+    GateState,
+    Linger,
+    Open,
+    Refold,
+    Reject,
+    Resend,
+    StreamGate,
+    Usage,
+)
+
+__all__ = [
+    "ClientGone",
+    "Upstream",
+    "error_response",
+    "relay",
+]
+
+log = logging.getLogger("context_proxy.relay")
+
+#: Bytes one decoder call may produce from a content-coded upstream answer.
+DECODE_PIECE_BYTES: Final = 256 * 1024
+# Decoded answers have no size limit (a long stream is fine); the decoders want one.
+_NO_LIMIT: Final = 1 << 62
+# aiohttp's parser message for a line over its limit (the number is the limit, in bytes).
+_LINE_LIMIT: Final = re.compile(r"Got more than (\d+) bytes")
+
+
+class ClientGone(Exception):
+    """The client closed its connection; the upstream request was aborted."""
+
+
+class _UpstreamFailure(Exception):
+    """No usable answer from the upstream: ``status`` 502, 503 (out of descriptors) or 504."""
+
+    def __init__(self, status: int, outcome: Outcome, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.outcome = outcome
+        self.message = message
+
+
+def _unreachable(exc: aiohttp.ClientError) -> str:
+    """Plain words for a request that got no response head (never a header value).
+
+    ``HOST:PORT`` is the configured upstream's (a connector error carries it).
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        where = f"{exc.host}:{exc.port}"
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return f"upstream refused the connection at {where}"
+        if isinstance(exc, aiohttp.ClientConnectorDNSError):
+            return f"upstream host name did not resolve ({where})"
+        return f"could not connect to the upstream at {where}"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "upstream closed the connection before answering"
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return "upstream did not answer in time"
+    return "upstream connection failed before an answer"
+
+
+def _read_failure(exc: BaseException) -> str:
+    """Plain words for a body read that failed (what follows "upstream stream failed: ")."""
+    if isinstance(exc, TimeoutError):
+        # aiohttp's ServerTimeoutError is a TimeoutError too: the idle-read bound.
+        return "upstream sent nothing for too long mid-answer"
+    return "upstream closed the connection mid-answer"
+
+
+class Upstream:
+    """The upstream HTTP client: one pooled ``aiohttp.ClientSession`` for all exchanges.
+
+    There is no total timeout (it would cut a long stream): ``connect`` bounds
+    the TCP/TLS connect, ``header_timeout`` the wait for response headers, and
+    ``idle_read`` the silence between two reads of the body (seconds each).
+    """
+
+    __slots__ = ("bases", "header_timeout", "session")
+
+    def __init__(self, settings: Settings) -> None:
+        self.bases: Final[Mapping[str, str]] = {
+            "openai": settings.upstream_openai.rstrip("/"),
+            "anthropic": settings.upstream_anthropic.rstrip("/"),
+        }
+        self.header_timeout: Final = settings.upstream_header_timeout
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=settings.upstream_max_connections),
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                connect=settings.upstream_connect_timeout,
+                sock_read=settings.upstream_idle_read_timeout,
+            ),
+            # A proxy must not carry one client's cookies into another's requests.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            # Decoded by the relay, which checks that a coded body really ended
+            # (aiohttp relays a gzip body without its trailer as complete).
+            auto_decompress=False,
+            trust_env=False,
+        )
+
+    def url(self, upstream: str, path: str, query: str) -> str:
+        """The upstream URL for ``path`` and the raw ``query`` string (kept as sent)."""
+        return f"{self.bases[upstream]}{path}" + (f"?{query}" if query else "")
+
+    async def close(self) -> None:
+        """Close the pool (open upstream connections are closed)."""
+        await self.session.close()
+
+
+def error_response(
+    protocol: Protocol,
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> web.Response:
+    """A JSON error in the client's protocol shape (docs/design.md §7)."""
+    return web.Response(
+        status=status,
+        body=protocols.error_body(protocol, status, message, code=code),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _bad_head(exc: aiohttp.ClientResponseError) -> str:
+    """What was wrong with an upstream response head aiohttp could not parse."""
+    text = exc.message
+    limit = _LINE_LIMIT.search(text)
+    if limit is not None:
+        return f"upstream response headers over the parser's limit ({limit.group(1)} bytes a line)"
+    if "Too many headers" in text:
+        return "upstream response headers over the parser's limit (too many fields)"
+    return "upstream sent a response head that could not be parsed"
+
+
+class _Decoder:
+    """Undoes the upstream answer's content codings; knows whether the coded body ended.
+
+    Decoded pieces wait in :attr:`pending` until the gate takes them, one at a
+    time, so a piece decoded after a refold request is not lost when the refold
+    is declined. :meth:`feed` (corrupt data) and :meth:`finish` (the coded data
+    stopped before its end, e.g. a gzip body without its trailer) raise
+    :class:`~proxy.coding.BodyError`.
+    """
+
+    __slots__ = ("_decoder", "codings", "ended", "failure", "pending")
+
+    def __init__(self, codings: tuple[str, ...]) -> None:
+        self.codings = codings
+        self.pending: collections.deque[bytes] = collections.deque()
+        self.ended = False
+        #: Why the coded data is unusable past :attr:`pending` (``None``: it is fine).
+        self.failure: str | None = None
+        self._decoder = ContentDecoder(
+            codings, self.pending.append, piece=DECODE_PIECE_BYTES, limit=_NO_LIMIT
+        )
+
+    def feed(self, data: bytes) -> None:
+        """Decode the next wire bytes into :attr:`pending`."""
+        self._decoder.feed(data)
+
+    def finish(self) -> None:
+        """The wire body ended: flush into :attr:`pending`, check the coded data ended."""
+        self.ended = True
+        self._decoder.finish()
+
+    def release(self) -> None:
+        """Drop the codec state and what was not taken (idempotent)."""
+        self._decoder.release()
+        self.pending.clear()
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+_Verdict = str  # "done" | "refold" | "retry"
+
+
+class _Relay:
+    """One relay call: the attempts of one exchange and the gate of the current answer."""
+
+    __slots__ = (
+        "client",
+        "ex",
+        "gate",
+        "headers",
+        "linger_until",
+        "max_refolds",
+        "max_retries",
+        "rejection",
+        "request",
+        "retry_after",
+        "target",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        request: web.Request,
+        ex: Exchange,
+        upstream: Upstream,
+        target: str,
+        headers: CIMultiDict[str],
+        settings: Settings,
+    ) -> None:
+        self.request = request
+        self.ex = ex
+        self.upstream = upstream
+        self.target = target
+        self.headers = headers
+        self.max_refolds = settings.max_refolds
+        self.max_retries = settings.fake_completion_retries
+        self.retry_after = settings.retry_after
+        self.client: web.StreamResponse | None = None
+        self.gate: StreamGate | None = None
+        self.rejection: web.Response | None = None
+        # Loop time by which the upstream must end its body after the terminal event.
+        self.linger_until: float | None = None
+
+    # ------------------------------------------------------------------ sending
+
+    async def _send(self) -> aiohttp.ClientResponse:
+        ex = self.ex
+        if ex.outbound_holder is not None:
+            self.headers["Content-Length"] = str(ex.outbound_size)
+        # Sent from here on: the upload and the wait for headers are one phase.
+        ex.mark_sent()
+        try:
+            async with asyncio.timeout(self.upstream.header_timeout):
+                resp = await self.upstream.session.request(
+                    ex.method,
+                    self.target,
+                    headers=self.headers,
+                    data=ex.outbound_chunks() if ex.outbound_holder is not None else None,
+                    allow_redirects=False,
+                    skip_auto_headers=("Content-Type",),
+                )
+        except TimeoutError:
+            raise _UpstreamFailure(
+                504, Outcome.UPSTREAM_TIMEOUT, "upstream sent no response headers in time"
+            ) from None
+        except aiohttp.ClientResponseError as exc:
+            # The response head could not be parsed. Its text quotes upstream bytes
+            # (a header value): only our own words go to the client and the log.
+            raise _UpstreamFailure(502, Outcome.UPSTREAM_ERROR, _bad_head(exc)) from None
+        except aiohttp.ClientError as exc:
+            if is_fd_exhaustion(exc):
+                # Our limit, not the upstream's fault: the client may retry (here or elsewhere).
+                raise _UpstreamFailure(503, Outcome.REJECTED, EXHAUSTED_MESSAGE) from None
+            message = _unreachable(exc)
+            # The class name helps whoever reads the log; the client gets plain words.
+            log.info("%s: upstream request failed (%s)", ex.id, type(exc).__name__)
+            raise _UpstreamFailure(502, Outcome.UPSTREAM_UNREACHABLE, message) from None
+        return resp
+
+    def _can_refold(self) -> bool:
+        # After release the preparer is gone: an overflow seen later (e.g. in a
+        # chat stream gated for a resend) goes to the client as it came.
+        return self.ex.can_refold and self.ex.fold_level < self.max_refolds
+
+    # ---------------------------------------------------------------- main loop
+
+    async def run(self) -> web.StreamResponse:
+        try:
+            return await self._run()
+        except asyncio.CancelledError as exc:
+            reason = orderly_cancel_reason(exc)
+            if reason is None:
+                raise
+            # An orderly stop (session shutdown, process drain), not a client gone:
+            # the client still gets a well-formed end in its own protocol.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            ex = self.ex
+            ex.release()
+            gate = self.gate
+            if self.client is not None and self.client.prepared and gate is not None:
+                await self._perform(
+                    gate.abort(reason.message, code=reason.code), outcome=Outcome.CANCELLED
+                )
+                return self.client
+            ex.conclude(503, Outcome.CANCELLED, reason.message)
+            # Like every 503 of the proxy: tell the client when to come back.
+            retry = {"Retry-After": str(self.retry_after)}
+            return error_response(ex.protocol, 503, reason.message, code=reason.code, headers=retry)
+
+    async def _run(self) -> web.StreamResponse:
+        ex = self.ex
+        while True:
+            if _client_gone(self.request):
+                raise ClientGone
+            if not self._can_refold():
+                # The release boundary comes before the last send: the parsed
+                # body must not sit in memory while the upstream reads and thinks.
+                ex.release(keep_outbound=True)
+            try:
+                resp = await self._send()
+            except _UpstreamFailure as failure:
+                ex.release()
+                ex.conclude(failure.status, failure.outcome, failure.message)
+                log.warning("%s %s: %s", ex.id, ex.protocol, failure.message)
+                retry = {"Retry-After": str(self.retry_after)} if failure.status == 503 else None
+                return error_response(ex.protocol, failure.status, failure.message, headers=retry)
+            try:
+                verdict = await self._answer(resp)
+            finally:
+                # Closing (not releasing) an unfinished response drops its connection,
+                # which is how the upstream learns we are gone.
+                if resp.content.at_eof():
+                    resp.release()
+                else:
+                    resp.close()
+            if verdict == "done":
+                if self.rejection is not None:
+                    return self.rejection
+                assert self.client is not None
+                return self.client
+            # A new attempt: what the last gate held (the head of a refolded answer) goes.
+            self.gate = None
+            ex.hold_response(0)
+            if verdict == "retry":
+                ex.count_retry()
+            # "refold": the exchange already re-prepared itself; send again.
+
+    async def _answer(self, resp: aiohttp.ClientResponse) -> _Verdict:
+        """Drive one upstream answer through a fresh gate: ``done``, ``refold`` or ``retry``."""
+        ex = self.ex
+        ex.upstream_answered(resp.status)
+        meta = ex.meta
+        try:
+            codings = parse_content_encoding(",".join(resp.headers.getall("Content-Encoding", ())))
+        except BodyError:
+            # Not one the upstream client offered (it sends Accept-Encoding itself).
+            message = "upstream answered with a content coding the proxy cannot decode"
+            ex.release()
+            ex.conclude(502, Outcome.UPSTREAM_ERROR, message)
+            log.warning("%s %s: %s", ex.id, ex.protocol, message)
+            self.rejection = error_response(ex.protocol, 502, message)
+            return "done"
+        # Each attempt starts clean: a refold or resend discards what the last one saw.
+        gate = self.gate = StreamGate(
+            ex.protocol,
+            status=resp.status,
+            content_type=resp.content_type if "Content-Type" in resp.headers else "",
+            stream_requested=meta is not None and meta.stream,
+            can_refold=self._can_refold(),
+            may_resend=ex.retries < self.max_retries,
+        )
+        self.linger_until = None
+        verdict = await self._perform(gate.start(), resp=resp)
+        ex.hold_response(gate.held_bytes())
+        if verdict is not None:
+            return verdict
+        decoder = _Decoder(codings) if codings else None
+        try:
+            while verdict is None:
+                verdict = await self._perform(await self._next(resp, gate, decoder), resp=resp)
+                # The response side's buffers (held head, partial-event tail, JSON head).
+                ex.hold_response(gate.held_bytes())
+        finally:
+            if decoder is not None:
+                decoder.release()
+        return verdict
+
+    async def _next(
+        self, resp: aiohttp.ClientResponse, gate: StreamGate, decoder: _Decoder | None
+    ) -> list[Action]:
+        """Give the gate the next piece of the answer (decoded), reading when none waits."""
+        if decoder is not None and (decoder.pending or decoder.ended):
+            return self._drain(gate, decoder)
+        try:
+            if self.linger_until is None:
+                chunk = await resp.content.readany()
+            else:
+                async with asyncio.timeout_at(self.linger_until):
+                    chunk = await resp.content.readany()
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+            if self.linger_until is not None:
+                log.info(
+                    "%s: upstream did not end its body after the final event (%s); closed it",
+                    self.ex.id,
+                    type(exc).__name__,
+                )
+            else:
+                log.info("%s: upstream body read failed (%s)", self.ex.id, type(exc).__name__)
+            return gate.end(clean=False, reason=_read_failure(exc))
+        if decoder is None:
+            return gate.feed(chunk) if chunk else gate.end(clean=True)
+        try:
+            if chunk:
+                decoder.feed(chunk)
+            else:
+                decoder.finish()
+        except BodyError:
+            # What decoded before the damage still goes to the gate, then the end.
+            decoder.ended = True
+            what = "corrupt" if chunk else "truncated"
+            decoder.failure = f"{what} {'+'.join(decoder.codings)} body"
+        return self._drain(gate, decoder)
+
+    @staticmethod
+    def _drain(gate: StreamGate, decoder: _Decoder) -> list[Action]:
+        """Feed the waiting decoded pieces until the gate stops to decide; end after the last."""
+        actions: list[Action] = []
+        pending = decoder.pending
+        while pending:
+            actions += gate.feed(pending.popleft())
+            if gate.state in (GateState.DONE, GateState.REFOLDING):
+                return actions
+        if decoder.ended:
+            failure = decoder.failure
+            actions += gate.end(clean=failure is None, reason=failure or "")
+        return actions
+
+    # ------------------------------------------------------------------ actions
+
+    async def _perform(
+        self,
+        actions: list[Action],
+        *,
+        resp: aiohttp.ClientResponse | None = None,
+        outcome: Outcome = Outcome.STREAM_ERROR,
+    ) -> _Verdict | None:
+        """Do what the gate asked, in order; a verdict once the answer is over."""
+        ex = self.ex
+        for action in actions:
+            if isinstance(action, Forward):
+                await self._write(action.data)
+            elif isinstance(action, Accept):
+                ex.accept()
+            elif isinstance(action, Open):
+                assert resp is not None
+                if action.upstream_error:
+                    ex.set_outcome(Outcome.UPSTREAM_ERROR)
+                await self._start_client(resp)
+            elif isinstance(action, Linger):
+                # The final event is out: a hang-up from now on is no failure.
+                ex.response_complete()
+                self.linger_until = asyncio.get_running_loop().time() + action.seconds
+            elif isinstance(action, Usage):
+                ex.set_usage(action.input_tokens, action.output_tokens, action.cache_read_tokens)
+            elif isinstance(action, Finish):
+                return "done"
+            elif isinstance(action, Fail):
+                self._fail(action, outcome)
+                return "done"
+            elif isinstance(action, Refold):
+                return await self._refold(action, resp)
+            elif isinstance(action, Resend):
+                if _client_gone(self.request):
+                    raise ClientGone
+                log.info("%s: empty completion; resending (retry %d)", ex.id, ex.retries + 1)
+                return "retry"
+            else:
+                assert isinstance(action, Reject)
+                ex.conclude(action.status, Outcome.UPSTREAM_ERROR, action.message)
+                log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
+                self.rejection = error_response(ex.protocol, action.status, action.message)
+                return "done"
+        return None
+
+    async def _refold(self, action: Refold, resp: aiohttp.ClientResponse | None) -> _Verdict | None:
+        """Re-prepare at the next fold level; ``refold`` means send again.
+
+        Never after the client has gone (nobody would read the answer), and
+        only when the body shrank; else the gate relays the upstream's answer.
+        """
+        ex = self.ex
+        if _client_gone(self.request):
+            raise ClientGone
+        if await ex.refold():
+            log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
+            return "refold"
+        assert self.gate is not None
+        return await self._perform(self.gate.refold_declined(), resp=resp)
+
+    def _fail(self, action: Fail, outcome: Outcome) -> None:
+        ex = self.ex
+        ex.set_outcome(outcome, action.message)
+        log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
+        if action.cut:
+            # Not an event stream (a JSON body, a file): an event appended to it would
+            # corrupt it. Cut the connection instead; the client sees a truncated body,
+            # which SDKs treat as a connection error (and retry).
+            transport = self.request.transport
+            if transport is not None:
+                transport.close()
+
+    async def _start_client(self, resp: aiohttp.ClientResponse) -> None:
+        self.ex.mark_streaming()
+        client = web.StreamResponse(status=resp.status, headers=response_headers(resp.headers))
+        self.client = client
+        try:
+            await client.prepare(self.request)
+        except ConnectionError as exc:
+            raise ClientGone from exc
+
+    async def _write(self, data: bytes) -> None:
+        assert self.client is not None
+        try:
+            await self.client.write(data)
+        except ConnectionError as exc:
+            raise ClientGone from exc
+        self.ex.count_response_bytes(len(data))
+
+
+async def relay(
+    request: web.Request,
+    ex: Exchange,
+    upstream: Upstream,
+    *,
+    target: str,
+    headers: CIMultiDict[str],
+    settings: Settings,
+) -> web.StreamResponse:
+    """Send ``ex`` to ``target`` and relay the answer to ``request``'s client.
+
+    Returns the response already prepared and written (or a plain error
+    response to return). Upstream 4xx/5xx pass through with their status and
+    body; unreachable → 502, no headers in time → 504, both in the client's
+    protocol shape; a stream that dies mid-way ends with an in-band error event.
+
+    Raises:
+        ClientGone: the client disconnected; the upstream request was closed.
+        asyncio.CancelledError: the handler was cancelled (the upstream
+            request is closed on the way out).
+    """
+    return await _Relay(request, ex, upstream, target, headers, settings).run()

@@ -1,0 +1,201 @@
+"""The state one proxy instance owns, and its drain at shutdown.
+
+Stored on the aiohttp application under :data:`STATE`; the handlers in
+:mod:`proxy._app` and the routes in :mod:`proxy._admin` read it from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from aiohttp import web
+
+from ._alloc import Allocator
+from ._cancel import SHUTDOWN_CANCEL
+from ._commits import CommitTracker
+from ._config import Settings
+from ._exchange import Exchange
+from ._metrics import Metrics
+from ._plugins import ExchangeRecord, PluginHost
+from ._relay import Upstream
+from ._sessions import SessionRegistry
+
+if TYPE_CHECKING:
+    from ._cluster import ClusterNode
+
+__all__ = ["STATE", "AppState"]
+
+log = logging.getLogger("context_proxy")
+
+
+class AppState:
+    """Everything one proxy instance owns; stored on the app under :data:`STATE`.
+
+    Exchanges are listed in ``exchanges`` only while their handler runs (the
+    handler removes them in ``finally``), so nothing here outlives a request.
+    ``clock`` (monotonic seconds) is the session registry's, for tombstone TTLs
+    and idle times; tests inject one to expire tombstones without sleeping.
+
+    ``commits`` owns every pending commit (see :mod:`proxy._commits`): one
+    commit may take ``plugin_timeout`` per plugin plus as much again for the
+    session lock, and session close and the drain wait for that long at most.
+    """
+
+    __slots__ = (
+        "allocator",
+        "cluster",
+        "commits",
+        "draining",
+        "exchanges",
+        "handlers",
+        "host",
+        "metrics",
+        "reading_bytes",
+        "registry",
+        "settings",
+        "stop",
+        "upstream",
+    )
+
+    def __init__(
+        self,
+        settings: Settings,
+        host: PluginHost,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings: Final = settings
+        self.host: Final = host
+        self.registry: Final = SessionRegistry(
+            idle_cap=settings.idle_session_cap,
+            tombstone_ttl=settings.tombstone_ttl,
+            tombstone_cap=settings.tombstone_cap,
+            clock=clock,
+            on_close=host.run_session_closed,
+            before_close=self._session_commits,
+        )
+        #: Cluster mode (``redis_url`` set): this node's part; ``None`` for one embedded node.
+        self.cluster: ClusterNode | None = _cluster_node(settings, self.registry)
+        self.upstream: Upstream | None = None
+        self.exchanges: dict[str, Exchange] = {}
+        self.handlers: set[asyncio.Task[object]] = set()
+        self.draining = False
+        #: Declared Content-Length of the bodies being read right now, bytes.
+        self.reading_bytes = 0
+        self.stop = asyncio.Event()
+        #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
+        self.allocator: Final = Allocator.for_process()
+        self.metrics: Final = Metrics(self)  # it reads the state when registering
+        per_hook = settings.plugin_timeout if settings.plugin_timeout > 0 else math.inf
+        self.commits: Final = CommitTracker(
+            self._book,
+            timeout=per_hook * (len(host.plugins) + 1),
+            registry=self.metrics.registry,
+        )
+
+    async def _book(self, record: ExchangeRecord) -> None:
+        """Run the commit hooks for ``record`` under its session's lock (docs/design.md §6, rule 2).
+
+        A session whose shutdown has already completed (its commit outlived the
+        wait, see :meth:`_session_commits`) is not recreated for it: entering
+        the lock raises :class:`~proxy.sessions.SessionClosed` and the commit
+        counts as failed (the plugins were told the session closed).
+        """
+        sid = record.session_id
+        async with self.registry.locked(sid) if sid else contextlib.nullcontext():
+            await self.host.run_commit(record)
+
+    async def _session_commits(self, sid: str) -> None:
+        """Before a session is archived: wait for its pending commits (bounded)."""
+        left = await self.commits.wait(sid, timeout=self.commits.timeout)
+        if left:
+            log.warning("session %s closed with %d commit(s) still running", sid, left)
+
+    @contextlib.asynccontextmanager
+    async def admitted(
+        self, sid: str | None, ex: Exchange, task: asyncio.Task[Any]
+    ) -> AsyncIterator[None]:
+        """Admission of one exchange, for ``async with`` around the whole exchange.
+
+        In cluster mode, first the cluster's (tombstone check + in-flight entry
+        in Redis, one round trip), then the registry's ``track``; leaving undoes
+        both, also on cancellation.
+
+        Raises:
+            proxy.sessions.SessionClosed: on entry, the session is tombstoned
+                (in Redis or locally).
+        """
+        cluster = self.cluster
+        async with (
+            cluster.admitted(sid, ex.id, lambda: ex.outcome == "cancelled")
+            if cluster is not None
+            else contextlib.nullcontext()
+        ):
+            with self.registry.track(sid, task):
+                yield
+
+    async def drain(self, grace: float) -> None:
+        """Stop admitting, give in-flight handlers ``grace`` seconds, then cancel them.
+
+        Cancelled streams end with an in-band protocol error event (the relay
+        recognises :data:`SHUTDOWN_CANCEL`). Then the pending commits finish
+        (each bounded, see :attr:`commits`), every session is closed and the
+        plugins are flushed.
+        """
+        self.draining = True
+        pending = {t for t in self.handlers if not t.done()}
+        if pending:
+            log.info("draining %d in-flight request(s), grace %.1fs", len(pending), grace)
+            _, late = await asyncio.wait(pending, timeout=grace)
+            for task in late:
+                task.cancel(SHUTDOWN_CANCEL)
+            if late:
+                log.warning(
+                    "cancelled %d stream(s) still running after the grace period", len(late)
+                )
+                await asyncio.wait(late, timeout=5.0)
+        left = await self.commits.wait(timeout=self.commits.timeout)
+        if left:
+            log.warning("shutting down with %d commit(s) still running", left)
+        if self.cluster is not None:
+            # Before close_all: no close from the stream may start while it runs.
+            await self.cluster.stop()
+        try:
+            await self.registry.close_all()
+        except ExceptionGroup as group:
+            for exc in group.exceptions:
+                log.error("closing a session failed at shutdown: %s", exc)
+        await self.host.shutdown()
+        self.allocator.close()
+
+
+def _cluster_node(settings: Settings, registry: SessionRegistry) -> ClusterNode | None:
+    """This process's :class:`~proxy.cluster.ClusterNode`, or ``None`` without ``redis_url``.
+
+    The cluster package (and the Redis client) is imported only in cluster mode.
+    """
+    if settings.redis_url is None:
+        return None
+    from ._cluster import ClusterNode, RedisStore, default_node_id
+
+    store = RedisStore(
+        settings.redis_url,
+        timeout=settings.redis_timeout,
+        max_connections=settings.redis_max_connections,
+    )
+    return ClusterNode(
+        store,
+        registry,
+        node_id=settings.node_id or default_node_id(settings.port),
+        heartbeat_ttl=settings.cluster_heartbeat_ttl,
+        tombstone_ttl=settings.tombstone_ttl,
+    )
+
+
+STATE: Final = web.AppKey("context_proxy_state", AppState)

@@ -1,0 +1,730 @@
+"""Every decision the relay makes about one upstream answer, as a pure state machine.
+
+The relay (:mod:`proxy._relay`) does the I/O; a :class:`StreamGate` decides.
+One gate is made per upstream answer (a refold or resend makes a new one). The
+driver feeds it the answer's decoded body bytes as they arrive and tells it
+how the body ended; the gate returns :data:`Action` objects, which the driver
+performs in order. The gate never reads a socket, a clock or the exchange;
+it can be tested by feeding bytes and comparing the actions (h11 style).
+
+What the gate decides:
+
+* **Event-boundary forwarding.** SSE bytes go to the client up to the last
+  complete event; an unfinished event waits in the *tail* for its end, up to
+  :data:`PARTIAL_EVENT_CAP` bytes (a larger one goes out as it comes, so memory
+  stays bounded).
+* **The gate before first output.** While a refold (Responses: an overflow
+  may arrive inside a 200 stream as ``response.failed``) or a fake-completion
+  resend (a stream that ends without any output) is still possible, the
+  answer's head is *held*, up to :data:`HEAD_HOLD_CAP` bytes, and the client
+  has not been answered yet.
+* **Overflow and the refold / resend decision**, for error answers (the first
+  :data:`ERROR_BODY_CAP` bytes are held and classified) and inside streams.
+* **Terminal events and the stream end rule** (docs/design.md §7):
+  R1, once the route's terminal event was relayed the answer is complete:
+  what follows goes out as is and nothing is added, even if the upstream never
+  ended the terminal event with a blank line. R2, a body that ends before the
+  terminal event, cleanly or not: every complete event was forwarded byte for
+  byte, an unterminated trailing fragment is dropped (an SSE client would
+  discard it, WHATWG HTML "event stream interpretation"), and one in-band
+  error event in the protocol's shape ends the stream.
+* **Wrong answers**: a 2xx answer to a streaming request whose content type is
+  neither an event stream nor JSON is refused with a 502 (its body is not
+  relayed).
+* **Usage metering** from usage events or a JSON body of up to
+  :data:`USAGE_JSON_CAP` bytes.
+
+States and transitions (``feed``/``end``/``refold_declined`` in a state emit
+the actions listed, then move to the next state):
+
+============  ===========================================  =========================  ============
+state         event                                        actions                    next
+============  ===========================================  =========================  ============
+NEW           start(), 2xx to a streaming request, not     Accept, Reject             DONE
+              SSE or JSON
+NEW           start(), status >= 400                       (none)                     ERROR_HEAD
+NEW           start(), 2xx SSE, refold or resend possible  Accept unless a refold is  GATED
+                                                           still possible
+NEW           start(), anything else                       Accept, Open               STREAMING
+ERROR_HEAD    feed, head over ERROR_BODY_CAP               Accept, Open, Forward      STREAMING
+ERROR_HEAD    end(clean), overflow, refold possible        Refold                     REFOLDING
+ERROR_HEAD    end, otherwise                               Accept, Open, Forward,     DONE
+                                                           Finish (or Fail if unclean)
+GATED         feed, overflow event, refold possible        Refold                     REFOLDING
+GATED         feed, output / overflow / head over          Accept, Open, Forward      STREAMING or
+              HEAD_HOLD_CAP                                                           TERMINAL
+GATED         feed, terminal event, no output, head        Resend                     DONE
+              within HEAD_HOLD_CAP, resend possible
+GATED         feed, terminal event otherwise               Accept, Open, Forward,     TERMINAL
+                                                           Linger
+GATED         end(clean), no output, resend possible       Resend                     DONE
+GATED         end, otherwise                               Accept, Open, then as      DONE
+                                                           STREAMING's end
+REFOLDING     refold_declined()                            as GATED / ERROR_HEAD      STREAMING,
+                                                           with no refold possible    TERMINAL, DONE
+STREAMING     feed                                         Forward (complete events)  STREAMING
+STREAMING     feed, terminal event                         Forward, Linger            TERMINAL
+STREAMING     end, terminal fragment at EOF (R1)           Forward, Usage, Finish     DONE
+STREAMING     end, exchange SSE without terminal (R2)      Forward (error event),     DONE
+                                                           Usage, Fail
+STREAMING     end, not SSE and unclean                     Usage, Fail(cut)           DONE
+STREAMING     end, otherwise                               Forward (tail), Usage,     DONE
+                                                           Finish
+TERMINAL      feed                                         Forward (as is)            TERMINAL
+TERMINAL      end (clean or not)                           Usage, Finish              DONE
+any but DONE  abort(message), client answered              Forward (error event) and  DONE
+                                                           Fail, or Fail(cut)
+============  ===========================================  =========================  ============
+
+Feeding a gate in DONE or REFOLDING raises :class:`GateError`, as does
+``refold_declined()`` outside REFOLDING.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from typing import Final
+
+from . import _protocols as protocols
+from ._protocols import Protocol
+from ._sse import SSEEvent, SSEFramer
+
+__all__ = [
+    "ERROR_BODY_CAP",
+    "HEAD_HOLD_CAP",
+    "PARTIAL_EVENT_CAP",
+    "TERMINAL_EOF_GRACE",
+    "USAGE_JSON_CAP",
+    "Accept",
+    "Action",
+    "Fail",
+    "Finish",
+    "Forward",
+    "GateError",
+    "GateState",
+    "Linger",
+    "Open",
+    "Refold",
+    "Reject",
+    "Resend",
+    "StreamGate",
+    "Usage",
+]
+
+#: Bytes of an upstream error body held to classify it (overflow or not).
+ERROR_BODY_CAP: Final = 1 << 20
+#: Bytes of a stream's head held back while a refold or resend is still possible.
+HEAD_HOLD_CAP: Final = 4 << 20
+#: Bytes of one unfinished SSE event held back before it is forwarded anyway.
+PARTIAL_EVENT_CAP: Final = 1 << 20
+#: Bytes of a non-streaming JSON answer kept to read its usage.
+USAGE_JSON_CAP: Final = 1 << 20
+#: Seconds to wait for the upstream's end of body once the terminal SSE event was relayed.
+#: A healthy upstream ends it within a round trip (the connection then stays pooled);
+#: one that keeps it open must not keep the client's complete answer from ending.
+TERMINAL_EOF_GRACE: Final = 0.5
+
+_SSE: Final = "text/event-stream"
+
+
+# --------------------------------------------------------------------- actions
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Accept:
+    """The release boundary: no refold can follow (call ``Exchange.accept``)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Open:
+    """Answer the client with this upstream answer's status and headers.
+
+    ``upstream_error``: the answer is the upstream's own error (status >= 400),
+    relayed as it came; the exchange's outcome says so.
+    """
+
+    upstream_error: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Forward:
+    """Write ``data`` to the client (with backpressure), exactly these bytes."""
+
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refold:
+    """A context overflow: re-prepare at the next fold level and send again.
+
+    The driver must not refold once the client has gone. When the refold does
+    not shrink the body, it calls :meth:`StreamGate.refold_declined` and goes on
+    reading this answer.
+    """
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resend:
+    """An empty completion: send the same body again (fake-completion retry).
+
+    Nothing was sent to the client; the driver closes this answer.
+    """
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Linger:
+    """The terminal event was relayed: read on for at most ``seconds``, then end."""
+
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts the upstream reported for this answer (``None``: not reported)."""
+
+    input_tokens: int | None
+    output_tokens: int | None
+    cache_read_tokens: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finish:
+    """The answer is complete; stop reading the upstream."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fail:
+    """The answer failed after the client was answered: book ``message``.
+
+    ``cut``: the body is not an event stream, so no error event could be
+    appended; close the client's connection so it sees a truncated body.
+    """
+
+    message: str
+    cut: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reject:
+    """Answer the client with this error (protocol shape) instead of the upstream's answer."""
+
+    status: int
+    message: str
+
+
+Action = Accept | Open | Forward | Refold | Resend | Linger | Usage | Finish | Fail | Reject
+
+
+class GateState(enum.Enum):
+    """Where a :class:`StreamGate` is; see the module's transition table."""
+
+    NEW = "new"
+    ERROR_HEAD = "error_head"
+    GATED = "gated"
+    REFOLDING = "refolding"
+    STREAMING = "streaming"
+    TERMINAL = "terminal"
+    DONE = "done"
+
+
+class GateError(RuntimeError):
+    """A gate method was called in a state where it has no meaning (a driver bug)."""
+
+
+def _is_json(content_type: str) -> bool:
+    return content_type == "application/json" or content_type.endswith("+json")
+
+
+# ------------------------------------------------------------------------ gate
+
+
+class StreamGate:
+    """The decisions for one upstream answer, fed bytes, returning actions.
+
+    Args:
+        protocol: the exchange's protocol.
+        status: the upstream's HTTP status.
+        content_type: the upstream's media type, lowercase, without parameters
+            (``""`` when absent).
+        stream_requested: the request asked for a stream (``"stream": true``).
+        can_refold: a refold at the next fold level is still possible.
+        may_resend: a fake-completion resend is still possible.
+
+    Call :meth:`start` once, then :meth:`feed` per chunk of the decoded body,
+    then :meth:`end`. Every method returns the actions to perform, in order.
+    """
+
+    __slots__ = (
+        "_accepted",
+        "_buf",
+        "_can_refold",
+        "_framer",
+        "_json_head",
+        "_may_resend",
+        "_next_seq",
+        "_opened",
+        "_output",
+        "_overflow",
+        "_precounted",
+        "_protocol",
+        "_spilled",
+        "_state",
+        "_status",
+        "_terminal",
+        "_usage",
+        "content_type",
+        "stream_requested",
+    )
+
+    def __init__(
+        self,
+        protocol: Protocol,
+        *,
+        status: int,
+        content_type: str,
+        stream_requested: bool,
+        can_refold: bool,
+        may_resend: bool,
+    ) -> None:
+        self._protocol = protocol
+        self._status = status
+        self.content_type = content_type
+        self.stream_requested = stream_requested
+        self._can_refold = can_refold
+        self._may_resend = may_resend
+        self._state = GateState.NEW
+        self._framer: SSEFramer | None = None
+        # GATED / ERROR_HEAD: the held head; STREAMING: the unfinished event (the tail).
+        self._buf = bytearray()
+        self._json_head: bytearray | None = None
+        self._usage = protocols.UsageMeter(protocol)
+        self._opened = self._accepted = False
+        self._output = self._terminal = self._overflow = False
+        # Part of the unfinished event already went out (it outgrew PARTIAL_EVENT_CAP).
+        self._spilled = False
+        # Events whose usage was read from the tail before their blank line arrived.
+        self._precounted = 0
+        self._next_seq = 0
+
+    # ------------------------------------------------------------ public state
+
+    @property
+    def state(self) -> GateState:
+        """The current :class:`GateState`."""
+        return self._state
+
+    @property
+    def opened(self) -> bool:
+        """Whether :class:`Open` was emitted (the client got headers)."""
+        return self._opened
+
+    def held_bytes(self) -> int:
+        """Bytes of the answer the gate holds now: the held head or the partial-event
+        tail, and the JSON head kept for usage."""
+        held = len(self._buf)
+        if self._json_head is not None:
+            held += len(self._json_head)
+        return held
+
+    # ----------------------------------------------------------------- inputs
+
+    def start(self) -> list[Action]:
+        """The answer's headers arrived: the first decision.
+
+        Raises:
+            GateError: if called twice.
+        """
+        self._expect(GateState.NEW, "start")
+        protocol, status = self._protocol, self._status
+        is_sse = self.content_type == _SSE
+        if status >= 400:
+            self._state = GateState.ERROR_HEAD
+            return []
+        if (
+            protocol.is_exchange
+            and self.stream_requested
+            and 200 <= status < 300
+            and status != 204
+            and not is_sse
+            and not _is_json(self.content_type)
+        ):
+            self._state = GateState.DONE
+            self._accepted = True
+            shown = self.content_type or "none"
+            return [
+                Accept(),
+                Reject(
+                    502,
+                    f"upstream answered a streaming request with status {status} "
+                    f"and content type {shown}, not an event stream",
+                ),
+            ]
+        if is_sse:
+            self._framer = SSEFramer()
+        else:
+            self._json_head = bytearray()
+        # Only the exchange protocols have a known stream grammar (output, terminal event);
+        # a passthrough stream (e.g. a stored response replayed) is relayed as it comes.
+        defer_accept = is_sse and protocol is Protocol.RESPONSES and self._can_refold
+        if not defer_accept:
+            self._can_refold = False
+        if is_sse and protocol.is_exchange and (defer_accept or self._may_resend):
+            self._state = GateState.GATED
+            return [] if defer_accept else self._accept([])
+        self._may_resend = False
+        return self._open([])
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[Action]:
+        """The next bytes of the (decoded) body.
+
+        Raises:
+            GateError: before :meth:`start`, after the end, or while a refold is pending.
+        """
+        state = self._state
+        if state in (GateState.NEW, GateState.REFOLDING, GateState.DONE):
+            raise GateError(f"feed() in state {state.value}")
+        if not chunk:
+            return []
+        data = bytes(chunk)
+        if state is GateState.ERROR_HEAD:
+            self._buf += data
+            if len(self._buf) <= ERROR_BODY_CAP:
+                return []
+            # Too large to classify: not an overflow answer; relay it as it comes.
+            return self._open([])
+        framer = self._framer
+        if framer is None:
+            json_head = self._json_head
+            if json_head is not None:
+                if len(json_head) + len(data) <= USAGE_JSON_CAP:
+                    json_head += data
+                else:
+                    self._json_head = None
+            return [Forward(data)]
+        for event in framer.feed(data):
+            self._see(event)
+        if state is GateState.TERMINAL:
+            return [Forward(data)]
+        if state is GateState.GATED:
+            self._buf += data
+            self._probe_tail(framer)
+            return self._settle([])
+        buf = self._buf
+        pending = framer.pending_bytes
+        if not buf and pending == 0:
+            # On an event boundary with nothing held (the usual case): no copy.
+            self._spilled = False
+            return self._after_feed([Forward(data)])
+        buf += data
+        self._probe_tail(framer)
+        return self._after_feed([])
+
+    def refold_declined(self) -> list[Action]:
+        """The refold asked for by :class:`Refold` did not shrink the body: relay this answer.
+
+        Raises:
+            GateError: outside REFOLDING.
+        """
+        self._expect(GateState.REFOLDING, "refold_declined")
+        self._can_refold = False
+        if self._framer is None:
+            # An error answer, read whole: it goes to the client as it came.
+            self._state = GateState.ERROR_HEAD
+            return self._end_error_head(clean=True)
+        self._state = GateState.GATED
+        return self._settle([])
+
+    def end(self, *, clean: bool, reason: str = "") -> list[Action]:
+        """The body ended: ``clean`` by its own framing, else cut (``reason`` says how).
+
+        Raises:
+            GateError: before :meth:`start`, after the end, or while a refold is pending.
+        """
+        state = self._state
+        if state in (GateState.NEW, GateState.REFOLDING, GateState.DONE):
+            raise GateError(f"end() in state {state.value}")
+        if state is GateState.ERROR_HEAD:
+            return self._end_error_head(clean=clean, reason=reason)
+        actions: list[Action] = []
+        framer = self._framer
+        if framer is not None:
+            for event in framer.close():
+                # A final event ended by a lone CR only completes at EOF.
+                self._see(event)
+        if state is GateState.GATED:
+            if clean and not self._output and self._may_resend:
+                self._drop()
+                return [Resend()]
+            self._may_resend = False
+            self._open(actions)
+            self._forward_ready(actions)
+        if self._state is GateState.TERMINAL:
+            return self._finish(actions)
+        if framer is None:
+            if not clean:
+                return self._fail(actions, self._failure(reason), cut=True)
+            if self._json_head is not None:
+                self._usage.feed_json(bytes(self._json_head))
+            return self._finish(actions)
+        if not self._protocol.is_exchange:
+            # No known grammar: nothing to judge; the tail goes out as it came.
+            self._flush(actions)
+            return self._finish(actions)
+        if self._buf and self._tail_is_terminal():
+            # R1: the terminal event without its blank line; the SDK accepts it.
+            self._flush(actions)
+            return self._finish(actions)
+        # R2: drop the unfinished event, end with the protocol's error event.
+        self._buf = bytearray()
+        if clean:
+            message = "upstream stream ended without its final event"
+        else:
+            message = self._failure(reason)
+        return self._fail(actions, message)
+
+    def abort(self, message: str, *, code: str) -> list[Action]:
+        """Stop now (e.g. the proxy shuts down) and end the client's answer well-formed.
+
+        ``code`` is the in-band error's machine-readable code (e.g.
+        ``"session_closed"``, ``"proxy_shutdown"``; see :func:`protocols.inband_error`).
+
+        Returns ``[]`` when the client was not answered yet (the driver answers
+        it with an error response instead); otherwise the error event and
+        :class:`Fail`, or a ``Fail(cut=True)`` for a body that is not an event stream.
+        """
+        if self._state is GateState.DONE or not self._opened:
+            self._drop()
+            return []
+        if self._state is GateState.TERMINAL:
+            return self._finish([])  # R1: the answer is complete; add nothing
+        self._buf = bytearray()
+        return self._fail([], message, cut=self._framer is None, code=code)
+
+    # -------------------------------------------------------------- internals
+
+    def _expect(self, state: GateState, method: str) -> None:
+        if self._state is not state:
+            raise GateError(f"{method}() in state {self._state.value}")
+
+    def _see(self, event: SSEEvent) -> None:
+        """Note what one complete event means (usage, output, terminal, overflow)."""
+        protocol = self._protocol
+        if self._precounted:
+            self._precounted -= 1  # its usage was read by _probe_tail
+        else:
+            self._usage.feed_event(event)
+        if protocol is Protocol.RESPONSES:
+            seq = protocols.sequence_number(protocol, event)
+            self._next_seq = self._next_seq + 1 if seq is None else seq + 1
+        if not protocol.is_exchange:
+            return
+        # Only the first output event matters (gate, resend); skipping the check
+        # afterwards saves a JSON decode per chat chunk.
+        if not self._output and protocols.is_output_event(protocol, event):
+            self._output = True
+        elif protocols.is_terminal_event(protocol, event):
+            self._terminal = True
+        if (
+            self._state is GateState.GATED
+            and not self._output
+            and protocols.is_overflow_event(protocol, event)
+        ):
+            self._overflow = True
+
+    def _settle(self, actions: list[Action]) -> list[Action]:
+        """GATED after a feed: hold on, refold, resend or open the gate."""
+        if self._overflow and self._can_refold:
+            self._state = GateState.REFOLDING
+            actions.append(Refold("overflow in stream"))
+            return actions
+        # An overflow that cannot be refolded goes to the client as the upstream sent it;
+        # a byte that went to the client ends any chance of a resend.
+        opening = self._output or self._overflow or len(self._buf) > HEAD_HOLD_CAP
+        if not opening and self._terminal and self._may_resend:
+            self._drop()
+            actions.append(Resend())
+            return actions
+        if opening or self._terminal:
+            self._may_resend = self._can_refold = False
+            self._open(actions)
+            return self._after_feed(actions)
+        return actions
+
+    def _accept(self, actions: list[Action]) -> list[Action]:
+        if not self._accepted:
+            self._accepted = True
+            actions.append(Accept())
+        self._can_refold = False
+        return actions
+
+    def _open(self, actions: list[Action]) -> list[Action]:
+        self._accept(actions)
+        self._opened = True
+        self._state = GateState.STREAMING
+        actions.append(Open(upstream_error=self._status >= 400))
+        if self._framer is None and self._buf:
+            # An error head (not framed): it goes out whole.
+            actions.append(Forward(bytes(self._buf)))
+            self._buf = bytearray()
+        return actions
+
+    def _after_feed(self, actions: list[Action]) -> list[Action]:
+        """STREAMING: forward complete events; on the terminal one, flush and linger."""
+        if self._terminal and self._protocol.is_exchange:
+            # R1: the answer is complete; whatever follows goes out as it comes.
+            self._flush(actions)
+            self._state = GateState.TERMINAL
+            actions.append(Linger(TERMINAL_EOF_GRACE))
+            return actions
+        self._forward_ready(actions)
+        return actions
+
+    def _forward_ready(self, actions: list[Action]) -> None:
+        """Forward the buffer up to the last complete event; keep the unfinished one."""
+        framer = self._framer
+        buf = self._buf
+        if not buf:
+            return
+        if framer is None:
+            actions.append(Forward(bytes(buf)))
+            self._buf = bytearray()
+            return
+        pending = framer.pending_bytes
+        if pending > PARTIAL_EVENT_CAP:
+            # An enormous event: forward what we have; memory stays bounded.
+            self._spilled = True
+            actions.append(Forward(bytes(buf)))
+            self._buf = bytearray()
+            return
+        ready = len(buf) - pending
+        if ready < 0:
+            return  # the spilled event's rest: it waits like any unfinished event
+        self._spilled = False
+        if ready > 0:
+            actions.append(Forward(bytes(buf[:ready])))
+            self._buf = buf[ready:]
+
+    def _flush(self, actions: list[Action]) -> None:
+        if self._buf:
+            actions.append(Forward(bytes(self._buf)))
+            self._buf = bytearray()
+
+    def _probe_tail(self, framer: SSEFramer) -> None:
+        """R1 before the blank line: is the unfinished event a complete terminal one?
+
+        An upstream may send its terminal event without the blank line and keep
+        the connection open; waiting for the blank line (or EOF) would keep the
+        client's complete answer open until the idle read timeout. The tail
+        counts as the terminal event when its last line is a ``data`` line whose
+        line end arrived and the data is whole: ``[DONE]`` or one JSON object.
+        Then the gate is terminal: the tail goes out and :class:`Linger` follows.
+        """
+        if self._terminal or self._spilled or not self._protocol.is_exchange:
+            return
+        buf = self._buf
+        pending = framer.pending_bytes
+        if not 0 < pending <= len(buf) or buf[-1] not in b"\r\n":
+            return
+        tail = bytes(buf[-pending:])
+        last_line = tail.rstrip(b"\r\n").replace(b"\r", b"\n").rpartition(b"\n")[2]
+        if not last_line.startswith(b"data"):
+            return
+        probe = SSEFramer()
+        events = probe.feed(tail + b"\n\n")
+        events += probe.close()
+        if len(events) != 1:
+            return
+        (event,) = events
+        if not (protocols.is_terminal_event(self._protocol, event) and _whole_data(event.data)):
+            return
+        self._terminal = True
+        self._usage.feed_event(event)
+        self._precounted = 1
+
+    def _tail_is_terminal(self) -> bool:
+        """Whether the unterminated tail, ended by a blank line, holds the terminal event."""
+        if self._spilled:
+            return False
+        probe = SSEFramer()
+        events = probe.feed(bytes(self._buf) + b"\n\n")
+        events += probe.close()
+        if not any(protocols.is_terminal_event(self._protocol, event) for event in events):
+            return False
+        for event in events:
+            self._usage.feed_event(event)
+        return True
+
+    def _end_error_head(self, *, clean: bool, reason: str = "") -> list[Action]:
+        head = bytes(self._buf)
+        if (
+            clean
+            and self._can_refold
+            and protocols.is_overflow_response(
+                self._protocol, self._status, self.content_type, head
+            )
+        ):
+            self._state = GateState.REFOLDING
+            return [Refold("context overflow")]
+        actions = self._open([])
+        if not clean:
+            return self._fail(actions, self._failure(reason), cut=True)
+        return self._finish(actions)
+
+    def _failure(self, reason: str) -> str:
+        return f"upstream stream failed: {reason}" if reason else "upstream stream failed"
+
+    def _usage_action(self) -> Usage:
+        meter = self._usage
+        return Usage(meter.input_tokens, meter.output_tokens, meter.cache_read_tokens)
+
+    def _drop(self) -> None:
+        """DONE: let go of every buffer (the head or tail, the JSON head, the framer's)."""
+        self._state = GateState.DONE
+        self._buf = bytearray()
+        self._json_head = None
+        if self._framer is not None:
+            self._framer.close()
+
+    def _finish(self, actions: list[Action]) -> list[Action]:
+        self._drop()
+        actions.append(self._usage_action())
+        actions.append(Finish())
+        return actions
+
+    def _fail(
+        self,
+        actions: list[Action],
+        message: str,
+        *,
+        cut: bool = False,
+        code: str = protocols.STREAM_ERROR_CODE,
+    ) -> list[Action]:
+        self._drop()
+        if not cut and self._framer is not None:
+            if self._spilled:
+                # Part of the event already went out: end it so the error parses on its own.
+                actions.append(Forward(b"\n\n"))
+            actions.append(
+                Forward(
+                    protocols.inband_error(
+                        self._protocol, message, code=code, sequence_number=self._next_seq
+                    )
+                )
+            )
+        actions.append(self._usage_action())
+        actions.append(Fail(message, cut=cut or self._framer is None))
+        return actions
+
+
+def _whole_data(data: bytes) -> bool:
+    """Whether an event's data is complete on its own: ``[DONE]`` or one JSON object."""
+    if data == b"[DONE]":
+        return True
+    try:
+        return isinstance(json.loads(data), dict)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        return False
