@@ -106,10 +106,10 @@ log = logging.getLogger("context_proxy.plugins.fold")
 
 DEFAULT_PLACEHOLDER: Final = "[elided by context-proxy: {n} bytes]"
 
-_CHAT: Final = Protocol.CHAT.value
-_RESPONSES: Final = Protocol.RESPONSES.value
+_CHAT: Final = Protocol.CHAT
+_RESPONSES: Final = Protocol.RESPONSES
 _FOLDABLE: Final = frozenset(
-    p.value for p in (Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSAGES, Protocol.COUNT_TOKENS)
+    (Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSAGES, Protocol.COUNT_TOKENS)
 )
 
 _USER: Final = 0
@@ -202,7 +202,7 @@ def _type(node: Node) -> str | None:
     return kind.short_text() if kind is not None else None
 
 
-def _side(entry: Node, protocol: str) -> int:
+def _side(entry: Node, protocol: Protocol | None) -> int:
     """Which side speaks ``entry``: ``_USER``, ``_ASSISTANT`` or ``_SYSTEM``."""
     if entry.kind != "object":
         return _ASSISTANT
@@ -218,7 +218,7 @@ def _side(entry: Node, protocol: str) -> int:
     return _ASSISTANT
 
 
-def _turns(entries: list[Node], protocol: str) -> list[tuple[int, list[int]]]:
+def _turns(entries: list[Node], protocol: Protocol | None) -> list[tuple[int, list[int]]]:
     """Group the non-system entries into turns: ``[(side, [entry index, ...]), ...]``."""
     turns: list[tuple[int, list[int]]] = []
     for index, entry in enumerate(entries):
@@ -266,7 +266,7 @@ class _Elider:
         self.pieces = 0
         self.elided_bytes = 0
 
-    def for_protocol(self, protocol: str) -> Callable[[Node], bool]:
+    def for_protocol(self, protocol: Protocol | None) -> Callable[[Node], bool]:
         """The method that folds one entry of ``protocol``."""
         if protocol == _CHAT:
             return self.chat_message

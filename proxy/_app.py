@@ -329,7 +329,7 @@ async def _run_exchange(
             # A passthrough body need not be JSON (a multipart file upload): it goes
             # upstream verbatim, described by its size and digest only, unprepared.
             meta = wire.WireMetadata(
-                protocol=ex.protocol.value,
+                protocol=ex.protocol,
                 model=None,
                 stream=False,
                 message_count=0,

@@ -753,7 +753,7 @@ class Exchange:
         return ExchangeRecord(
             exchange_id=self.id,
             session_id=self.session_id,
-            protocol=str(self.protocol),
+            protocol=self.protocol,
             path=self.path,
             model=meta.model if meta else None,
             stream=meta.stream if meta else False,

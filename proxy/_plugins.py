@@ -46,6 +46,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
+from ._protocols import Protocol
 from ._structure import BodyView, Draft, ParsedHolder
 from ._wire import WireMetadata
 
@@ -113,10 +114,11 @@ class ExchangeRecord:
 
     Sizes are bytes, times are seconds (``started_at`` is Unix time). Token
     counts come from the protocol's usage events and are ``None`` when the
-    upstream reported none. ``outcome`` is one of ``ok``, ``upstream_error``,
-    ``client_gone``, ``upstream_unreachable``, ``upstream_timeout``,
-    ``stream_error``, ``rejected``, ``cancelled``, ``error`` (see
-    :class:`proxy._exchange.Outcome`).
+    upstream reported none. ``protocol`` is a :class:`~proxy.Protocol` (a
+    ``StrEnum``: JSON and logs show its string value). ``outcome`` is one of
+    ``ok``, ``upstream_error``, ``client_gone``, ``upstream_unreachable``,
+    ``upstream_timeout``, ``stream_error``, ``rejected``, ``cancelled``,
+    ``error`` (see :class:`proxy._exchange.Outcome`).
 
     Raises:
         TypeError: on construction, if any field is not a str, int, float,
@@ -125,7 +127,7 @@ class ExchangeRecord:
 
     exchange_id: str
     session_id: str | None
-    protocol: str
+    protocol: Protocol
     path: str
     model: str | None
     stream: bool

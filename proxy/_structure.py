@@ -86,9 +86,10 @@ _RBRACE: Final = ord("}")
 _MEASURE_SLICE: Final = 1 << 16
 
 
-def history_key(protocol: str) -> str:
+def history_key(protocol: Protocol | None) -> str:
     """The body field holding the history: ``input`` for Responses, else ``messages``."""
-    return "input" if protocol == Protocol.RESPONSES.value else "messages"
+    # ==, not `is`: a caller written against the old ``str`` signature passes the value.
+    return "input" if protocol == Protocol.RESPONSES else "messages"
 
 
 def _utf8_len(text: str) -> int:
@@ -453,8 +454,9 @@ class BodyView:
 
     ``buffer`` is the complete body (bytes after content decoding) that wire
     metadata already accepted as a UTF-8 JSON object; the view keeps a
-    reference to it and never copies it. ``protocol`` is a
-    :class:`proxy._protocols.Protocol` value and decides :attr:`history`.
+    reference to it and never copies it. ``protocol`` (a :class:`~proxy.Protocol`)
+    decides :attr:`history`; ``None`` for a view of a value that is not a
+    request body (:meth:`of_value`).
 
     Raises:
         WireError: on first access of :attr:`root`, when the body is not a JSON object.
@@ -462,7 +464,7 @@ class BodyView:
 
     __slots__ = ("__weakref__", "_body", "_root", "protocol")
 
-    def __init__(self, buffer: bytes | bytearray, protocol: str) -> None:
+    def __init__(self, buffer: bytes | bytearray, protocol: Protocol | None) -> None:
         self._body = _Body(buffer)
         self.protocol: Final = protocol
         self._root: Node | None = None
@@ -473,7 +475,7 @@ class BodyView:
         return len(self._body._buf)
 
     @classmethod
-    def of_value(cls, data: bytes | bytearray, protocol: str = "") -> BodyView:
+    def of_value(cls, data: bytes | bytearray, protocol: Protocol | None = None) -> BodyView:
         """A view of ``data`` after checking that it is exactly one JSON value.
 
         For JSON held inside a string (tool-call arguments); bodies that wire
@@ -599,7 +601,7 @@ class Draft:
 
     def __init__(
         self,
-        protocol: str,
+        protocol: Protocol,
         *,
         base: bytes | bytearray | None = None,
         obj: ParsedHolder | None = None,

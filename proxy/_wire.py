@@ -59,7 +59,8 @@ class WireError(ValueError):
 class WireMetadata:
     """Scalars describing the request exactly as it arrived (docs/design.md §4).
 
-    ``protocol`` is a :class:`proxy._protocols.Protocol` value (plain ``str``);
+    ``protocol`` is the :class:`~proxy.Protocol` the request path selected (a
+    ``StrEnum``: it compares equal to, formats and serializes as its string value);
     ``model`` is the body's ``model`` string, or ``None`` when absent or not a
     string; ``stream`` is ``True`` only for a JSON ``true`` ``stream`` field;
     ``message_count`` is the length of the history (``messages`` or ``input``;
@@ -70,7 +71,7 @@ class WireMetadata:
     ``metadata.user_id``), if any.
     """
 
-    protocol: str
+    protocol: Protocol
     model: str | None
     stream: bool
     message_count: int
@@ -486,7 +487,7 @@ def _metadata(
     """Assemble :class:`WireMetadata` from a decoded envelope and its history verdict."""
     comparable, count = history
     return WireMetadata(
-        protocol=proto.value,
+        protocol=proto,
         model=_short_str(envelope.model, _MAX_SCALAR_BYTES) or None,
         stream=len(envelope.stream) == 4 and bytes(envelope.stream) == b"true",
         message_count=count,

@@ -407,7 +407,7 @@ async def proxy_process(
 
 
 def make_record(**overrides: Scalar) -> ExchangeRecord:
-    """A valid :class:`~proxy.plugins.ExchangeRecord`: plausible defaults, any field overridable.
+    """A valid :class:`~proxy.ExchangeRecord`: plausible defaults, any field overridable.
 
     For plugin authors' unit tests that feed ``commit`` hooks directly: each test
     names only the fields that matter to it, e.g. ``make_record(model="m2",
@@ -421,12 +421,12 @@ def make_record(**overrides: Scalar) -> ExchangeRecord:
 
     Raises:
         TypeError: an override names a field the record does not have, or its
-            value is not a scalar (see :class:`~proxy.plugins.ExchangeRecord`).
+            value is not a scalar (see :class:`~proxy.ExchangeRecord`).
     """
     fields: dict[str, Any] = {
         "exchange_id": "x1",
         "session_id": "s1",
-        "protocol": Protocol.CHAT.value,
+        "protocol": Protocol.CHAT,
         "path": "/v1/chat/completions",
         "model": "gpt-test",
         "stream": True,

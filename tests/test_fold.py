@@ -65,7 +65,11 @@ class Folding:
 
 
 def make_ctx(
-    protocol: str, body: dict[str, Any], level: int, path: str, message_count: int | None = None
+    protocol: Protocol,
+    body: dict[str, Any],
+    level: int,
+    path: str,
+    message_count: int | None = None,
 ) -> Folding:
     if message_count is None:
         entries = body.get("input", body.get("messages"))
@@ -507,7 +511,7 @@ def _check_responses(body: dict[str, Any]) -> None:
 class Case:
     """One protocol's long conversation and the facts the tests check against it."""
 
-    protocol: str
+    protocol: Protocol
     path: str
     build: Callable[[], dict[str, Any]]
     key: str  # "messages" or "input"
@@ -528,7 +532,7 @@ class Case:
 
 CASES = [
     Case(
-        protocol=Protocol.CHAT.value,
+        protocol=Protocol.CHAT,
         path="/v1/chat/completions",
         build=chat_body,
         key="messages",
@@ -540,7 +544,7 @@ CASES = [
         check=_check_chat,
     ),
     Case(
-        protocol=Protocol.MESSAGES.value,
+        protocol=Protocol.MESSAGES,
         path="/v1/messages?beta=true",
         build=anthropic_body,
         key="messages",
@@ -552,7 +556,7 @@ CASES = [
         check=_check_anthropic,
     ),
     Case(
-        protocol=Protocol.COUNT_TOKENS.value,
+        protocol=Protocol.COUNT_TOKENS,
         path="/v1/messages/count_tokens",
         build=anthropic_body,
         key="messages",
@@ -564,7 +568,7 @@ CASES = [
         check=_check_anthropic,
     ),
     Case(
-        protocol=Protocol.RESPONSES.value,
+        protocol=Protocol.RESPONSES,
         path="/v1/responses",
         build=responses_body,
         key="input",
@@ -737,7 +741,7 @@ async def test_responses_items_keep_their_types_and_reasoning_is_untouched() -> 
 
 SHORT = [
     (
-        Protocol.CHAT.value,
+        Protocol.CHAT,
         {
             "model": "m",
             "messages": [
@@ -749,7 +753,7 @@ SHORT = [
         },
     ),
     (
-        Protocol.MESSAGES.value,
+        Protocol.MESSAGES,
         {
             "model": "m",
             "max_tokens": 64,
@@ -762,7 +766,7 @@ SHORT = [
         },
     ),
     (
-        Protocol.RESPONSES.value,
+        Protocol.RESPONSES,
         {
             "model": "m",
             "instructions": "Be brief.",
@@ -778,7 +782,7 @@ SHORT = [
 
 @pytest.mark.parametrize(("protocol", "body"), SHORT, ids=[p for p, _ in SHORT])
 async def test_nothing_bulky_returns_false_and_leaves_bytes_identical(
-    protocol: str, body: dict[str, Any]
+    protocol: Protocol, body: dict[str, Any]
 ) -> None:
     before = encode(body)
     plugin = FoldPlugin()
@@ -803,7 +807,7 @@ async def test_unexpected_shapes_are_left_alone(body: dict[str, Any]) -> None:
     before = copy.deepcopy(body)
     plugin = FoldPlugin()
     for protocol in (Protocol.CHAT, Protocol.MESSAGES, Protocol.RESPONSES):
-        ctx = make_ctx(protocol.value, body, 3, "/v1/x", message_count=5)
+        ctx = make_ctx(protocol, body, 3, "/v1/x", message_count=5)
         assert await run(plugin, ctx) is False
     assert body == before
 
@@ -813,10 +817,10 @@ async def test_last_user_turn_is_protected_even_with_keep_last_zero() -> None:
     original = anthropic_body()
     plugin = FoldPlugin(keep_last=0)
     # With no tail, the whole history before the last user turn goes in two levels.
-    assert await run(plugin, make_ctx(Protocol.MESSAGES.value, body, 2, "/v1/messages"))
+    assert await run(plugin, make_ctx(Protocol.MESSAGES, body, 2, "/v1/messages"))
     assert body["messages"][10] == original["messages"][10]
     assert body["messages"][8]["content"][0]["content"][0]["text"].startswith(MARK)
-    assert await run(plugin, make_ctx(Protocol.MESSAGES.value, body, 3, "/v1/messages")) is False
+    assert await run(plugin, make_ctx(Protocol.MESSAGES, body, 3, "/v1/messages")) is False
 
 
 async def test_trailing_assistant_prefill_is_protected() -> None:
@@ -851,7 +855,7 @@ async def test_a_level_whose_turns_yield_nothing_moves_on() -> None:
         ]
     }
     plugin = FoldPlugin(keep_last=0)
-    assert await run(plugin, make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
+    assert await run(plugin, make_ctx(Protocol.CHAT, body, 1, "/v1/chat/completions"))
     assert body["messages"][1]["tool_calls"][0]["function"]["arguments"] == many_small
     assert body["messages"][2]["content"] == "[elided by context-proxy: 6000 bytes]"
 
@@ -867,7 +871,7 @@ async def test_custom_placeholder_and_thresholds() -> None:
         ]
     }
     plugin = FoldPlugin(keep_last=0, min_bytes=100, placeholder='<cut "{n}">', levels_per_stage=1)
-    assert await run(plugin, make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
+    assert await run(plugin, make_ctx(Protocol.CHAT, body, 1, "/v1/chat/completions"))
     assert body["messages"][0]["content"] == '<cut "150">'
     assert body["messages"][1]["content"] == "y" * 99  # under min_bytes
     assert body["messages"][2]["content"] == [{"type": "text", "text": '<cut "120">'}]
@@ -892,10 +896,10 @@ async def test_placeholder_inside_arguments_is_recognized_on_refold() -> None:
     options: dict[str, Any] = {"keep_last": 0, "placeholder": 'cut "{n}"', "levels_per_stage": 4}
     refolded = build()
     for level in (1, 2, 3):
-        ctx = make_ctx(Protocol.CHAT.value, refolded, level, "/v1/chat/completions")
+        ctx = make_ctx(Protocol.CHAT, refolded, level, "/v1/chat/completions")
         assert await run(FoldPlugin(**options), ctx)
         fresh = build()
-        ctx = make_ctx(Protocol.CHAT.value, fresh, level, "/v1/chat/completions")
+        ctx = make_ctx(Protocol.CHAT, fresh, level, "/v1/chat/completions")
         assert await run(FoldPlugin(**options), ctx)
         assert refolded == fresh
     args = json.loads(refolded["messages"][4]["tool_calls"][0]["function"]["arguments"])
@@ -916,7 +920,7 @@ async def test_non_json_arguments_are_replaced_whole() -> None:
         ]
     }
     plugin = FoldPlugin(keep_last=0)
-    assert await run(plugin, make_ctx(Protocol.CHAT.value, body, 1, "/v1/chat/completions"))
+    assert await run(plugin, make_ctx(Protocol.CHAT, body, 1, "/v1/chat/completions"))
     function = body["messages"][0]["tool_calls"][0]["function"]
     assert function == {"name": "f", "arguments": "[elided by context-proxy: 4010 bytes]"}
 
@@ -927,7 +931,7 @@ async def test_folds_through_the_view_without_copying_the_body() -> None:
         messages.append({"role": "user", "content": text(f"user {i}", 40_000)})
         messages.append({"role": "assistant", "content": text(f"assistant {i}", 40_000)})
     body: dict[str, Any] = {"messages": messages}
-    folding = make_ctx(Protocol.CHAT.value, body, 2, "/v1/chat/completions")
+    folding = make_ctx(Protocol.CHAT, body, 2, "/v1/chat/completions")
     tracemalloc.start()
     try:
         changed = await FoldPlugin().prepare(folding.ctx)
@@ -948,7 +952,7 @@ async def test_folds_through_the_view_without_copying_the_body() -> None:
 # -- wants_body, host integration, options ------------------------------------------------
 
 
-def _meta(protocol: str, message_count: int = 12) -> WireMetadata:
+def _meta(protocol: Protocol, message_count: int = 12) -> WireMetadata:
     return WireMetadata(
         protocol=protocol,
         model=None,
@@ -978,7 +982,7 @@ def test_folds_only_a_conversation_and_never_asks_for_the_whole_object(protocol:
 async def test_runs_under_the_plugin_host() -> None:
     host = PluginHost([FoldPlugin()], timeout=5.0)
     body = anthropic_body()
-    meta = _meta(Protocol.MESSAGES.value, len(body["messages"]))
+    meta = _meta(Protocol.MESSAGES, len(body["messages"]))
     results = []
     for level in (0, 1):
         draft = Draft(meta.protocol, base=encode(body))

@@ -6,16 +6,16 @@ import dataclasses
 import re
 from pathlib import Path
 
+from proxy import ExchangeRecord, WireMetadata
 from proxy._exchange import Outcome
-from proxy._plugins import ExchangeRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "plugins.md"
 
 
-def _fields_table() -> dict[str, list[str]]:
+def _fields_table(heading: str = "### `ExchangeRecord` fields") -> dict[str, list[str]]:
     text = GUIDE.read_text(encoding="utf-8")
-    section = text[text.index("### `ExchangeRecord` fields") :]
+    section = text[text.index(heading) :]
     section = section[: section.index("\n### ", 10)]
     rows: dict[str, list[str]] = {}
     for line in section.splitlines():
@@ -39,6 +39,17 @@ def test_every_record_field_is_listed_with_type_unit_and_meaning() -> None:
         assert rows[name][1] == "seconds"
     for outcome in Outcome:
         assert f"`{outcome.value}`" in rows["outcome"][2], outcome
+
+
+def test_every_wire_metadata_field_is_listed_with_its_type() -> None:
+    rows = _fields_table("### `WireMetadata` fields")
+    fields = {f.name: f for f in dataclasses.fields(WireMetadata)}
+    assert list(rows) == list(fields), "the table lists the fields in declaration order"
+    for name, (type_cell, _unit, meaning) in rows.items():
+        declared = str(fields[name].type).replace(" ", "")
+        assert type_cell.strip("`").replace("\\", "").replace(" ", "") == declared, name
+        assert len(meaning) > 10, name
+    assert rows["byte_length"][1] == "bytes"
 
 
 def test_the_fixture_needs_no_conftest_and_the_manual_try_waits_for_readiness() -> None:

@@ -307,7 +307,8 @@ async def test_make_record_defaults_are_those_of_a_real_chat_exchange(
     await h.stop()
     (real,) = keep.records
     made = make_record()
-    assert Protocol(made.protocol) is Protocol.CHAT
+    # The member itself, typed as the public API says (not only its string).
+    assert made.protocol is Protocol.CHAT and real.protocol is Protocol.CHAT
     same = ("protocol", "path", "session_id", "status", "outcome", "fold_level", "refolds")
     assert {name: getattr(made, name) for name in same} == {
         name: getattr(real, name) for name in same

@@ -188,7 +188,7 @@ def refolded_bodies(raw: bytes, protocol: Protocol, levels: int) -> list[bytes]:
     bodies = [raw]
     fold = FoldPlugin()
     for level in range(1, levels + 1):
-        view = BodyView(raw, protocol.value)
+        view = BodyView(raw, protocol)
         assert fold.fold(view, level=level)
         bodies.append(view.splice().join())
     return bodies

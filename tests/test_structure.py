@@ -131,9 +131,9 @@ def _responses_item(draw: st.DrawFn) -> dict[str, Any]:
 
 
 _PROTOCOLS = {
-    Protocol.CHAT.value: ("messages", _chat_message()),
-    Protocol.MESSAGES.value: ("messages", _anthropic_message()),
-    Protocol.RESPONSES.value: ("input", _responses_item()),
+    Protocol.CHAT: ("messages", _chat_message()),
+    Protocol.MESSAGES: ("messages", _anthropic_message()),
+    Protocol.RESPONSES: ("input", _responses_item()),
 }
 
 
@@ -255,7 +255,7 @@ def test_spliced_body_is_the_edited_object_and_untouched_elsewhere(
     _check_reads(view.root, body)
     history = view.history
     assert history is not None and len(view.items()) == len(
-        body["input" if protocol == Protocol.RESPONSES.value else "messages"]
+        body["input" if protocol == Protocol.RESPONSES else "messages"]
     )
 
     edited = json.loads(data)
@@ -289,7 +289,7 @@ def test_no_edit_splices_to_the_input_bytes(case: tuple[str, dict[str, Any], byt
 
 def test_replacing_a_parent_supersedes_edits_inside_it_and_the_reverse_conflicts() -> None:
     data = b'{"messages":[{"role":"user","content":"aaaa"},{"role":"user","content":"b"}]}'
-    view = BodyView(data, Protocol.CHAT.value)
+    view = BodyView(data, Protocol.CHAT)
     first = view.items()[0]
     first["content"].replace("x")
     first.replace({"role": "user", "content": "y"})
@@ -301,7 +301,7 @@ def test_replacing_a_parent_supersedes_edits_inside_it_and_the_reverse_conflicts
 
 
 def test_replace_json_rejects_what_is_not_one_value() -> None:
-    view = BodyView(b'{"a":1}', Protocol.CHAT.value)
+    view = BodyView(b'{"a":1}', Protocol.CHAT)
     with pytest.raises(WireError):
         view.root["a"].replace_json(b"[1,")
     with pytest.raises(WireError):
@@ -312,7 +312,7 @@ def test_replace_json_rejects_what_is_not_one_value() -> None:
 
 def test_a_duplicate_key_makes_that_object_opaque_but_still_replaceable() -> None:
     data = b'{"messages":[{"role":"user","content":"first","content":"second!"},{"role":"user"}]}'
-    view = BodyView(data, Protocol.CHAT.value)
+    view = BodyView(data, Protocol.CHAT)
     first, second = view.items()
     assert first.opaque and first.get("content") is None and first.keys() == []
     assert bytes(first.raw()) == data[13 : data.index(b',{"role":"user"}')]
@@ -323,14 +323,14 @@ def test_a_duplicate_key_makes_that_object_opaque_but_still_replaceable() -> Non
 
 def test_not_an_object_is_a_wire_error() -> None:
     with pytest.raises(WireError):
-        _ = BodyView(b"[1, 2]", Protocol.CHAT.value).root
+        _ = BodyView(b"[1, 2]", Protocol.CHAT).root
 
 
 def test_history_is_input_for_responses_and_messages_elsewhere() -> None:
     data = b'{"input":[{"type":"message"}],"messages":[1,2]}'
-    assert len(BodyView(data, Protocol.RESPONSES.value).items()) == 1
-    assert len(BodyView(data, Protocol.CHAT.value).items()) == 2
-    assert BodyView(b'{"input":"hi"}', Protocol.RESPONSES.value).items() == []
+    assert len(BodyView(data, Protocol.RESPONSES).items()) == 1
+    assert len(BodyView(data, Protocol.CHAT).items()) == 2
+    assert BodyView(b'{"input":"hi"}', Protocol.RESPONSES).items() == []
 
 
 # -- draft: the two paths -----------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_history_is_input_for_responses_and_messages_elsewhere() -> None:
 
 def test_draft_view_edits_then_whole_object_then_view_again() -> None:
     data = b'{"messages":[{"role":"user","content":"hello"}],"model":"m"}'
-    draft = Draft(Protocol.CHAT.value, base=data)
+    draft = Draft(Protocol.CHAT, base=data)
     assert draft.result(reported=True) is None  # nothing asked, nothing changed
     draft.view().items()[0]["content"].replace("edited")
     body = draft.body()  # decoded from the edited body
@@ -356,7 +356,7 @@ def test_draft_view_edits_then_whole_object_then_view_again() -> None:
 
 
 def test_draft_object_counts_as_changed_only_when_reported() -> None:
-    draft = Draft(Protocol.CHAT.value, base=b'{"a":1}')
+    draft = Draft(Protocol.CHAT, base=b'{"a":1}')
     draft.body()
     assert draft.result(reported=False) is None
     result = draft.result(reported=True)
@@ -386,7 +386,7 @@ def test_editing_every_tool_result_allocates_no_copy_of_the_body() -> None:
     data = bytearray(_big_history(40, 200_000))  # ~10 MB
     tracemalloc.start()
     try:
-        view = BodyView(data, Protocol.CHAT.value)
+        view = BodyView(data, Protocol.CHAT)
         for item in view.items():
             content = item.get("content")
             if item["role"].text() == "tool" and content is not None:

@@ -580,7 +580,7 @@ def test_verdict_table(
     meta = meta_of(protocol, body)
     assert meta.comparable is comparable
     assert meta.message_count == count
-    assert meta.protocol == protocol.value
+    assert meta.protocol is protocol  # the enum member, not only its string
 
 
 @pytest.mark.parametrize(
@@ -695,7 +695,7 @@ def test_scalars_are_read_from_the_body() -> None:
     body = enc(chat(SYSTEM, USER))
     meta = compute_wire_metadata("openai-chat", body, "0123")
     assert meta == WireMetadata(
-        protocol="openai-chat",
+        protocol=Protocol.CHAT,
         model="gpt-4.1",
         stream=True,
         message_count=2,
@@ -901,8 +901,14 @@ def test_result_is_frozen_slotted_and_scalar_only() -> None:
     assert not hasattr(meta, "__dict__")
     for field in dataclasses.fields(meta):
         value = getattr(meta, field.name)
-        assert type(value) in (str, int, bool, type(None)), (field.name, type(value))
-    assert type(meta.protocol) is str  # the plain value, not the StrEnum member
+        assert type(value) in (Protocol, str, int, bool, type(None)), (field.name, type(value))
+    # The enum member (a singleton, so it pins nothing), typed as the public API says;
+    # as a StrEnum it still formats and serializes as the plain string.
+    assert meta.protocol is Protocol.MESSAGES
+    assert (f"{meta.protocol}", json.dumps(meta.protocol)) == (
+        "anthropic-messages",
+        '"anthropic-messages"',
+    )
 
 
 def big_enough_history() -> bytes:
