@@ -31,10 +31,10 @@ retries) never start the timer; they ride along with the next write, and
 ``session_closed`` / ``shutdown`` write them explicitly.
 
 Cluster mode (``redis_url``, given by the proxy's own ``redis_url`` setting
-unless the ``[plugin.ledger]`` table sets it): the gate lives in one Redis hash
-per session and each commit passes it in one Lua script
-(``proxy._cluster.scripts.LEDGER_GATE``), so two nodes committing for one
-session at once still bump ``revision_epoch`` once. SQLite is not used then;
+unless the ``[plugin.ledger]`` table sets it): the gate is the proxy's shared
+:class:`proxy.LedgerGate` from :func:`proxy.open_ledger_gate`, one Redis hash
+per session passed in one atomic step, so two nodes committing for one session
+at once still bump ``revision_epoch`` once. SQLite is not used then;
 an identical retry writes nothing at all (its counters are not kept), and a
 commit while Redis is unreachable is logged, counted in ``write_errors`` and
 skipped (the request itself is unaffected). Durability is Redis's (enable AOF).
@@ -56,8 +56,14 @@ from typing import ClassVar, Final, TypeVar
 
 from cachetools import LRUCache
 
-from proxy import ExchangeRecord, Plugin, Scalar
-from proxy._cluster import ClusterUnavailable, RedisStore
+from proxy import (
+    ClusterUnavailable,
+    ExchangeRecord,
+    LedgerGate,
+    Plugin,
+    Scalar,
+    open_ledger_gate,
+)
 
 __all__ = ["SCHEMA_VERSION", "GateOutcome", "LedgerError", "LedgerPlugin", "hash_gate"]
 
@@ -461,7 +467,7 @@ class LedgerPlugin(Plugin):
         if redis_url is not None and not isinstance(redis_url, str):
             raise ValueError("redis_url: expected a redis:// URL or nothing")
         self.redis_url: Final = redis_url
-        self._redis: RedisStore | None = None
+        self._gate: LedgerGate | None = None  # cluster mode: the gate shared by every node
         # Cluster mode: the last gate state seen per session, for session_state().
         self._seen: LRUCache[str, dict[str, Scalar]] = LRUCache(maxsize=cache_sessions)
 
@@ -485,10 +491,10 @@ class LedgerPlugin(Plugin):
                 connection for longer than ``lock_timeout``, holds a foreign
                 schema, or cannot be opened. Nothing is ever reset.
         """
-        if self._executor is not None or self._redis is not None:
+        if self._executor is not None or self._gate is not None:
             raise LedgerError(f"ledger {self.path}: startup() called twice")
         if self.redis_url is not None:
-            self._redis = RedisStore(self.redis_url, timeout=_REDIS_TIMEOUT, max_connections=16)
+            self._gate = open_ledger_gate(self.redis_url, timeout=_REDIS_TIMEOUT)
             log.info("ledger: hash gate in Redis (cluster mode)")
             return
         # One thread: SQLite work is serialized in submission order, so a read
@@ -524,8 +530,8 @@ class LedgerPlugin(Plugin):
         sid = record.session_id
         if sid is None or record.outcome != "ok":
             return
-        if self._redis is not None:
-            await self._commit_redis(self._redis, sid, record)
+        if self._gate is not None:
+            await self._commit_shared(self._gate, sid, record)
             return
         entry = await self._lookup(sid)
         if entry is None:
@@ -578,7 +584,7 @@ class LedgerPlugin(Plugin):
         ``dirty``, ``requests``, ``bytes_in`` / ``bytes_out`` (bytes),
         ``last_activity`` (Unix seconds), ``saved`` (False while ahead of the disk).
         """
-        if self._redis is not None:
+        if self._gate is not None:
             return dict(self._seen.get(session_id, {}))
         entry = self._entries.get(session_id)
         if entry is None:
@@ -602,9 +608,9 @@ class LedgerPlugin(Plugin):
             LedgerError: the final write failed (the database is closed anyway;
                 the message says how many sessions were lost).
         """
-        if self._redis is not None:
-            redis, self._redis = self._redis, None
-            await redis.close()
+        if self._gate is not None:
+            gate, self._gate = self._gate, None
+            await gate.close()
             return
         if self._executor is None:
             return
@@ -630,9 +636,9 @@ class LedgerPlugin(Plugin):
         Raises:
             LedgerError: the plugin is not started, or the lookup failed.
         """
-        if self._redis is not None:
+        if self._gate is not None:
             try:
-                return await self._redis.ledger_mark_clean(session_id, epoch)
+                return await self._gate.mark_clean(session_id, epoch)
             except ClusterUnavailable as exc:
                 raise LedgerError(f"ledger: Redis unreachable: {exc}") from exc
         entry = await self._lookup(session_id)
@@ -687,10 +693,10 @@ class LedgerPlugin(Plugin):
 
     # -- internals -------------------------------------------------------------------------
 
-    async def _commit_redis(self, redis: RedisStore, sid: str, record: ExchangeRecord) -> None:
-        """The gate in one Lua script (atomic across nodes); an outage skips it."""
+    async def _commit_shared(self, gate: LedgerGate, sid: str, record: ExchangeRecord) -> None:
+        """The shared gate in one atomic step (across nodes); an outage skips it."""
         try:
-            outcome, epoch, dirty = await redis.ledger_gate(
+            outcome, epoch, dirty = await gate.apply(
                 sid,
                 digest=record.wire_digest,
                 comparable=record.comparable,

@@ -3,7 +3,9 @@
 The public API: the plugin interface (:class:`Plugin`, :class:`PrepareContext`,
 :class:`ExchangeRecord`, :class:`WireMetadata`, :class:`Protocol`), the structural
 view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
-:class:`WireError`), settings (:class:`Settings`,
+:class:`WireError`), the ledger's hash gate shared by a cluster's nodes
+(:class:`LedgerGate`, :class:`GateVerdict`, :class:`ClusterUnavailable`,
+:func:`open_ledger_gate`), settings (:class:`Settings`,
 :func:`load_settings`) and the application (:func:`build_app` to embed the proxy
 in an aiohttp server, :func:`serve` to run it until SIGTERM). Test helpers live in
 :mod:`proxy.testing`; everything else is internal.
@@ -11,17 +13,28 @@ in an aiohttp server, :func:`serve` to run it until SIGTERM). Test helpers live 
 
 from ._app import build_app, serve
 from ._config import ConfigError, Settings, load_settings
-from ._plugins import BodyUnavailable, ExchangeRecord, Plugin, PrepareContext, Scalar
+from ._plugins import (
+    BodyUnavailable,
+    ExchangeRecord,
+    Plugin,
+    PrepareContext,
+    Scalar,
+    open_ledger_gate,
+)
 from ._protocols import Protocol
+from ._shared import ClusterUnavailable, GateVerdict, LedgerGate
 from ._structure import BodyView, EditConflict, Node
 from ._wire import WireError, WireMetadata
 
 __all__ = [
     "BodyUnavailable",
     "BodyView",
+    "ClusterUnavailable",
     "ConfigError",
     "EditConflict",
     "ExchangeRecord",
+    "GateVerdict",
+    "LedgerGate",
     "Node",
     "Plugin",
     "PrepareContext",
@@ -32,6 +45,7 @@ __all__ = [
     "WireMetadata",
     "build_app",
     "load_settings",
+    "open_ledger_gate",
     "serve",
 ]
 

@@ -47,6 +47,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
 from ._protocols import Protocol
+from ._shared import LedgerGate
 from ._structure import BodyView, Draft, ParsedHolder
 from ._wire import WireMetadata
 
@@ -62,6 +63,7 @@ __all__ = [
     "Scalar",
     "discover_plugins",
     "load_plugins",
+    "open_ledger_gate",
 ]
 
 log = logging.getLogger("context_proxy.plugins")
@@ -282,6 +284,33 @@ class Plugin:
         read-only, create and change nothing; the exception's message (one
         line) is printed as the problem. Default: nothing to check.
         """
+
+
+def open_ledger_gate(
+    redis_url: str, *, timeout: float = 1.0, max_connections: int = 16
+) -> LedgerGate:
+    """The ledger's hash gate shared by every node of a cluster, kept in Redis.
+
+    For a plugin that runs in cluster mode (it received ``redis_url``, see
+    :func:`load_plugins`'s ``shared``): call it in ``startup`` and ``await
+    gate.close()`` in ``shutdown``. Building the gate connects to nothing; the
+    first call does. redis is imported here, on first use, so ``import proxy``
+    and a plugin that may run without a cluster never load it.
+
+    Args:
+        redis_url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        timeout: seconds per command, for connecting and for a free pooled
+            connection; a commit runs after the answer was sent, so a slow
+            Redis delays bookkeeping, never a client.
+        max_connections: size of the bounded connection pool (>= 2).
+
+    Raises:
+        ValueError: ``redis_url`` is not a Redis URL.
+    """
+    # Imported on demand: the Redis client is a cluster-mode dependency only.
+    from ._cluster.ledger import RedisLedgerGate
+
+    return RedisLedgerGate(redis_url, timeout=timeout, max_connections=max_connections)
 
 
 _HOOKS: Final = (

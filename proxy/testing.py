@@ -17,8 +17,12 @@ and stops the emulator, so assertions after it see the final state. Inside
 it, :meth:`Harness.settle` waits for the commits of answers already received.
 The pytest fixture ``context_proxy`` (:mod:`proxy.pytest_plugin`) wraps this.
 
-``make_record`` builds the :class:`~proxy.plugins.ExchangeRecord` a ``commit``
+``make_record`` builds the :class:`~proxy.ExchangeRecord` a ``commit``
 hook receives, for unit tests that call the hooks directly, without a proxy.
+``load_plugins`` loads plugins from option tables exactly as ``serve`` does
+(into a :class:`PluginHost` whose ``startup``, ``run_commit`` and ``shutdown``
+isolate failures as in the proxy); ``start_emulator`` starts the upstream
+emulator alone (an :class:`EmulatorServer`), e.g. in front of ``proxy_process``.
 
 ``proxy_process`` runs ``context-proxy serve`` as a child process instead, for
 what only a process shows: start-up errors, SIGTERM, state kept across a restart.
@@ -47,12 +51,16 @@ from ._plugins import ExchangeRecord, Plugin, PluginHost, Scalar, load_plugins
 from ._protocols import Protocol
 
 __all__ = [
+    "EmulatorServer",
     "Harness",
+    "PluginHost",
     "ProxyProcess",
     "ProxyStartError",
+    "load_plugins",
     "make_record",
     "proxy_process",
     "proxy_with_emulator",
+    "start_emulator",
 ]
 
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("proxy", "plugins")
@@ -26,6 +30,7 @@ PURE = frozenset(
         "proxy._headers",
         "proxy._protocols",
         "proxy._session_ids",
+        "proxy._shared",
         "proxy._sse",
         "proxy._stream",
         "proxy._structure",
@@ -42,6 +47,7 @@ IO_MODULES = frozenset(
         "proxy._app",
         "proxy._body",
         "proxy._cli",
+        "proxy._cluster.ledger",
         "proxy._cluster.node",
         "proxy._cluster.store",
         "proxy._demo",
@@ -250,3 +256,81 @@ def test_the_emulator_shares_no_protocol_code_with_the_proxy() -> None:
         shared = {m for m in reached if m in {"proxy._sse", "proxy._protocols"} or is_pure(m)}
         shared -= {"proxy._emulator_frames", "proxy._emulator_script"}
         assert shared == set(), f"{name} reaches {sorted(shared)}"
+
+
+# The built-in plugins are the examples plugin authors copy: they use the public API only.
+
+
+def private_uses(path: pathlib.Path) -> list[str]:
+    """Every use of the project's internals in ``path``: imports of a ``proxy`` submodule
+    other than the public ones, imports of another plugin module, and ``proxy._name``
+    attribute reads."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # a relative import reaches a sibling plugin module
+                found.append(f"line {node.lineno}: relative import from {node.module or '.'}")
+                continue
+            modules = [node.module or ""]
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "proxy"
+            and node.attr.startswith("_")
+        ):
+            found.append(f"line {node.lineno}: proxy.{node.attr}")
+            continue
+        else:
+            continue
+        for module in modules:
+            top = module.partition(".")[0]
+            if top in PACKAGES and module != "proxy":
+                found.append(f"line {node.lineno}: import of {module}")
+    return found
+
+
+def test_the_built_in_plugins_use_only_the_public_api() -> None:
+    problems = {
+        path.name: uses
+        for path in sorted((ROOT / "plugins").glob("*.py"))
+        if (uses := private_uses(path))
+    }
+    assert problems == {}, "plugins/ may import only `proxy` (and the stdlib, third parties)"
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ("from proxy import Plugin\nimport json\nimport redis\n", []),
+        ("import proxy\nx = proxy.Plugin\n", []),
+        ("from proxy._cluster import RedisStore\n", ["line 1: import of proxy._cluster"]),
+        ("import proxy._wire as w\n", ["line 1: import of proxy._wire"]),
+        ("from proxy.testing import make_record\n", ["line 1: import of proxy.testing"]),
+        ("import proxy\nx = proxy._plugins\n", ["line 2: proxy._plugins"]),
+        ("from plugins.fold import FoldPlugin\n", ["line 1: import of plugins.fold"]),
+        ("from .fold import FoldPlugin\n", ["line 1: relative import from fold"]),
+    ],
+)
+def test_the_plugin_rule_sees_every_way_in(
+    tmp_path: pathlib.Path, source: str, found: list[str]
+) -> None:
+    path = tmp_path / "plugin.py"
+    path.write_text(source)
+    assert private_uses(path) == found
+
+
+def test_neither_proxy_nor_the_ledger_imports_redis_until_cluster_mode() -> None:
+    """Redis is a cluster-mode dependency: importing the API and the plugins loads none of it."""
+    code = (
+        "import sys, proxy, plugins.ledger, plugins.fold, plugins.usage, plugins.jsonlog\n"
+        "print(sorted(m for m in sys.modules if m == 'redis' or m.startswith('redis.')))\n"
+        "proxy.open_ledger_gate('redis://127.0.0.1:1/0')\n"
+        "print('redis' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["[]", "True"]

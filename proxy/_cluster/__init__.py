@@ -7,7 +7,8 @@ proxy behaves as one embedded process. With it set, each node builds one
 * admission: tombstone check + in-flight registration in one Lua script;
 * in-flight entries carry a deadline that the node's heartbeat refreshes;
 * close: tombstone, then a command on a Redis stream every node tails;
-* the ledger's hash gate as one Lua script (``plugins/ledger.py``).
+* the ledger's hash gate as one Lua script (:class:`ledger.RedisLedgerGate`, which
+  ``plugins/ledger.py`` gets through :func:`proxy.open_ledger_gate`).
 
 See docs/cluster.md for the load balancer set-up and the Redis-down policy.
 """

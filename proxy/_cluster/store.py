@@ -23,6 +23,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
+# Defined beside the public LedgerGate (plugins catch it without importing redis).
+from .._shared import ClusterUnavailable
 from . import scripts
 from .keys import CLOSE_STREAM, SessionKeys
 
@@ -32,14 +34,6 @@ __all__ = ["CloseCommand", "CloseStart", "ClusterUnavailable", "RedisStore", "Ta
 #: for longer than this many closes misses the oldest ones; the tombstones in Redis
 #: still refuse those sessions at its admission.
 STREAM_MAXLEN: Final = 100_000
-
-
-class ClusterUnavailable(Exception):
-    """Redis could not be reached or did not answer within the command timeout.
-
-    ``__cause__`` is the client's exception. The message never contains the
-    Redis URL (it may carry a password).
-    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
