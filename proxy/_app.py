@@ -261,7 +261,7 @@ class _ReadingAccount:
     ``grow`` is the reader's ``on_growth`` callback: the bytes the body buffer
     grew by are charged as they arrive, to the app's total and the exchange's
     held bytes. Past the budget, a read that shares it with others ends with
-    :class:`~proxy.body.BodyBusy` (503); a read alone may grow to ``max_body_bytes``.
+    :class:`~proxy._body.BodyBusy` (503); a read alone may grow to ``max_body_bytes``.
     ``settle`` returns everything charged (idempotent); call it in ``finally``.
     """
 
@@ -483,7 +483,7 @@ def build_app(
     one to expire tombstones without sleeping).
 
     Raises:
-        proxy.plugins.PluginError: a configured plugin cannot be loaded.
+        proxy._plugins.PluginError: a configured plugin cannot be loaded.
     """
     if host is None:
         host = load_plugins(

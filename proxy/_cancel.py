@@ -49,7 +49,7 @@ def orderly_cancel_reason(exc: asyncio.CancelledError) -> OrderlyStop | None:
     """Why the handler was cancelled, if it was an orderly stop; ``None`` otherwise.
 
     An orderly stop is a session shutdown (the registry cancels with a
-    :class:`~proxy.sessions.SessionShutdown` marker: :data:`SESSION_CLOSED`) or
+    :class:`~proxy._sessions.SessionShutdown` marker: :data:`SESSION_CLOSED`) or
     the process drain (:data:`SHUTDOWN_CANCEL`: :data:`PROXY_SHUTDOWN`).
     """
     if shutdown_cause(exc) is not None:

@@ -51,7 +51,7 @@ class CommitTracker:
 
     ``started = finished + failed + timed_out + pending`` at any time. A commit
     counts ``failed`` when ``run`` raised (a plugin hook that raises or times
-    out is isolated by :class:`~proxy.plugins.PluginHost` and does not fail the
+    out is isolated by :class:`~proxy._plugins.PluginHost` and does not fail the
     commit).
     """
 

@@ -1,6 +1,6 @@
 """The emulator's answers as data: SSE frames and JSON bodies of the three APIs (pure).
 
-Given a :class:`~proxy.emulator_script.Script` and a few request facts, these
+Given a :class:`~proxy._emulator_script.Script` and a few request facts, these
 builders decide an answer (:class:`Plan`: status, content type, frames) without
 touching a socket; :mod:`proxy._emulator` writes the frames. Streamed answer text
 is not materialized: a :class:`Text` part yields it piece by piece, escaped when

@@ -12,7 +12,7 @@ draft       :meth:`Exchange._prepare_at` (the body as       the end of
             structural view, or the parsed object)
 parsed      :meth:`Exchange._prepare_at` (only when a       :meth:`release`, :meth:`close`
             plugin took the whole object and changed it)
-outbound    raw itself; a :class:`~proxy.structure.Splice`  :meth:`release` unless a
+outbound    raw itself; a :class:`~proxy._structure.Splice` :meth:`release` unless a
             (slices of raw plus replacement pieces: raw     resend is still possible;
             lives while it does); or the re-serialized      :meth:`drop_outbound`,
             body (whole-object path)                        :meth:`close`

@@ -1,4 +1,4 @@
-"""The upstream edge: a small driver performing a :class:`~proxy.stream.StreamGate`'s actions.
+"""The upstream edge: a small driver performing a :class:`~proxy._stream.StreamGate`'s actions.
 
 One call of :func:`relay` drives one exchange from "prepared" to "streaming is
 over": it sends the outbound body as ``memoryview`` slices, makes a gate for
@@ -180,7 +180,7 @@ class _Decoder:
     time, so a piece decoded after a refold request is not lost when the refold
     is declined. :meth:`feed` (corrupt data) and :meth:`finish` (the coded data
     stopped before its end, e.g. a gzip body without its trailer) raise
-    :class:`~proxy.coding.BodyError`.
+    :class:`~proxy._coding.BodyError`.
     """
 
     __slots__ = ("_decoder", "codings", "ended", "failure", "pending")

@@ -26,7 +26,7 @@ never tracking). Eviction (the ``idle_cap`` LRU) only drops the registry's entry
 until a ``shutdown_session`` of that id or their own ``shutdown``.
 
 Which session a request belongs to is decided in :mod:`proxy._session_ids`; the
-tombstones are a :class:`~proxy.tombstones.TombstoneStore` (in-process by default,
+tombstones are a :class:`~proxy._tombstones.TombstoneStore` (in-process by default,
 injectable so cluster mode can share them).
 """
 

@@ -104,7 +104,7 @@ class AppState:
 
         A session whose shutdown has already completed (its commit outlived the
         wait, see :meth:`_session_commits`) is not recreated for it: entering
-        the lock raises :class:`~proxy.sessions.SessionClosed` and the commit
+        the lock raises :class:`~proxy._sessions.SessionClosed` and the commit
         counts as failed (the plugins were told the session closed).
         """
         sid = record.session_id
@@ -128,7 +128,7 @@ class AppState:
         both, also on cancellation.
 
         Raises:
-            proxy.sessions.SessionClosed: on entry, the session is tombstoned
+            proxy._sessions.SessionClosed: on entry, the session is tombstoned
                 (in Redis or locally).
         """
         cluster = self.cluster
@@ -176,7 +176,7 @@ class AppState:
 
 
 def _cluster_node(settings: Settings, registry: SessionRegistry) -> ClusterNode | None:
-    """This process's :class:`~proxy.cluster.ClusterNode`, or ``None`` without ``redis_url``.
+    """This process's :class:`~proxy._cluster.ClusterNode`, or ``None`` without ``redis_url``.
 
     The cluster package (and the Redis client) is imported only in cluster mode.
     """

@@ -64,8 +64,8 @@ class ProxyFactory:
 
         Raises:
             TypeError: plugins given both positionally and as ``plugins=``.
-            proxy.config.ConfigError: a bad setting.
-            proxy.plugins.PluginError: a plugin cannot be loaded or its
+            proxy.ConfigError: a bad setting.
+            proxy._plugins.PluginError: a plugin cannot be loaded or its
                 ``startup`` raised.
         """
         chosen: list[Plugin | str] | None = list(plugins) if plugins else None

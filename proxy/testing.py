@@ -170,12 +170,12 @@ async def proxy_with_emulator(
 ) -> AsyncIterator[Harness]:
     """Run the emulator and a proxy using ``plugins``, in order.
 
-    Each item of ``plugins`` is a :class:`~proxy.plugins.Plugin` instance, or a
+    Each item of ``plugins`` is a :class:`~proxy.Plugin` instance, or a
     name loaded as ``context-proxy serve`` loads it (an entry-point name or
     ``module:Class``, options from the ``plugin`` setting's table of that name).
     ``plugins=None`` uses the settings' list: none by default here, or that of
     ``config``, a TOML settings file read as ``serve --config`` reads it.
-    ``settings`` override :class:`~proxy.config.Settings` fields (for example
+    ``settings`` override :class:`~proxy.Settings` fields (for example
     ``max_body_bytes=1024``); the upstream URLs always point at the emulator,
     the proxy always listens on an ephemeral port of 127.0.0.1, and the
     environment is ignored. ``plugin_timeout`` (seconds) defaults to the settings'.
@@ -183,8 +183,8 @@ async def proxy_with_emulator(
     to expire tombstones without sleeping.
 
     Raises:
-        proxy.config.ConfigError: a bad setting.
-        proxy.plugins.PluginError: a plugin cannot be loaded, or its ``startup`` raised.
+        proxy.ConfigError: a bad setting.
+        proxy._plugins.PluginError: a plugin cannot be loaded, or its ``startup`` raised.
     """
     async with contextlib.AsyncExitStack() as stack:
         emulator = await start_emulator()

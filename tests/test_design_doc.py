@@ -33,3 +33,40 @@ def test_no_reference_to_the_old_unshipped_design_file_is_left() -> None:
     for folder in ("proxy", "plugins", "tests", "benchmarks"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             assert OLD_CITATION not in path.read_text(encoding="utf-8"), path
+
+
+# The module maps (docs/design.md §8 and README's development section) name the real files.
+
+
+def _package_entries() -> set[str]:
+    """``name.py`` for each module of ``proxy/``, ``name/`` for each subpackage."""
+    package = ROOT / "proxy"
+    modules = {path.name for path in package.glob("*.py")}
+    subpackages = {f"{path.name}/" for path in package.iterdir() if (path / "__init__.py").exists()}
+    return modules | subpackages
+
+
+def _design_map() -> str:
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index("## §8 ") : text.index("## §9 ")]
+    return section[section.index("| module | job | kind |") :]
+
+
+def test_the_design_module_map_lists_every_module_by_its_real_name() -> None:
+    rows = [line for line in _design_map().splitlines() if line.startswith("| `")]
+    named: set[str] = set()
+    for row in rows:
+        named.update(re.findall(r"`([\w.]+\.py|\w+/)`", row.split("|")[1]))
+    assert named == _package_entries()
+    cluster_row = next(row for row in rows if row.startswith("| `_cluster/`"))
+    for path in sorted((ROOT / "proxy" / "_cluster").glob("*.py")):
+        if path.name != "__init__.py":
+            assert f"`{path.name}`" in cluster_row, path.name
+
+
+def test_the_readme_module_map_lists_every_module_by_its_real_name() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Development") :]
+    block = section[section.index("```\nproxy/") : section.index("\nplugins/")]
+    named = set(re.findall(r"(?<![\w/.])(\w+\.py|_\w+/)", block))
+    assert named == _package_entries()

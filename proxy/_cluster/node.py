@@ -94,7 +94,7 @@ class Admission:
     """``async with node.admitted(sid, exchange_id):`` one exchange's in-flight entry.
 
     Entering runs the admission script (tombstone check + registration in one
-    round trip) and raises :class:`~proxy.sessions.SessionClosed` for a
+    round trip) and raises :class:`~proxy._sessions.SessionClosed` for a
     tombstoned session. Leaving always deregisters, also when the handler is
     cancelled: the Redis call runs in a task of the node's own, which nothing
     the client does can cancel. With ``sid=None`` it does nothing.
@@ -344,7 +344,7 @@ class ClusterNode:
         is replayed to the cluster after the reconcile (``degraded=True``).
 
         Raises:
-            proxy.sessions.SessionCloseError: a local plugin's ``session_closed``
+            proxy._sessions.SessionCloseError: a local plugin's ``session_closed``
                 failed (as for a single node).
         """
         started: asyncio.Future[ShutdownResult] | None = None

@@ -29,7 +29,7 @@ StreamError = tuple[str | None, str] | None
 class Dialect:
     """Everything protocol-specific about one :class:`Protocol`.
 
-    Callables take bytes, scalars or an :class:`~proxy.sse.SSEEvent` and never
+    Callables take bytes, scalars or an :class:`~proxy._sse.SSEEvent` and never
     raise on malformed input. Event names are SSE ``event:`` names (or the
     payload's ``type``).
 
