@@ -14,7 +14,6 @@ process per case makes ``VmHWM`` the peak of that case.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -71,6 +70,7 @@ _STOP_TIMEOUT: Final = 10.0
 _ENV_PREFIX: Final = "CONTEXT_PROXY_"
 
 _T = TypeVar("_T")
+_A = TypeVar("_A")  # a benchmark's options object
 
 
 class ServiceError(RuntimeError):
@@ -616,8 +616,8 @@ async def open_client_and_emulator(
 
 
 def run_collect(
-    collect: Callable[[argparse.Namespace, Reporter, Path], Coroutine[Any, Any, _T]],
-    args: argparse.Namespace,
+    collect: Callable[[_A, Reporter, Path], Coroutine[Any, Any, _T]],
+    args: _A,
     reporter: Reporter,
     log_dir: Path,
 ) -> _T | None:

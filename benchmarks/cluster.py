@@ -27,23 +27,26 @@ nginx on PATH (or /usr/sbin).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import shutil
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import click
 
 from proxy._cluster import RedisStore
 
 from . import _report as rpt
 from ._cluster import nginx_config, start_redis
 from ._harness import HOST, Service, free_port, raise_nofile_limit, start_emulator, start_proxy
+from .memory import CONTEXT_SETTINGS, run_command
 
-__all__ = ["ADMISSION_TARGET", "build_parser", "main"]
+__all__ = ["ADMISSION_TARGET", "Options", "command", "main", "summary_table"]
 
 #: Seconds: the median admission round trip cluster mode may add on loopback.
 ADMISSION_TARGET: Final = 0.0003
@@ -55,24 +58,49 @@ _BODY: Final = {
 _WARMUP: Final = 20
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line options of ``context-proxy bench cluster``."""
-    parser = argparse.ArgumentParser(
-        prog="context-proxy bench cluster",
-        description="One node against three behind nginx; the Redis admission round trip.",
-    )
-    parser.add_argument("--rtt", type=int, default=2000, help="admission calls timed [2000]")
-    parser.add_argument(
-        "--requests", type=int, default=300, help="sequential requests per target [300]"
-    )
-    parser.add_argument("--concurrency", type=int, default=32, help="concurrent workers [32]")
-    parser.add_argument(
-        "--concurrent-requests", type=int, default=2000, help="requests per throughput run [2000]"
-    )
-    parser.add_argument("--sessions", type=int, default=64, help="session ids used [64]")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
-    parser.add_argument("--quiet", action="store_true", help="no terminal tables")
-    return parser
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+    """The command-line options of ``context-proxy bench cluster`` (see :func:`command`)."""
+
+    rtt: int
+    requests: int
+    concurrency: int
+    concurrent_requests: int
+    sessions: int
+    out: Path
+    quiet: bool
+
+
+@click.command(
+    context_settings=CONTEXT_SETTINGS,
+    help="One node against three behind nginx; the Redis admission round trip.",
+)
+@click.option(
+    "--rtt", type=click.IntRange(min=1), default=2000, help="admission calls timed [2000]"
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=300,
+    help="sequential requests per target [300]",
+)
+@click.option(
+    "--concurrency", type=click.IntRange(min=1), default=32, help="concurrent workers [32]"
+)
+@click.option(
+    "--concurrent-requests",
+    type=click.IntRange(min=1),
+    default=2000,
+    help="requests per throughput run [2000]",
+)
+@click.option("--sessions", type=click.IntRange(min=1), default=64, help="session ids used [64]")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
+)
+@click.option("--quiet", is_flag=True, help="no terminal tables")
+def command(**options: Any) -> int:
+    """``context-proxy bench cluster``."""
+    return _run(Options(**options))
 
 
 def _binary(name: str) -> str:
@@ -137,7 +165,7 @@ async def _throughput(url: str, workers: int, total: int, sessions: int) -> floa
         return total / (time.perf_counter() - began)
 
 
-async def _collect(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+async def _collect(args: Options, log_dir: Path) -> dict[str, Any]:
     redis_bin, nginx_bin = _binary("redis-server"), _binary("nginx")
     services: list[Service] = []
     redis_proc = nginx_proc = None
@@ -209,27 +237,17 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.3f} ms"
 
 
-def main(argv: list[str]) -> int:
+def main(argv: Sequence[str]) -> int:
     """Entry point of ``context-proxy bench cluster`` and ``python -m benchmarks.cluster``.
 
     Returns 0 when the run completed (a missed target is reported, not an
-    error), 1 when a server failed, 2 for bad options.
+    error), 1 when a server failed, 2 for bad options (click's usage error).
     """
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if min(args.rtt, args.requests, args.concurrency, args.concurrent_requests, args.sessions) < 1:
-        parser.error("every count must be >= 1")
-    raise_nofile_limit()
-    reporter = rpt.Reporter(quiet=args.quiet)
-    out: Path = args.out
-    log_dir = out / "logs" / "cluster"
-    if log_dir.exists():
-        shutil.rmtree(log_dir)
-    try:
-        data = asyncio.run(_collect(args, log_dir))
-    except (RuntimeError, OSError, TimeoutError) as exc:
-        reporter.note(f"benchmark failed: {exc}")
-        return 1
+    return run_command(command, "context-proxy bench cluster", argv)
+
+
+def summary_table(data: dict[str, Any], args: Options) -> rpt.Table:
+    """The terminal and Markdown table of one run's ``data`` (what :func:`_collect` returns)."""
     rtt = statistics.median(data["admission_rtt_s"])
     medians = {name: statistics.median(v) for name, v in data["sequential_s"].items()}
     table = rpt.Table(
@@ -255,11 +273,29 @@ def main(argv: list[str]) -> int:
         f"{args.requests} sequential requests per target, {args.concurrency} workers x "
         f"{args.concurrent_requests} requests for requests/s"
     )
+    return table
+
+
+def _run(args: Options) -> int:
+    raise_nofile_limit()
+    reporter = rpt.Reporter(quiet=args.quiet)
+    out: Path = args.out
+    log_dir = out / "logs" / "cluster"
+    if log_dir.exists():
+        shutil.rmtree(log_dir)
+    try:
+        data = asyncio.run(_collect(args, log_dir))
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        reporter.note(f"benchmark failed: {exc}")
+        return 1
+    table = summary_table(data, args)
     data["summary"] = {
-        "admission_rtt_median_s": rtt,
+        "admission_rtt_median_s": statistics.median(data["admission_rtt_s"]),
         "admission_target_s": ADMISSION_TARGET,
-        "request_median_s": medians,
-        "rps": rps,
+        "request_median_s": {
+            name: statistics.median(v) for name, v in data["sequential_s"].items()
+        },
+        "rps": data["rps"],
     }
     rpt.write_json(out / "cluster.json", data)
     rpt.write_markdown(out / "cluster.md", [table])

@@ -13,10 +13,10 @@ Outputs in ``--out``: ``concurrency.json``, ``concurrency.md``, ``concurrency.pn
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import sys
 import time
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -86,11 +86,11 @@ _WARMUP_BYTES = 64 * 1024
 @click.pass_context
 def command(ctx: click.Context, **options: Any) -> int:
     """``context-proxy bench concurrency``."""
-    return _run(argparse.Namespace(**options), list(ctx.obj or []))
+    return _run(types.SimpleNamespace(**options), list(ctx.obj or []))
 
 
 async def _collect(
-    args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path
+    args: types.SimpleNamespace, reporter: rpt.Reporter, log_dir: Path
 ) -> tuple[Case, float, datetime.datetime]:
     started = time.monotonic()
     started_wall = datetime.datetime.now(datetime.UTC)
@@ -129,7 +129,7 @@ def main(argv: list[str]) -> int:
     return run_command(command, "context-proxy bench concurrency", argv)
 
 
-def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _run(args: types.SimpleNamespace, argv: Sequence[str]) -> int:
     raise_nofile_limit()
     reporter = rpt.Reporter(quiet=args.quiet)
     out: Path = args.out

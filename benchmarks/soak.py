@@ -27,9 +27,9 @@ Output: ``soak.json`` in ``--out``; the exit status is 0 when the run completed
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import os
 import random
@@ -42,6 +42,7 @@ from typing import Any, Final
 from urllib.parse import urlsplit
 
 import aiohttp
+import click
 import psutil
 
 from . import _report as rpt
@@ -54,8 +55,9 @@ from ._harness import (
     wait_proxy_idle,
 )
 from ._workload import BenchProtocol, Corpus, build_body
+from .memory import CONTEXT_SETTINGS, run_command
 
-__all__ = ["FATES", "build_parser", "main", "rss_slope"]
+__all__ = ["FATES", "Options", "command", "main", "rss_slope"]
 
 #: What a client does: read to the end, or hang up at one of four phases.
 FATES: Final = ("complete", "mid_body", "waiting_headers", "mid_stream", "after_last_byte")
@@ -73,26 +75,59 @@ _METRIC: Final = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P
 SLOPE_TARGET_KIB: Final = 1.0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command-line options of ``context-proxy bench soak``."""
-    parser = argparse.ArgumentParser(
-        prog="context-proxy bench soak",
-        description="Many streamed requests with random hang-ups: leaks and exactly-once commits.",
-    )
-    parser.add_argument("-n", "--requests", type=int, default=10_000, help="requests [10000]")
-    parser.add_argument("-c", "--concurrency", type=int, default=50, help="at once [50]")
-    parser.add_argument("--size", type=float, default=200.0, help="KiB per request body [200]")
-    parser.add_argument(
-        "--hangup", type=float, default=0.2, help="fraction of clients that hang up [0.2]"
-    )
-    parser.add_argument("--every", type=int, default=1000, help="sample every N requests [1000]")
-    parser.add_argument(
-        "--warmup", type=int, default=None, help="requests before the slope counts [2 x every]"
-    )
-    parser.add_argument("--seed", type=int, default=1, help="random seed [1]")
-    parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output dir")
-    parser.add_argument("--quiet", action="store_true", help="no per-sample lines")
-    return parser
+@dataclasses.dataclass(frozen=True, slots=True)
+class Options:
+    """The command-line options of ``context-proxy bench soak`` (see :func:`command`)."""
+
+    requests: int
+    concurrency: int
+    size: float  # KiB per request body
+    hangup: float  # fraction of clients that hang up, in [0, 1]
+    every: int
+    warmup: int | None  # None: 2 x every
+    seed: int
+    out: Path
+    quiet: bool
+
+
+@click.command(
+    context_settings=CONTEXT_SETTINGS,
+    help="Many streamed requests with random hang-ups: leaks and exactly-once commits.",
+)
+@click.option(
+    "-n", "--requests", type=click.IntRange(min=1), default=10_000, help="requests [10000]"
+)
+@click.option("-c", "--concurrency", type=click.IntRange(min=1), default=50, help="at once [50]")
+@click.option(
+    "--size",
+    type=click.FloatRange(min=0, min_open=True),
+    default=200.0,
+    help="KiB per request body [200]",
+)
+@click.option(
+    "--hangup",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    help="fraction of clients that hang up [0.2]",
+)
+@click.option(
+    "--every", type=click.IntRange(min=1), default=1000, help="sample every N requests [1000]"
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(min=0),
+    default=None,
+    help="requests before the slope counts [2 x every]",
+)
+@click.option("--seed", type=int, default=1, help="random seed [1]")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
+)
+@click.option("--quiet", is_flag=True, help="no per-sample lines")
+@click.pass_context
+def command(ctx: click.Context, **options: Any) -> int:
+    """``context-proxy bench soak``."""
+    return _run(Options(**options), list(ctx.obj or []))
 
 
 # ------------------------------------------------------------------------- process
@@ -246,9 +281,7 @@ async def _one(
 # ---------------------------------------------------------------------------- run
 
 
-async def _collect(
-    args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path
-) -> dict[str, Any]:
+async def _collect(args: Options, reporter: rpt.Reporter, log_dir: Path) -> dict[str, Any]:
     started = time.monotonic()
     started_wall = datetime.datetime.now(datetime.UTC)
     corpus = Corpus.load()
@@ -389,14 +422,16 @@ def _failed(metrics: dict[str, float]) -> float:
     )
 
 
-def main(argv: list[str]) -> int:
-    """Entry point of ``context-proxy bench soak`` and ``python -m benchmarks.soak``."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.requests < 1 or args.concurrency < 1 or args.every < 1 or args.size <= 0:
-        parser.error("-n, -c and --every must be >= 1, --size > 0")
-    if not 0 <= args.hangup <= 1:
-        parser.error("--hangup is a fraction in [0, 1]")
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``context-proxy bench soak`` and ``python -m benchmarks.soak``.
+
+    Returns 0 when the run completed (targets are reported, not enforced), 1
+    when a server failed, 2 for bad options (click's usage error).
+    """
+    return run_command(command, "context-proxy bench soak", argv)
+
+
+def _run(args: Options, argv: Sequence[str]) -> int:
     raise_nofile_limit()
     reporter = rpt.Reporter(quiet=False)
     out: Path = args.out

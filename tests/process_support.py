@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Callable, Mapping
 
@@ -97,3 +98,15 @@ class Proc:
             self.proc.kill()
             await self.proc.wait()
         await self._reader
+
+
+def run_cli(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    """``python -m proxy ARGS`` run to its end (at most ``timeout`` seconds): exit
+    status, stdout and stderr as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )

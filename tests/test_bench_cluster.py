@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from .cluster_support import need_binary
+from .process_support import run_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -49,3 +50,42 @@ def test_bench_cluster_smoke_run(tmp_path: Path) -> None:
     table = (out / "cluster.md").read_text()
     assert "admission round trip, median" in table
     assert "| requests/s |" in table
+
+
+def test_bench_cluster_help_lists_its_options_and_a_bad_value_is_a_usage_error() -> None:
+    run = run_cli("bench", "cluster", "--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Usage: context-proxy bench cluster [OPTIONS]")
+    for option in ("--rtt", "--requests", "--concurrency", "--concurrent-requests", "--sessions"):
+        assert option in run.stdout, option
+    assert "admission calls timed [2000]" in run.stdout
+    bad = run_cli("bench", "cluster", "--sessions", "0")
+    assert bad.returncode == 2
+    assert "Usage: context-proxy bench cluster" in bad.stderr
+    assert "Invalid value for '--sessions'" in bad.stderr
+
+
+def test_the_cluster_table_fits_80_columns() -> None:
+    from rich.console import Console
+
+    from benchmarks import cluster
+
+    # Figures as wide as a slow run gives: seconds of latency, five-digit requests/s.
+    data = {
+        "admission_rtt_s": [0.0123456],
+        "sequential_s": {"single": [1.23456], "single+redis": [12.3456], "three+nginx": [123.456]},
+        "rps": {"single": 12345.0, "three+nginx": 98765.0},
+    }
+    options = cluster.Options(
+        rtt=2000,
+        requests=300,
+        concurrency=32,
+        concurrent_requests=2000,
+        sessions=64,
+        out=Path("."),
+        quiet=True,
+    )
+    table = cluster.summary_table(data, options).to_rich()
+    table.caption = None  # the notes are prose below the table: they wrap, as prose does
+    width = Console(width=200).measure(table).maximum
+    assert width <= 80, f"the table needs {width} columns"

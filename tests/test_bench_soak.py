@@ -8,6 +8,8 @@ from pathlib import Path
 
 from benchmarks import soak
 
+from .process_support import run_cli
+
 
 def test_rss_slope_is_kib_per_thousand_requests() -> None:
     # 1 KiB more per 1,000 requests, exactly.
@@ -46,3 +48,20 @@ def test_soak_smoke_run_books_every_admitted_exchange(tmp_path: Path) -> None:
     assert read_answer <= doc["exchanges_admitted"] <= 150 - fates["mid_body"]
     assert doc["commits_booked"] == doc["exchanges_admitted"]
     assert doc["targets_met"]["commits"] and doc["targets_met"]["exchanges_left"]
+
+
+def test_bench_soak_help_lists_its_options_and_a_bad_value_is_a_usage_error() -> None:
+    run = run_cli("bench", "soak", "--help")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("Usage: context-proxy bench soak [OPTIONS]")
+    for option in ("-n, --requests", "-c, --concurrency", "--size", "--hangup", "--every",
+                   "--warmup", "--seed", "--out", "--quiet"):  # fmt: skip
+        assert option in run.stdout, option
+    assert "fraction of clients that hang up [0.2]" in run.stdout
+    for argv, option in ((["--hangup", "1.5"], "'--hangup'"), (["-n", "x"], "'-n' / '--requests'")):
+        bad = run_cli("bench", "soak", *argv)
+        assert bad.returncode == 2, argv
+        assert "Usage: context-proxy bench soak" in bad.stderr
+        assert f"Invalid value for {option}" in bad.stderr
+    # The in-process entry point answers the same way (2, nothing run).
+    assert soak.main(["--size", "0"]) == 2
