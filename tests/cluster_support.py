@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -82,6 +82,30 @@ def _stop(proc: subprocess.Popen[bytes] | None, sig: int = signal.SIGTERM) -> No
         proc.wait(_STOP_WITHIN)
 
 
+def _start_retrying(
+    launch: Callable[[int], subprocess.Popen[bytes]],
+    ready: Callable[[subprocess.Popen[bytes]], bool],
+    failure: str,
+    *,
+    pause: float = 0.0,
+) -> None:
+    """Start a server, retrying when it loses the race for its port.
+
+    ``launch(attempt)`` picks the port (a fresh free one, or the one a restart
+    keeps), spawns the process and returns it; ``ready(proc)`` waits (bounded) for
+    it to serve. A process that is not ready is killed and, ``pause`` seconds
+    later, the next of :data:`_START_ATTEMPTS` attempts starts. Raises
+    ``RuntimeError(failure)`` when none got ready.
+    """
+    for attempt in range(_START_ATTEMPTS):
+        proc = launch(attempt)
+        if ready(proc):
+            return
+        _stop(proc, signal.SIGKILL)
+        time.sleep(pause)
+    raise RuntimeError(failure)
+
+
 class RedisServer:
     """A redis-server process on 127.0.0.1 with nothing persisted."""
 
@@ -97,7 +121,8 @@ class RedisServer:
 
     def start(self, *, same_port: bool = False) -> None:
         """Start (or restart, on the same port with ``same_port``)."""
-        for _ in range(_START_ATTEMPTS):
+
+        def launch(attempt: int) -> subprocess.Popen[bytes]:
             if not same_port:
                 self.port = free_port()
             conf = self.workdir / f"redis-{self.port}.conf"
@@ -107,12 +132,14 @@ class RedisServer:
                 "protected-mode yes\ndaemonize no\n"
             )
             self.proc = subprocess.Popen([self.binary, str(conf)])
-            if self._ready(_READY_WITHIN):
-                return
-            _stop(self.proc, signal.SIGKILL)
-            if same_port:
-                time.sleep(0.2)  # the old socket may linger for a moment
-        raise RuntimeError(f"redis-server did not start; see {self.workdir / 'redis.log'}")
+            return self.proc
+
+        _start_retrying(
+            launch,
+            lambda proc: self._ready(_READY_WITHIN),
+            f"redis-server did not start; see {self.workdir / 'redis.log'}",
+            pause=0.2 if same_port else 0.0,  # the old socket may linger for a moment
+        )
 
     def _ready(self, within: float) -> bool:
         assert self.proc is not None
@@ -153,7 +180,7 @@ class NginxServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        for _ in range(_START_ATTEMPTS):
+        def launch(attempt: int) -> subprocess.Popen[bytes]:
             self.port = free_port()
             conf = self.workdir / "nginx.conf"
             conf.write_text(nginx_config(self.port, self.nodes))
@@ -169,10 +196,13 @@ class NginxServer:
                 ],
                 stderr=subprocess.DEVNULL,
             )
-            if _wait_port(self.port, self.proc, _READY_WITHIN):
-                return
-            _stop(self.proc, signal.SIGKILL)
-        raise RuntimeError(f"nginx did not start; see {self.workdir / 'nginx-error.log'}")
+            return self.proc
+
+        _start_retrying(
+            launch,
+            lambda proc: _wait_port(self.port, proc, _READY_WITHIN),
+            f"nginx did not start; see {self.workdir / 'nginx-error.log'}",
+        )
 
     def stop(self) -> None:
         _stop(self.proc, signal.SIGQUIT)
@@ -240,12 +270,17 @@ class ProxyNode:
     def start(self, *, same_port: bool = False) -> None:
         """Start the process and wait for ``/readyz`` (restart on the same port with
         ``same_port``); retried on another port if it lost the race for one."""
-        for attempt in range(_START_ATTEMPTS):
+
+        def launch(attempt: int) -> subprocess.Popen[bytes]:
             self.spawn(same_port=same_port and attempt == 0)
-            if self.wait_ready():
-                return
-            _stop(self.proc, signal.SIGKILL)
-        raise RuntimeError(f"node {self.name} did not start; see its log in {self.workdir}")
+            assert self.proc is not None
+            return self.proc
+
+        _start_retrying(
+            launch,
+            lambda proc: self.wait_ready(),
+            f"node {self.name} did not start; see its log in {self.workdir}",
+        )
 
     def _ready(self, within: float) -> bool:
         assert self.proc is not None
@@ -289,7 +324,7 @@ class EmulatorProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        for _ in range(_START_ATTEMPTS):
+        def launch(attempt: int) -> subprocess.Popen[bytes]:
             self.port = free_port()
             log = (self.workdir / "emulator.log").open("ab")
             self.proc = subprocess.Popen(
@@ -298,10 +333,13 @@ class EmulatorProcess:
                 stderr=log,
             )
             log.close()
-            if _wait_port(self.port, self.proc, _READY_WITHIN):
-                return
-            _stop(self.proc, signal.SIGKILL)
-        raise RuntimeError("the emulator did not start")
+            return self.proc
+
+        _start_retrying(
+            launch,
+            lambda proc: _wait_port(self.port, proc, _READY_WITHIN),
+            "the emulator did not start",
+        )
 
     def stats(self) -> list[dict[str, Any]]:
         """``GET /_emulator/stats``: one record per request, oldest first."""

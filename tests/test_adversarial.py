@@ -17,7 +17,7 @@ import gzip
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import aiohttp
@@ -28,8 +28,6 @@ import pytest
 from aiohttp import web
 
 from proxy import Plugin
-from proxy._app import build_app, running
-from proxy._config import load_settings
 from proxy._emulator import DEFAULT_TEXT, start_emulator
 from proxy._exchange import Phase
 from proxy._plugins import PrepareContext
@@ -44,6 +42,7 @@ from tests.test_e2e_support import (
     sse_events,
     wait_until,
 )
+from tests.upstream_support import SSE_HEAD, RawUpstream, chunked, proxy_for
 
 PATHS: Final = (CHAT_PATH, RESPONSES_PATH, ANTHROPIC_PATH)
 PATH_IDS: Final = ("chat", "responses", "messages")
@@ -96,84 +95,6 @@ async def read_all(client: RawClient) -> tuple[int, bytes]:
     """Status and whole body of the next response on ``client``."""
     head = await client.read_head()
     return head.status, await client.read_body(head)
-
-
-@contextlib.asynccontextmanager
-async def proxy_for(upstream_url: str, **overrides: Any) -> AsyncIterator[str]:
-    """A proxy (no plugins) in front of ``upstream_url`` on 127.0.0.1; yields its base URL."""
-    settings = load_settings(
-        None,
-        environ={},
-        overrides={
-            "plugins": [],
-            "shutdown_grace": 1.0,
-            "upstream_openai": upstream_url,
-            "upstream_anthropic": upstream_url,
-            **overrides,
-        },
-    )
-    app = build_app(settings)
-    async with running(app, "127.0.0.1", 0) as port:
-        yield f"http://127.0.0.1:{port}"
-
-
-# ----------------------------------------------------------------------- raw upstream
-
-
-def chunked(*pieces: bytes) -> bytes:
-    """``pieces`` in chunked transfer coding, ended by the last-chunk."""
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
-
-
-SSE_HEAD: Final = (
-    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-)
-
-
-class RawUpstream:
-    """A loopback HTTP/1.1 upstream answering each request with canned bytes, then closing.
-
-    ``reply(target)`` returns the raw response bytes for a request target; the
-    request head and body (bytes) are recorded in ``heads`` / ``bodies`` first.
-    Used as ``async with RawUpstream(reply) as upstream``; ``url`` is its base URL.
-    """
-
-    def __init__(self, reply: Callable[[str], bytes]) -> None:
-        self._reply = reply
-        self._server: asyncio.Server | None = None
-        self.heads: list[bytes] = []
-        self.bodies: list[bytes] = []
-        self.url = ""
-
-    async def __aenter__(self) -> RawUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            body = await reader.readexactly(length)
-            self.heads.append(head)
-            self.bodies.append(body)
-            target = head.split(b" ", 2)[1].decode("latin-1")
-            writer.write(self._reply(target))
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
 
 
 # ----------------------------------------------------------------- hang-ups (F1, F2)

@@ -35,9 +35,9 @@ from proxy._app import build_app, running
 from proxy._config import load_settings
 from proxy._plugins import Plugin, PluginHost, PrepareContext
 from proxy._protocols import Protocol
-from tests.test_adversarial import SSE_HEAD, RawUpstream, chunked, proxy_for
 from tests.test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RESPONSES_PATH
 from tests.test_lifetime_support import Recorder, conversation
+from tests.upstream_support import SSE_HEAD, HoldingUpstream, RawUpstream, chunked, proxy_for
 
 KEY: Final = "sk-stream-end-test"
 BOUND_S: Final = 10.0
@@ -251,47 +251,6 @@ async def test_r1_a_terminal_event_without_its_blank_line_ends_the_answer(
             assert await raw_body(url, path) == sent
 
 
-class HoldingUpstream:
-    """A loopback upstream that sends ``body`` as one chunk of an event stream, then
-    keeps the connection open (no last-chunk, no close) until the test leaves."""
-
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-        self._release = asyncio.Event()
-        self._server: asyncio.Server | None = None
-        self.url = ""
-
-    async def __aenter__(self) -> HoldingUpstream:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._release.set()
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            await reader.readexactly(length)
-            writer.write(SSE_HEAD + b"%x\r\n%s\r\n" % (len(self._body), self._body))
-            await writer.drain()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(BOUND_S * 3):  # bounded even if never released
-                    await self._release.wait()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
 @pytest.mark.parametrize("line_end", [b"\n", b"\r\n"], ids=["lf", "crlf"])
 @pytest.mark.parametrize("path", PATHS, ids=IDS)
 async def test_r1_a_terminal_event_without_its_blank_line_on_an_open_connection_ends_soon(
@@ -303,7 +262,10 @@ async def test_r1_a_terminal_event_without_its_blank_line_on_an_open_connection_
     *body, last = STREAMS[path]
     sent = b"".join(body) + last.removesuffix(b"\n\n") + line_end
     for client in ("sdk", "raw"):
-        async with HoldingUpstream(sent) as upstream, proxy_for(upstream.url) as url:
+        async with (
+            HoldingUpstream(sent, hold_s=BOUND_S * 3) as upstream,
+            proxy_for(upstream.url) as url,
+        ):
             loop = asyncio.get_running_loop()
             began = loop.time()
             async with asyncio.timeout(BOUND_S):
