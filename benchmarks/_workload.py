@@ -30,6 +30,7 @@ __all__ = [
     "Turn",
     "build_agent_history",
     "build_body",
+    "build_small_body",
     "conversation",
     "marker_text",
 ]
@@ -283,6 +284,48 @@ def build_body(protocol: BenchProtocol, size: int, corpus: Corpus, *, seed: int 
     # The history ends with the user's new question, as every real request does.
     pieces.append(_dumps(render(next(t for t in turns if t.kind == "user"))))
     return b"".join((prefix, b",".join(pieces), b"]}"))
+
+
+def build_small_body(protocol: BenchProtocol, size: int, corpus: Corpus) -> bytes:
+    """A short streamed request of ``size`` bytes or a few under (never over, unless
+    ``size`` is below the protocol's bare envelope of ~300 bytes): the system prompt
+    and one user question whose text fills the rest. :func:`build_body` cannot go
+    this small (its first tool result alone is ~35 KB). Returns UTF-8 JSON bytes.
+    """
+    text = corpus.prose[: max(size, 0)]
+    while True:
+        if protocol is BenchProtocol.CHAT:
+            obj: dict[str, Any] = {
+                "model": "gpt-4.1",
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "max_tokens": 4096,
+                "messages": [
+                    {"role": "system", "content": _SYSTEM},
+                    _chat_message(Turn("user", text)),
+                ],
+            }
+        elif protocol is BenchProtocol.RESPONSES:
+            obj = {
+                "model": "gpt-4.1",
+                "stream": True,
+                "instructions": _SYSTEM,
+                "store": False,
+                "input": [_responses_item(Turn("user", text))],
+            }
+        else:
+            obj = {
+                "model": "claude-sonnet-4",
+                "stream": True,
+                "max_tokens": 4096,
+                "system": [{"type": "text", "text": _SYSTEM}],
+                "messages": [_anthropic_message(Turn("user", text))],
+            }
+        raw = _dumps(obj)
+        if len(raw) <= size or not text:
+            return raw
+        # Escapes and multi-byte characters make bytes outnumber characters: trim by the excess.
+        text = text[: max(0, len(text) - (len(raw) - size))]
 
 
 def build_agent_history(

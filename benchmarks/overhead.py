@@ -1,6 +1,6 @@
 """``context-proxy bench overhead``: added latency and memory per idle stream.
 
-Three targets answer the same small streamed requests (a ~2 KiB chat history,
+Three targets answer the same small streamed requests (a 2 KiB chat request,
 the emulator's default 3-delta answer): the emulator **direct**, **this proxy**
 (default settings) and the **naive** baseline, each its own process.
 
@@ -21,7 +21,8 @@ the emulator's default 3-delta answer): the emulator **direct**, **this proxy**
 * **Idle streams**: a fresh process of each proxy holds ``--streams`` (500)
   answers open at once (emulator ``hold``, after the first text delta); the
   RSS growth over the idle process divided by the stream count is the memory
-  each open idle stream costs.
+  each open idle stream costs. These requests carry a ~37 KB history
+  (``build_body``'s smallest), which the naive proxy keeps per stream.
 
 Outputs in ``--out``: ``overhead.json``, ``overhead.md``.
 """
@@ -57,7 +58,7 @@ from ._harness import (
     start_naive,
     start_proxy,
 )
-from ._workload import BenchProtocol, Corpus, build_body
+from ._workload import BenchProtocol, Corpus, build_body, build_small_body
 from .memory import CONTEXT_SETTINGS, run_command
 
 __all__ = [
@@ -293,7 +294,8 @@ async def _throughput(
     workers: int,
     steps: rpt.Steps,
 ) -> dict[str, dict[str, Throughput]]:
-    streamed = build_body(protocol, size, Corpus.load())
+    # build_body cannot go under ~37 KB (its first tool result): 1 KB means 1 KB here.
+    streamed = build_small_body(protocol, size, Corpus.load())
     bodies = {
         "json": streamed.replace(b'"stream":true', b'"stream":false', 1),
         "streamed": streamed,
@@ -387,7 +389,11 @@ async def _collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Pa
     started = time.monotonic()
     started_wall = datetime.datetime.now(datetime.UTC)
     protocol = BenchProtocol(args.protocol)
-    body = build_body(protocol, _SMALL_BYTES, Corpus.load())
+    corpus = Corpus.load()
+    small = build_small_body(protocol, _SMALL_BYTES, corpus)
+    # The idle streams keep the history they were measured with (~37 KB: build_body's
+    # smallest), so their figures stay comparable with earlier runs.
+    body = build_body(protocol, _SMALL_BYTES, corpus)
     async with open_client_and_emulator(log_dir) as (session, emulator):
         control = EmulatorControl(session, emulator.url)
         with reporter.progress(1 + len(_TARGETS) + 2 + 2, "overhead") as steps:
@@ -398,12 +404,12 @@ async def _collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Pa
                 await ours.wait_ready(session)
                 await naive.wait_ready(session)
                 urls = {"direct": emulator.url, "ours": ours.url, "naive": naive.url}
-                sequential = await _sequential(session, urls, protocol, body, args.requests, steps)
+                sequential = await _sequential(session, urls, protocol, small, args.requests, steps)
                 concurrent = await _concurrent(
                     session,
                     urls,
                     protocol,
-                    body,
+                    small,
                     args.concurrent_requests,
                     args.concurrency,
                     steps,

@@ -21,7 +21,14 @@ from aiohttp import web
 
 from benchmarks import _report as rpt
 from benchmarks import memory
-from benchmarks._workload import BenchProtocol, Corpus, MiB, build_body, marker_text
+from benchmarks._workload import (
+    BenchProtocol,
+    Corpus,
+    MiB,
+    build_body,
+    build_small_body,
+    marker_text,
+)
 from benchmarks.naive import build_naive_app
 from benchmarks.plugins import Marker
 from proxy import PrepareContext
@@ -62,6 +69,21 @@ def test_build_body_is_a_realistic_history_of_the_asked_size(
     # parse unlike real traffic).
     texts = [json.dumps(item, sort_keys=True) for item in items]
     assert len(set(texts)) == len(texts)
+
+
+@pytest.mark.parametrize("protocol", list(BenchProtocol))
+@pytest.mark.parametrize("size", [1024, 2048])
+def test_build_small_body_is_as_small_as_asked(
+    protocol: BenchProtocol, size: int, corpus: Corpus
+) -> None:
+    # bench overhead's "1 KB requests" must be 1 KB (build_body never goes under ~37 KB).
+    raw = build_small_body(protocol, size, corpus)
+    assert size - 64 <= len(raw) <= size
+    body = json.loads(raw)
+    assert raw.startswith(b'{"model":') and body["stream"] is True
+    assert _items(protocol, body)[-1]["role"] == "user"
+    meta = compute_wire_metadata(_PROTOCOL_OF[protocol], raw, digest_bytes(raw))
+    assert meta.comparable and meta.stream
 
 
 def test_build_body_is_deterministic_per_seed(corpus: Corpus) -> None:
