@@ -184,7 +184,11 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
             # cannot cancel it, and the keep-alive connection's next request does not
             # wait for it. Synchronous with leaving the session's track() span, so a
             # session shutdown that waited for this exchange finds its commit pending.
-            state.commits.start(ex.begin_commit())
+            if state.commits.hooked:
+                state.commits.start(ex.begin_commit())
+            else:
+                ex.skip_commit()  # no plugin books anything: no record, no task
+                state.commits.count_unbooked()
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)

@@ -21,6 +21,7 @@ whose names it re-exports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Final
@@ -69,6 +70,8 @@ DEFAULT_CHUNK_BYTES: Final = 256 * 1024
 #: a fixed 256 KiB piece would be a quarter of a 1 MiB body (issue 11 item 4).
 _READS_PER_BODY: Final = 16
 _MIN_READ_BYTES: Final = 16 * 1024
+#: Stands in for the read deadline when no read can wait (reusable, stateless).
+_NO_TIMER: Final = contextlib.nullcontext()
 
 
 # --------------------------------------------------------------------------- errors
@@ -330,9 +333,11 @@ async def _pump(
     # of "idle_timeout after the last chunk" and the body deadline, pushed back
     # on each chunk. No task or timer per read call.
     hard = loop.time() + body_timeout if body_timeout is not None else float("inf")
-    timer = asyncio.timeout(min(loop.time() + idle_timeout, hard))
+    # A body already received whole (a small one, usually: the parser has seen its
+    # end) cannot keep a read waiting: no timer at all then.
+    timer = None if content.is_eof() else asyncio.timeout(min(loop.time() + idle_timeout, hard))
     try:
-        async with timer:
+        async with timer if timer is not None else _NO_TIMER:
             while True:
                 try:
                     chunk = await content.read(chunk_bytes)
@@ -351,7 +356,8 @@ async def _pump(
                 chunk = b""
                 if on_growth is not None and sink.size > held:
                     on_growth(sink.size - held)
-                timer.reschedule(min(loop.time() + idle_timeout, hard))
+                if timer is not None:
+                    timer.reschedule(min(loop.time() + idle_timeout, hard))
         if expected is not None and wire != expected:
             return BodyIncomplete(), wire
         if decoder is not None:
@@ -360,7 +366,7 @@ async def _pump(
             if on_growth is not None and sink.size > held:
                 on_growth(sink.size - held)
     except TimeoutError:
-        if not timer.expired():
+        if timer is None or not timer.expired():
             raise
         if body_timeout is not None and loop.time() >= hard:
             return BodyTimeout.deadline(body_timeout), wire

@@ -48,6 +48,9 @@ class CommitTracker:
         registry: the Prometheus registry the ``context_proxy_commits`` counter
             (label ``event``: ``started``, ``finished``, ``failed``,
             ``timed_out``) is registered in.
+        hooked: whether any plugin has a ``commit`` hook. Without one there is
+            nothing to book: :meth:`count_unbooked` counts the commit, and no
+            record, task or session lock is spent on it.
 
     ``started = finished + failed + timed_out + pending`` at any time. A commit
     counts ``failed`` when ``run`` raised (a plugin hook that raises or times
@@ -55,10 +58,18 @@ class CommitTracker:
     commit).
     """
 
-    __slots__ = ("_by_session", "_counters", "_pending", "_run", "_tally", "timeout")
+    __slots__ = ("_by_session", "_counters", "_pending", "_run", "_tally", "hooked", "timeout")
 
-    def __init__(self, run: CommitRunner, *, timeout: float, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        run: CommitRunner,
+        *,
+        timeout: float,
+        registry: CollectorRegistry,
+        hooked: bool = True,
+    ) -> None:
         self._run = run
+        self.hooked: Final = hooked
         self.timeout = timeout if timeout > 0 else math.inf
         self._pending: set[asyncio.Task[None]] = set()
         self._by_session: dict[str, set[asyncio.Task[None]]] = {}
@@ -85,6 +96,14 @@ class CommitTracker:
     def _bump(self, event: str) -> None:
         self._tally[event] += 1
         self._counters[event].inc()
+
+    def count_unbooked(self) -> None:
+        """Count one commit with no hook to run (``hooked`` is false): started and finished.
+
+        Synchronous; nothing is left pending.
+        """
+        self._bump("started")
+        self._bump("finished")
 
     def start(self, record: ExchangeRecord) -> asyncio.Task[None]:
         """Book ``record`` in the background; returns at once (synchronous).

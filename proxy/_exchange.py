@@ -746,6 +746,14 @@ class Exchange:
         self._move(Phase.COMMITTED)
         return self.commit_record()
 
+    def skip_commit(self) -> None:
+        """Enter the committed phase without a record (no plugin has a ``commit`` hook).
+
+        Raises:
+            IllegalTransition: already committed or closed (a commit runs once).
+        """
+        self._move(Phase.COMMITTED)
+
     def commit_record(self) -> ExchangeRecord:
         """The scalars-only record for ``commit`` hooks as of now (no phase change)."""
         meta = self.meta

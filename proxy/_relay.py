@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import re
 from collections.abc import Mapping
 from typing import Final
 
 import aiohttp
-from aiohttp import web
+import aiohttp.payload
+from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
 from . import _protocols as protocols
@@ -210,12 +213,77 @@ class _Decoder:
         self.pending.clear()
 
 
+class _OutboundBody(aiohttp.payload.Payload):
+    """The exchange's outbound body as aiohttp sends it: :meth:`Exchange.outbound_chunks`.
+
+    ``size`` bytes (the Content-Length). It adds no content type: a request the
+    client sent without a ``Content-Type`` goes upstream without one too.
+    Cheaper per request than handing aiohttp the async iterator (its payload
+    lookup, and a per-request ``skip_auto_headers`` merge to drop that header).
+    """
+
+    def __init__(self, ex: Exchange, size: int) -> None:
+        super().__init__(ex)
+        self._size = size
+        # Its own framing header instead of a content type (aiohttp wants one header).
+        self.headers.popall(hdrs.CONTENT_TYPE, None)
+        self.headers[hdrs.CONTENT_LENGTH] = str(size)
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        """Not used by the client (the body is binary and sent, never decoded)."""
+        raise TypeError("the outbound body is sent as bytes, never decoded")
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        """Write every slice of the outbound body (no copy; aiohttp drains as it goes)."""
+        ex: Exchange = self._value
+        async for piece in ex.outbound_chunks():
+            await writer.write(piece)
+
+    async def write_with_length(
+        self, writer: AbstractStreamWriter, content_length: int | None
+    ) -> None:
+        """As :meth:`write`: the Content-Length is the body's own size."""
+        await self.write(writer)
+
+
+class _ClientStream(web.StreamResponse):
+    """The relayed answer to the client: its head waits for the first body bytes.
+
+    aiohttp's ``Response`` buffers its head the same way; here it saves a
+    write (a syscall) per answer: the head leaves with the first bytes, and a
+    whole answer that arrived in one piece leaves in one write with its end.
+    The relay sends a head still waiting at the end of each batch of actions
+    (:meth:`_Relay._send_head`) unless the next batch is already here (body
+    bytes that came with the upstream's head), so a client never waits for
+    headers on the upstream.
+    """
+
+    _send_headers_immediately = False
+
+
+def _finishes(actions: list[Action], start: int) -> bool:
+    """Whether ``actions[start:]`` ends the answer (``Finish``) with nothing to write before.
+
+    Between them only usage and a ``Linger`` (moot when the end is already here).
+    """
+    if start >= len(actions) or not isinstance(actions[-1], Finish):
+        return False
+    return all(isinstance(a, (Usage, Linger)) for a in actions[start:-1])
+
+
+def _arrived(resp: aiohttp.ClientResponse) -> bool:
+    """Whether body bytes (or the body's end) of ``resp`` are here: a read will not wait."""
+    return resp.content.total_bytes > 0 or resp.content.is_eof()
+
+
 def _client_gone(request: web.Request) -> bool:
     transport = request.transport
     return transport is None or transport.is_closing()
 
 
 _Verdict = str  # "done" | "refold" | "retry"
+# Gate states after which nothing more may be fed: the driver acts on what it has first.
+_DECIDING: Final = (GateState.DONE, GateState.REFOLDING)
 
 
 class _Relay:
@@ -273,9 +341,12 @@ class _Relay:
                     ex.method,
                     self.target,
                     headers=self.headers,
-                    data=ex.outbound_chunks() if ex.outbound_holder is not None else None,
+                    data=(
+                        _OutboundBody(ex, ex.outbound_size)
+                        if ex.outbound_holder is not None
+                        else None
+                    ),
                     allow_redirects=False,
-                    skip_auto_headers=("Content-Type",),
                 )
         except TimeoutError:
             raise _UpstreamFailure(
@@ -390,7 +461,9 @@ class _Relay:
             may_resend=ex.retries < self.max_retries,
         )
         self.linger_until = None
-        verdict = await self._perform(gate.start(), resp=resp)
+        # When the answer's first bytes came with its head, the client's head waits
+        # for them (the next read returns at once): both leave in one write.
+        verdict = await self._perform(gate.start(), resp=resp, send_head=not _arrived(resp))
         ex.hold_response(gate.held_bytes())
         if verdict is not None:
             return verdict
@@ -428,7 +501,15 @@ class _Relay:
                 log.info("%s: upstream body read failed (%s)", self.ex.id, type(exc).__name__)
             return gate.end(clean=False, reason=_read_failure(exc))
         if decoder is None:
-            return gate.feed(chunk) if chunk else gate.end(clean=True)
+            if not chunk:
+                return gate.end(clean=True)
+            actions = gate.feed(chunk)
+            if resp.content.at_eof() and not gate.framed and gate.state not in _DECIDING:
+                # A plain answer (JSON) whose body ended with this chunk: the end goes in
+                # the same batch, so the answer leaves with it in one write. An event
+                # stream keeps a write per piece: a failure relaying one is a cut stream.
+                actions += gate.end(clean=True)
+            return actions
         try:
             if chunk:
                 decoder.feed(chunk)
@@ -448,7 +529,7 @@ class _Relay:
         pending = decoder.pending
         while pending:
             actions += gate.feed(pending.popleft())
-            if gate.state in (GateState.DONE, GateState.REFOLDING):
+            if gate.state in _DECIDING:
                 return actions
         if decoder.ended:
             failure = decoder.failure
@@ -463,11 +544,32 @@ class _Relay:
         *,
         resp: aiohttp.ClientResponse | None = None,
         outcome: Outcome = Outcome.STREAM_ERROR,
+        send_head: bool = True,
     ) -> _Verdict | None:
-        """Do what the gate asked, in order; a verdict once the answer is over."""
+        """Do what the gate asked, in order; a verdict once the answer is over.
+
+        A client head still waiting afterwards is sent (unless ``send_head`` is
+        false: the caller knows the next batch follows without waiting).
+        """
+        verdict = await self._perform_all(actions, resp, outcome)
+        if verdict is None and send_head:
+            self._send_head()
+        return verdict
+
+    async def _perform_all(
+        self, actions: list[Action], resp: aiohttp.ClientResponse | None, outcome: Outcome
+    ) -> _Verdict | None:
         ex = self.ex
-        for action in actions:
+        for index, action in enumerate(actions):
             if isinstance(action, Forward):
+                if _finishes(actions, index + 1):
+                    for rest in actions[index + 1 : -1]:
+                        if isinstance(rest, Usage):
+                            ex.set_usage(
+                                rest.input_tokens, rest.output_tokens, rest.cache_read_tokens
+                            )
+                    await self._write_last(action.data)
+                    return "done"
                 await self._write(action.data)
             elif isinstance(action, Accept):
                 ex.accept()
@@ -485,6 +587,7 @@ class _Relay:
             elif isinstance(action, Finish):
                 return "done"
             elif isinstance(action, Fail):
+                self._send_head()
                 self._fail(action, outcome)
                 return "done"
             elif isinstance(action, Refold):
@@ -531,12 +634,30 @@ class _Relay:
 
     async def _start_client(self, resp: aiohttp.ClientResponse) -> None:
         self.ex.mark_streaming()
-        client = web.StreamResponse(status=resp.status, headers=response_headers(resp.headers))
+        client = _ClientStream(status=resp.status, headers=response_headers(resp.headers))
         self.client = client
         try:
             await client.prepare(self.request)
         except ConnectionError as exc:
             raise ClientGone from exc
+
+    def _send_head(self) -> None:
+        """Send the client's response head if it still waits for body bytes."""
+        client = self.client
+        if client is not None and client.prepared and not _client_gone(self.request):
+            self.request.writer.send_headers()
+
+    async def _write_last(self, data: bytes) -> None:
+        """Write the answer's last bytes and its end at once (one write with a waiting head)."""
+        assert self.client is not None
+        if _client_gone(self.request):
+            raise ClientGone
+        # Handed to the connection below: a hang-up from now on is no failure (as
+        # the handler's own end of the answer, proxy/_app.py).
+        self.ex.response_complete()
+        with contextlib.suppress(ConnectionError):
+            await self.client.write_eof(data)
+        self.ex.count_response_bytes(len(data))
 
     async def _write(self, data: bytes) -> None:
         assert self.client is not None

@@ -97,6 +97,7 @@ class AppState:
             self._book,
             timeout=per_hook * (len(host.plugins) + 1),
             registry=self.metrics.registry,
+            hooked=bool(host.implementing("commit")),
         )
 
     async def _book(self, record: ExchangeRecord) -> None:

@@ -322,6 +322,11 @@ class StreamGate:
         """Whether :class:`Open` was emitted (the client got headers)."""
         return self._opened
 
+    @property
+    def framed(self) -> bool:
+        """Whether the answer is relayed event by event (SSE), not as plain bytes."""
+        return self._framer is not None
+
     def held_bytes(self) -> int:
         """Bytes of the answer the gate holds now: the held head or the partial-event
         tail, and the JSON head kept for usage."""
