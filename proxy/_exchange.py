@@ -17,6 +17,15 @@ outbound    raw itself; a :class:`~proxy._structure.Splice` :meth:`release` unle
             lives while it does); or the re-serialized      :meth:`drop_outbound`,
             body (whole-object path)                        :meth:`close`
 preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :meth:`close`
+headers     :meth:`Exchange.attach_headers` (the header     with the outbound body:
+            fields to send upstream, a copy built from      :meth:`release` unless a
+            the client's; a resend sends them again)        resend is still possible;
+                                                            :meth:`drop_outbound`,
+                                                            :meth:`close`
+head        the upstream answer's header fields (in         :meth:`mark_streaming`,
+            aiohttp's response object, with the request's   through the answer's
+            fields it keeps): read to build the client's    ``drop_head()``
+            response head, never again
 response    the relay's held stream head, JSON head and     the relay; accounted here
             partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
 ==========  ==============================================  ==========================
@@ -45,7 +54,8 @@ import enum
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+import typing
+from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from typing import Final
 
@@ -61,6 +71,7 @@ __all__ = [
     "TRANSITIONS",
     "BodyHolder",
     "Exchange",
+    "HeadHolder",
     "HeldBytes",
     "IllegalTransition",
     "Observer",
@@ -145,6 +156,13 @@ class Outcome(enum.StrEnum):
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
     STREAM_ERROR = "stream_error"
     ERROR = "error"
+
+
+class HeadHolder(typing.Protocol):
+    """What holds the upstream answer's head (the relay's ``UpstreamResponse``)."""
+
+    def drop_head(self) -> None:
+        """Forget the header fields (idempotent)."""
 
 
 #: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
@@ -232,6 +250,7 @@ class Exchange:
     __slots__ = (
         "_complete",
         "_draft",
+        "_headers",
         "_outbound",
         "_parsed",
         "_phase",
@@ -296,6 +315,7 @@ class Exchange:
         self._parsed: ParsedHolder | None = None
         self._draft: Draft | None = None
         self._outbound: BodyHolder | Splice | None = None
+        self._headers: MutableMapping[str, str] | None = None
         self._preparer: Preparer | None = None
         self.meta: WireMetadata | None = None
         self.session_id: str | None = None
@@ -405,6 +425,18 @@ class Exchange:
     def can_refold(self) -> bool:
         """Whether a refold is still possible: the body was read and not released yet."""
         return self._preparer is not None and self.meta is not None
+
+    def attach_headers(self, headers: MutableMapping[str, str]) -> None:
+        """Take the header fields to send upstream (every send uses them, a resend too).
+
+        They go with the outbound body: an idle open stream keeps neither.
+        """
+        self._headers = headers
+
+    @property
+    def outbound_headers(self) -> MutableMapping[str, str] | None:
+        """The header fields to send upstream, or ``None`` once dropped (no send can follow)."""
+        return self._headers
 
     @property
     def outbound_holder(self) -> BodyHolder | Splice | None:
@@ -587,11 +619,17 @@ class Exchange:
         self.release()
         self._move(Phase.ACCEPTED)
 
-    def mark_streaming(self) -> None:
-        """The first response byte is going to the client; no resend can follow."""
+    def mark_streaming(self, *, upstream_head: HeadHolder | None = None) -> None:
+        """The first response byte is going to the client; no resend can follow.
+
+        ``upstream_head``, the upstream's answer whose head the client's response
+        head was built from, forgets its header fields here.
+        """
         self._check(Phase.STREAMING)
-        if self._outbound is not None:
+        if self._outbound is not None or self._headers is not None:
             self.drop_outbound()
+        if upstream_head is not None:
+            upstream_head.drop_head()
         if self.ttfb is None:
             self.ttfb = time.monotonic() - self.started
         self._move(Phase.STREAMING)
@@ -603,8 +641,8 @@ class Exchange:
 
         Called as soon as no refold can follow: before the last send when the
         fold levels are used up (``keep_outbound=True``: that send still needs
-        the outbound body), else at :meth:`accept`. The outbound body survives
-        only while ``keep_outbound`` or ``keep_for_resend`` is set (a
+        the outbound body), else at :meth:`accept`. The outbound body and its
+        header fields survive only while ``keep_outbound`` or ``keep_for_resend`` is set (a
         fake-completion retry may still resend it); a later call without them
         drops it. Its digest and size stay as scalars either way. ``releases``
         is 1 once the drop has run, and never more.
@@ -612,6 +650,7 @@ class Exchange:
         before = self._held_total()
         if not (self.keep_for_resend or keep_outbound):
             self._outbound = None
+            self._headers = None
         if not self.releases:
             self.releases = 1
             self._preparer = None
@@ -620,10 +659,11 @@ class Exchange:
         self._freed(before)
 
     def drop_outbound(self) -> None:
-        """No resend can follow any more: let the outbound body go."""
+        """No resend can follow any more: let the outbound body and its header fields go."""
         before = self._held_total()
         self.keep_for_resend = False
         self._outbound = None
+        self._headers = None
         self._drop_raw()
         self._freed(before)
 
@@ -638,6 +678,7 @@ class Exchange:
         self.release()
         before = self._held_total()
         self._outbound = None
+        self._headers = None
         self.response_held = 0
         self._freed(before)
         self._move(Phase.CLOSED)

@@ -17,14 +17,14 @@ import collections
 import contextlib
 import logging
 import re
-from collections.abc import Mapping
-from typing import Final
+from collections.abc import Coroutine, Mapping
+from typing import Any, Final
 
 import aiohttp
 import aiohttp.payload
 from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from . import _protocols as protocols
 from ._cancel import orderly_cancel_reason
@@ -53,6 +53,7 @@ from ._stream import (
 __all__ = [
     "ClientGone",
     "Upstream",
+    "UpstreamResponse",
     "error_response",
     "relay",
 ]
@@ -108,6 +109,39 @@ def _read_failure(exc: BaseException) -> str:
     return "upstream closed the connection mid-answer"
 
 
+#: The header fields of an answer whose head was relayed (read-only, shared by all).
+_NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
+
+
+class UpstreamResponse(aiohttp.ClientResponse):
+    """aiohttp's client response, able to forget its head once it has been relayed.
+
+    Used as the session's ``response_class`` (aiohttp's documented extension
+    point). An answer streams for minutes; by then its header fields (parsed
+    and raw, the set-cookie copies) and the request's header fields kept in
+    ``request_info`` have been turned into the client's response head and are
+    never read again. Real upstreams send a few dozen fields (rate-limit
+    counters, trace ids, cookies): kilobytes per open stream.
+    ``tests/test_idle_stream.py`` pins the attributes this relies on.
+    """
+
+    def drop_head(self) -> None:
+        """Forget the response's and the request's header fields (idempotent).
+
+        ``headers`` and ``raw_headers`` are empty afterwards; the status, the
+        URL and the body stream are untouched.
+        """
+        self._headers = _NO_FIELDS
+        self._raw_headers = ()
+        self._raw_cookie_headers = None
+        self._cache.clear()
+        info = self._request_info
+        if info.headers is not _NO_FIELDS:
+            self._request_info = aiohttp.RequestInfo(
+                info.url, info.method, _NO_FIELDS, info.real_url
+            )
+
+
 class Upstream:
     """The upstream HTTP client: one pooled ``aiohttp.ClientSession`` for all exchanges.
 
@@ -137,6 +171,7 @@ class Upstream:
             # (aiohttp relays a gzip body without its trailer as complete).
             auto_decompress=False,
             trust_env=False,
+            response_class=UpstreamResponse,
         )
 
     def url(self, upstream: str, path: str, query: str) -> str:
@@ -293,7 +328,6 @@ class _Relay:
         "client",
         "ex",
         "gate",
-        "headers",
         "linger_until",
         "max_refolds",
         "max_retries",
@@ -317,7 +351,8 @@ class _Relay:
         self.ex = ex
         self.upstream = upstream
         self.target = target
-        self.headers = headers
+        # Owned by the exchange from here on: dropped with the outbound body.
+        ex.attach_headers(headers)
         self.max_refolds = settings.max_refolds
         self.max_retries = settings.fake_completion_retries
         self.retry_after = settings.retry_after
@@ -331,8 +366,11 @@ class _Relay:
 
     async def _send(self) -> aiohttp.ClientResponse:
         ex = self.ex
+        headers = ex.outbound_headers
+        if headers is None:
+            raise RuntimeError(f"{ex.id}: send after the outbound header fields were dropped")
         if ex.outbound_holder is not None:
-            self.headers["Content-Length"] = str(ex.outbound_size)
+            headers["Content-Length"] = str(ex.outbound_size)
         # Sent from here on: the upload and the wait for headers are one phase.
         ex.mark_sent()
         try:
@@ -340,7 +378,7 @@ class _Relay:
                 resp = await self.upstream.session.request(
                     ex.method,
                     self.target,
-                    headers=self.headers,
+                    headers=headers,
                     data=(
                         _OutboundBody(ex, ex.outbound_size)
                         if ex.outbound_holder is not None
@@ -374,67 +412,72 @@ class _Relay:
     # ---------------------------------------------------------------- main loop
 
     async def run(self) -> web.StreamResponse:
+        """The attempts, then the answer (or an error response to return)."""
+        ex = self.ex
+        # The loop and its cancel handling in one coroutine: each frame of the
+        # await chain lives as long as the stream, idle or not.
         try:
-            return await self._run()
+            while True:
+                if _client_gone(self.request):
+                    raise ClientGone
+                if not self._can_refold():
+                    # The release boundary comes before the last send: the parsed
+                    # body must not sit in memory while the upstream reads and thinks.
+                    ex.release(keep_outbound=True)
+                try:
+                    resp = await self._send()
+                except _UpstreamFailure as failure:
+                    ex.release()
+                    ex.conclude(failure.status, failure.outcome, failure.message)
+                    log.warning("%s %s: %s", ex.id, ex.protocol, failure.message)
+                    retry = (
+                        {"Retry-After": str(self.retry_after)} if failure.status == 503 else None
+                    )
+                    return error_response(
+                        ex.protocol, failure.status, failure.message, headers=retry
+                    )
+                try:
+                    verdict = await self._answer(resp)
+                finally:
+                    # Closing (not releasing) an unfinished response drops its connection,
+                    # which is how the upstream learns we are gone.
+                    if resp.content.at_eof():
+                        resp.release()
+                    else:
+                        resp.close()
+                if verdict == "done":
+                    if self.rejection is not None:
+                        return self.rejection
+                    assert self.client is not None
+                    return self.client
+                # A new attempt: what the last gate held (the head of a refolded answer) goes.
+                self.gate = None
+                ex.hold_response(0)
+                if verdict == "retry":
+                    ex.count_retry()
+                # "refold": the exchange already re-prepared itself; send again.
         except asyncio.CancelledError as exc:
             reason = orderly_cancel_reason(exc)
             if reason is None:
                 raise
-            # An orderly stop (session shutdown, process drain), not a client gone:
-            # the client still gets a well-formed end in its own protocol.
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
-            ex = self.ex
-            ex.release()
-            gate = self.gate
-            if self.client is not None and self.client.prepared and gate is not None:
-                await self._perform(
-                    gate.abort(reason.message, code=reason.code), outcome=Outcome.CANCELLED
-                )
-                return self.client
-            ex.conclude(503, Outcome.CANCELLED, reason.message)
-            # Like every 503 of the proxy: tell the client when to come back.
-            retry = {"Retry-After": str(self.retry_after)}
-            return error_response(ex.protocol, 503, reason.message, code=reason.code, headers=retry)
+            return await self._orderly_stop(reason.message, reason.code)
 
-    async def _run(self) -> web.StreamResponse:
+    async def _orderly_stop(self, message: str, code: str) -> web.StreamResponse:
+        """An orderly stop (session shutdown, process drain), not a client gone:
+        the client still gets a well-formed end in its own protocol."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
         ex = self.ex
-        while True:
-            if _client_gone(self.request):
-                raise ClientGone
-            if not self._can_refold():
-                # The release boundary comes before the last send: the parsed
-                # body must not sit in memory while the upstream reads and thinks.
-                ex.release(keep_outbound=True)
-            try:
-                resp = await self._send()
-            except _UpstreamFailure as failure:
-                ex.release()
-                ex.conclude(failure.status, failure.outcome, failure.message)
-                log.warning("%s %s: %s", ex.id, ex.protocol, failure.message)
-                retry = {"Retry-After": str(self.retry_after)} if failure.status == 503 else None
-                return error_response(ex.protocol, failure.status, failure.message, headers=retry)
-            try:
-                verdict = await self._answer(resp)
-            finally:
-                # Closing (not releasing) an unfinished response drops its connection,
-                # which is how the upstream learns we are gone.
-                if resp.content.at_eof():
-                    resp.release()
-                else:
-                    resp.close()
-            if verdict == "done":
-                if self.rejection is not None:
-                    return self.rejection
-                assert self.client is not None
-                return self.client
-            # A new attempt: what the last gate held (the head of a refolded answer) goes.
-            self.gate = None
-            ex.hold_response(0)
-            if verdict == "retry":
-                ex.count_retry()
-            # "refold": the exchange already re-prepared itself; send again.
+        ex.release()
+        gate = self.gate
+        if self.client is not None and self.client.prepared and gate is not None:
+            await self._perform(gate.abort(message, code=code), outcome=Outcome.CANCELLED)
+            return self.client
+        ex.conclude(503, Outcome.CANCELLED, message)
+        # Like every 503 of the proxy: tell the client when to come back.
+        retry = {"Retry-After": str(self.retry_after)}
+        return error_response(ex.protocol, 503, message, code=code, headers=retry)
 
     async def _answer(self, resp: aiohttp.ClientResponse) -> _Verdict:
         """Drive one upstream answer through a fresh gate: ``done``, ``refold`` or ``retry``."""
@@ -468,9 +511,32 @@ class _Relay:
         if verdict is not None:
             return verdict
         decoder = _Decoder(codings) if codings else None
+        content = resp.content
         try:
             while verdict is None:
-                verdict = await self._perform(await self._next(resp, gate, decoder), resp=resp)
+                # The read is awaited here, not in a helper coroutine: an idle
+                # stream waits in this frame, and every frame of the chain is
+                # held per open stream.
+                if decoder is not None and (decoder.pending or decoder.ended):
+                    actions = self._drain(gate, decoder)
+                else:
+                    try:
+                        if self.linger_until is None:
+                            chunk = await content.readany()
+                        else:
+                            async with asyncio.timeout_at(self.linger_until):
+                                chunk = await content.readany()
+                    except (
+                        aiohttp.ClientPayloadError,
+                        aiohttp.ClientConnectionError,
+                        TimeoutError,
+                    ) as exc:
+                        actions = self._read_failed(gate, exc)
+                    else:
+                        actions = self._take(content, gate, decoder, chunk)
+                        del chunk  # not held while the next read waits
+                verdict = await self._perform(actions, resp=resp)
+                del actions  # the events written: not held while the next read waits
                 # The response side's buffers (held head, partial-event tail, JSON head).
                 ex.hold_response(gate.held_bytes())
         finally:
@@ -478,33 +544,32 @@ class _Relay:
                 decoder.release()
         return verdict
 
-    async def _next(
-        self, resp: aiohttp.ClientResponse, gate: StreamGate, decoder: _Decoder | None
+    def _read_failed(self, gate: StreamGate, exc: BaseException) -> list[Action]:
+        """The body read failed (or the grace after the terminal event ran out)."""
+        if self.linger_until is not None:
+            log.info(
+                "%s: upstream did not end its body after the final event (%s); closed it",
+                self.ex.id,
+                type(exc).__name__,
+            )
+        else:
+            log.info("%s: upstream body read failed (%s)", self.ex.id, type(exc).__name__)
+        return gate.end(clean=False, reason=_read_failure(exc))
+
+    def _take(
+        self,
+        content: aiohttp.StreamReader,
+        gate: StreamGate,
+        decoder: _Decoder | None,
+        chunk: bytes,
     ) -> list[Action]:
-        """Give the gate the next piece of the answer (decoded), reading when none waits."""
-        if decoder is not None and (decoder.pending or decoder.ended):
-            return self._drain(gate, decoder)
-        try:
-            if self.linger_until is None:
-                chunk = await resp.content.readany()
-            else:
-                async with asyncio.timeout_at(self.linger_until):
-                    chunk = await resp.content.readany()
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
-            if self.linger_until is not None:
-                log.info(
-                    "%s: upstream did not end its body after the final event (%s); closed it",
-                    self.ex.id,
-                    type(exc).__name__,
-                )
-            else:
-                log.info("%s: upstream body read failed (%s)", self.ex.id, type(exc).__name__)
-            return gate.end(clean=False, reason=_read_failure(exc))
+        """Give the gate the chunk just read from ``content`` (``b""``: the body ended),
+        decoded first."""
         if decoder is None:
             if not chunk:
                 return gate.end(clean=True)
             actions = gate.feed(chunk)
-            if resp.content.at_eof() and not gate.framed and gate.state not in _DECIDING:
+            if content.at_eof() and not gate.framed and gate.state not in _DECIDING:
                 # A plain answer (JSON) whose body ended with this chunk: the end goes in
                 # the same batch, so the answer leaves with it in one write. An event
                 # stream keeps a write per piece: a failure relaying one is a cut stream.
@@ -633,8 +698,9 @@ class _Relay:
                 transport.close()
 
     async def _start_client(self, resp: aiohttp.ClientResponse) -> None:
-        self.ex.mark_streaming()
         client = _ClientStream(status=resp.status, headers=response_headers(resp.headers))
+        # The upstream's head is in the client's now: the exchange lets it go.
+        self.ex.mark_streaming(upstream_head=resp if isinstance(resp, UpstreamResponse) else None)
         self.client = client
         try:
             await client.prepare(self.request)
@@ -668,7 +734,7 @@ class _Relay:
         self.ex.count_response_bytes(len(data))
 
 
-async def relay(
+def relay(
     request: web.Request,
     ex: Exchange,
     upstream: Upstream,
@@ -676,17 +742,20 @@ async def relay(
     target: str,
     headers: CIMultiDict[str],
     settings: Settings,
-) -> web.StreamResponse:
-    """Send ``ex`` to ``target`` and relay the answer to ``request``'s client.
+) -> Coroutine[Any, Any, web.StreamResponse]:
+    """Send ``ex`` to ``target`` and relay the answer to ``request``'s client (awaitable).
 
-    Returns the response already prepared and written (or a plain error
-    response to return). Upstream 4xx/5xx pass through with their status and
-    body; unreachable → 502, no headers in time → 504, both in the client's
-    protocol shape; a stream that dies mid-way ends with an in-band error event.
+    The header fields go to ``ex`` (:meth:`Exchange.attach_headers`), which
+    drops them when no send can follow. Returns the response already
+    prepared and written (or a plain error response to return). Upstream
+    4xx/5xx pass through with their status and body; unreachable → 502, no
+    headers in time → 504, both in the client's protocol shape; a stream that
+    dies mid-way ends with an in-band error event.
 
     Raises:
         ClientGone: the client disconnected; the upstream request was closed.
         asyncio.CancelledError: the handler was cancelled (the upstream
             request is closed on the way out).
     """
-    return await _Relay(request, ex, upstream, target, headers, settings).run()
+    # The coroutine itself, not awaited here: one frame less held per open stream.
+    return _Relay(request, ex, upstream, target, headers, settings).run()

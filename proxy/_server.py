@@ -127,12 +127,14 @@ class _Server(web.Server):
         expect_refusal: ExpectRefusal | None,
         **kwargs: Any,
     ) -> None:
-        async def guarded(request: web.BaseRequest) -> web.StreamResponse:
+        def guarded(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+            # Returns the handler's coroutine instead of awaiting it: a frame of
+            # its own would be held for as long as the request runs (a stream).
             expect = request.headers.get(hdrs.EXPECT)
             if expect is not None and expect.strip().lower() != "100-continue":
                 assert expect_refusal is not None
-                return await expect_refusal(request)
-            return await handler(request)
+                return expect_refusal(request)
+            return handler(request)
 
         super().__init__(handler if expect_refusal is None else guarded, *args, **kwargs)
         self._header_timeout = header_timeout

@@ -11,7 +11,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
@@ -24,7 +25,7 @@ from ._exchange import Exchange
 from ._metrics import Metrics
 from ._plugins import ExchangeRecord, PluginHost
 from ._relay import Upstream
-from ._sessions import SessionRegistry
+from ._sessions import SessionRegistry, Tracking
 
 if TYPE_CHECKING:
     from ._cluster import ClusterNode
@@ -118,28 +119,18 @@ class AppState:
         if left:
             log.warning("session %s closed with %d commit(s) still running", sid, left)
 
-    @contextlib.asynccontextmanager
-    async def admitted(
-        self, sid: str | None, ex: Exchange, task: asyncio.Task[Any]
-    ) -> AsyncIterator[None]:
+    def admitted(self, sid: str | None, ex: Exchange, task: asyncio.Task[Any]) -> ExchangeAdmission:
         """Admission of one exchange, for ``async with`` around the whole exchange.
 
         In cluster mode, first the cluster's (tombstone check + in-flight entry
         in Redis, one round trip), then the registry's ``track``; leaving undoes
-        both, also on cancellation.
+        both, also on cancellation. See :class:`ExchangeAdmission`.
 
         Raises:
             proxy._sessions.SessionClosed: on entry, the session is tombstoned
                 (in Redis or locally).
         """
-        cluster = self.cluster
-        async with (
-            cluster.admitted(sid, ex.id, lambda: ex.outcome == "cancelled")
-            if cluster is not None
-            else contextlib.nullcontext()
-        ):
-            with self.registry.track(sid, task):
-                yield
+        return ExchangeAdmission(self, sid, ex, task)
 
     async def drain(self, grace: float) -> None:
         """Stop admitting, give in-flight handlers ``grace`` seconds, then cancel them.
@@ -174,6 +165,64 @@ class AppState:
                 log.error("closing a session failed at shutdown: %s", exc)
         await self.host.shutdown()
         self.allocator.close()
+
+
+class ExchangeAdmission:
+    """The ``async with`` of :meth:`AppState.admitted`: cluster entry, then local tracking.
+
+    A slotted object rather than an ``asynccontextmanager``: it lives for the
+    whole exchange, an idle open stream included, and a suspended async
+    generator with its frame costs several times its size per stream.
+    """
+
+    __slots__ = ("_cluster", "_ex", "_sid", "_state", "_task", "_tracking")
+
+    def __init__(
+        self, state: AppState, sid: str | None, ex: Exchange, task: asyncio.Task[Any]
+    ) -> None:
+        self._state = state
+        self._sid = sid
+        self._ex = ex
+        self._task = task
+        self._cluster: contextlib.AbstractAsyncContextManager[object] | None = None
+        self._tracking: Tracking | None = None
+
+    async def __aenter__(self) -> None:
+        state, ex = self._state, self._ex
+        if state.cluster is not None:
+            cluster = state.cluster.admitted(self._sid, ex.id, lambda: ex.outcome == "cancelled")
+            await cluster.__aenter__()
+            self._cluster = cluster
+        try:
+            tracking = state.registry.track(self._sid, self._task)
+            tracking.__enter__()
+        except BaseException as exc:
+            await self._leave_cluster(type(exc), exc, exc.__traceback__)
+            raise
+        self._tracking = tracking
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        tracking, self._tracking = self._tracking, None
+        try:
+            if tracking is not None:
+                tracking.__exit__(exc_type, exc, tb)
+        finally:
+            await self._leave_cluster(exc_type, exc, tb)
+
+    async def _leave_cluster(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        cluster, self._cluster = self._cluster, None
+        if cluster is not None:
+            await cluster.__aexit__(exc_type, exc, tb)
 
 
 def _cluster_node(settings: Settings, registry: SessionRegistry) -> ClusterNode | None:

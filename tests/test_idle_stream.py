@@ -1,0 +1,213 @@
+"""What an open, idle stream keeps (issue 11 item 5; docs/design.md §2, "streaming").
+
+While an answer streams, nothing the request needed to be *sent* may stay: the
+header fields built for the upstream request (kept until then for a resend)
+and the upstream answer's head, once the client's response head has been
+built from it (aiohttp's response object would keep its parsed fields, and the
+request's fields in ``request_info``, for as long as the body streams).
+
+Proved the two ways the guide asks for: a ``weakref.finalize`` on each holder
+(with the cyclic GC off, so reference counting alone must free them), and
+tracemalloc over many open streams held by an emulator in another process,
+against a negative control in which nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import tracemalloc
+import weakref
+from collections.abc import AsyncIterator, Iterator, MutableMapping
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy._exchange import Exchange
+from proxy._relay import UpstreamResponse
+from tests.test_lifetime_support import CHAT, SubprocessEmulator, proxy_at
+
+#: Streams held open at once for the tracemalloc figure.
+STREAMS = 8
+#: Bytes the step into streaming frees per stream beyond the control: the header
+#: containers (~230 B measured with the emulator's small head; the strings stay with
+#: aiohttp's parser until the connection's next message; a real upstream's few dozen
+#: fields free more).
+MIN_FREED_PER_STREAM = 160
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[SubprocessEmulator]:
+    with SubprocessEmulator() as emu:
+        yield emu
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        yield session
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    """Reference counting alone must free what is dropped (no cycle collector)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _body() -> bytes:
+    return json.dumps(
+        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    ).encode()
+
+
+class Holders:
+    """Finalizers on the header holders of every exchange (forwarded fields, upstream head)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.fired: list[str] = []
+        attach = Exchange.attach_headers
+        start = UpstreamResponse.start
+
+        def attach_headers(ex: Exchange, headers: MutableMapping[str, str]) -> None:
+            weakref.finalize(headers, self.fired.append, "forwarded fields")
+            attach(ex, headers)
+
+        async def started(resp: UpstreamResponse, connection: Any) -> UpstreamResponse:
+            out = await start(resp, connection)
+            weakref.finalize(resp.headers, self.fired.append, "upstream head")
+            weakref.finalize(resp.request_info.headers, self.fired.append, "request_info fields")
+            return out
+
+        monkeypatch.setattr(Exchange, "attach_headers", attach_headers)
+        monkeypatch.setattr(UpstreamResponse, "start", started)
+
+
+def _keep_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The negative control: the header fields and the upstream head are never dropped."""
+    kept: list[object] = []
+    attach = Exchange.attach_headers
+
+    def attach_and_keep(ex: Exchange, headers: MutableMapping[str, str]) -> None:
+        kept.append(headers)
+        attach(ex, headers)
+
+    monkeypatch.setattr(Exchange, "attach_headers", attach_and_keep)
+    monkeypatch.setattr(UpstreamResponse, "drop_head", lambda self: None)
+
+
+async def _open_held(
+    http: aiohttp.ClientSession, url: str, key: str
+) -> tuple[aiohttp.ClientResponse, bytes]:
+    # Held after the first text delta: a gated stream (resend armed) has opened by then.
+    headers = {"Content-Type": "application/json", "x-emulator": f"hold={key}; stall_after=2"}
+    resp = await http.post(url + CHAT, data=_body(), headers=headers)
+    assert resp.status == 200
+    first = await resp.content.readany()
+    assert first.startswith(b"data: ")
+    return resp, first
+
+
+@pytest.mark.parametrize("drops", [True, False], ids=["drops", "negative-control"])
+async def test_an_open_stream_holds_neither_the_forwarded_fields_nor_the_upstream_head(
+    drops: bool,
+    emulator: SubprocessEmulator,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    no_gc: None,
+) -> None:
+    holders = Holders(monkeypatch)
+    if not drops:
+        _keep_everything(monkeypatch)
+    key = f"head-{drops}"
+    await emulator.reset(http)
+    # A resend feature armed: the fields must survive acceptance, and go at the first byte.
+    async with proxy_at(emulator.url, [], fake_completion_retries=1) as proxy:
+        resp, first = await _open_held(http, proxy.url, key)
+        try:
+            (ex,) = proxy.state.exchanges.values()
+            fired_while_open = sorted(holders.fired)
+            outbound_headers = ex.outbound_headers
+        finally:
+            await emulator.release(http, key)
+            rest = await resp.read()
+            resp.release()
+    assert b"[DONE]" in first + rest
+    if drops:
+        assert fired_while_open == ["forwarded fields", "request_info fields", "upstream head"]
+        assert outbound_headers is None
+    else:
+        assert fired_while_open == [], "the control shows every holder still alive"
+
+
+async def test_a_resend_still_sends_the_forwarded_fields(
+    emulator: SubprocessEmulator, http: aiohttp.ClientSession
+) -> None:
+    """The fields are kept for a fake-completion resend: the second request carries them."""
+    await emulator.reset(http)
+    async with proxy_at(emulator.url, [], fake_completion_retries=1) as proxy:
+        headers = {
+            "Content-Type": "application/json",
+            "x-emulator": "empty_times=1",
+            "x-emulator-key": "resend-fields",
+        }
+        async with http.post(proxy.url + CHAT, data=_body(), headers=headers) as resp:
+            assert resp.status == 200
+            answer = await resp.read()
+    # The second answer (not empty: the fake completion was resent) reached the client.
+    assert b"[DONE]" in answer and b"chatcmpl-emu000002" in answer
+    assert re.search(rb'"content": ?"[^"]', answer) is not None
+    records = await emulator.records(http)
+    # Both requests carried the client's fields (the script) and the whole body.
+    assert [(r["script"], r["body_bytes"]) for r in records] == [
+        ("empty_times=1", len(_body()))
+    ] * 2
+
+
+async def test_the_first_byte_frees_the_header_fields_by_tracemalloc(
+    emulator: SubprocessEmulator,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+    no_gc: None,
+) -> None:
+    """Traced bytes freed by the step into streaming, per stream, against the control
+    (the event loop runs one step at a time, so the difference across the call is what
+    that call let go; in both runs it also frees the small outbound body)."""
+    freed: list[int] = []
+    mark = Exchange.mark_streaming
+
+    def measured(ex: Exchange, *, upstream_head: Any = None) -> None:
+        before = tracemalloc.get_traced_memory()[0]
+        mark(ex, upstream_head=upstream_head)
+        freed.append(before - tracemalloc.get_traced_memory()[0])
+
+    monkeypatch.setattr(Exchange, "mark_streaming", measured)
+
+    async def freed_per_stream(key: str) -> float:
+        freed.clear()
+        await emulator.reset(http)
+        async with proxy_at(emulator.url, [], fake_completion_retries=1) as proxy:
+            tracemalloc.start(1)
+            try:
+                opened = [await _open_held(http, proxy.url, key) for _ in range(STREAMS)]
+            finally:
+                tracemalloc.stop()
+                await emulator.release(http, key)
+            for resp, _ in opened:
+                await resp.read()
+                resp.release()
+        assert len(freed) == STREAMS
+        return sum(freed) / STREAMS
+
+    ours = await freed_per_stream("traced-drops")
+    _keep_everything(monkeypatch)
+    control = await freed_per_stream("traced-control")
+    assert ours - control >= MIN_FREED_PER_STREAM, (ours, control)
