@@ -23,6 +23,7 @@ the emulator's default 3-delta answer): the emulator **direct**, **this proxy**
   RSS growth over the idle process divided by the stream count is the memory
   each open idle stream costs. These requests carry a ~37 KB history
   (``build_body``'s smallest), which the naive proxy keeps per stream.
+  Target: at most ``IDLE_STREAM_TARGET_BYTES`` (24 KiB) per stream for this proxy.
 
 Outputs in ``--out``: ``overhead.json``, ``overhead.md``.
 """
@@ -64,6 +65,7 @@ from .memory import CONTEXT_SETTINGS, run_command
 __all__ = [
     "ADDED_LATENCY_SLACK",
     "CPU_RATIO_TARGET",
+    "IDLE_STREAM_TARGET_BYTES",
     "RPS_RATIO_TARGET",
     "SEQUENTIAL_LATENCY_SLACK",
     "command",
@@ -78,6 +80,8 @@ ADDED_LATENCY_SLACK: Final = 0.002
 RPS_RATIO_TARGET: Final = 1.0
 #: This proxy's CPU seconds per request at most this multiple of the naive proxy's.
 CPU_RATIO_TARGET: Final = 1.0
+#: Bytes of RSS one open idle stream may cost this proxy (issue 11 item 5).
+IDLE_STREAM_TARGET_BYTES: Final = 24 * 1024
 _THROUGHPUT_ROUNDS: Final = 4
 _SMALL_BYTES: Final = 2048
 _WARMUP: Final = 20
@@ -542,23 +546,38 @@ def _throughput_table(results: Results, args: argparse.Namespace) -> rpt.Table:
     return table
 
 
-def _streams_table(results: Results) -> rpt.Table:
+def _streams_table(results: Results, args: argparse.Namespace) -> rpt.Table:
     table = rpt.Table(
-        title="Memory per open idle stream (answers held open by the upstream)",
-        columns=("proxy", "streams open", "idle RSS", "RSS with streams", "per stream", "÷ naive"),
+        title=(
+            "Memory per open idle stream (answers held open by the upstream), "
+            f"both on {args.event_loop}"
+        ),
+        columns=(
+            "proxy",
+            "streams open",
+            "idle RSS",
+            "RSS with streams",
+            "per stream",
+            "÷ naive",
+            "target",
+            "verdict",
+        ),
     )
     naive = next((s for s in results.streams if s.proxy.startswith("naive")), None)
     for figures in results.streams:
         ratio = (
             figures.per_stream / naive.per_stream if naive and naive.per_stream > 0 else math.nan
         )
+        ours = figures.proxy.startswith("ours")
         table.add(
-            "ours" if figures.proxy.startswith("ours") else "naive",
+            "ours" if ours else "naive",
             f"{figures.opened}/{figures.streams}",
             rpt.fmt_bytes(figures.idle_rss),
             rpt.fmt_bytes(figures.held_rss),
             rpt.fmt_bytes(figures.per_stream),
             rpt.fmt_ratio(ratio),
+            f"<= {rpt.fmt_bytes(IDLE_STREAM_TARGET_BYTES)}" if ours else "",
+            rpt.verdict(figures.per_stream, IDLE_STREAM_TARGET_BYTES) if ours else "",
         )
     table.notes.append("per stream: (RSS with all streams open - idle RSS) / streams.")
     return table
@@ -579,6 +598,7 @@ def _document(results: Results, args: argparse.Namespace, argv: Sequence[str]) -
             "sequential_latency_slack_s": SEQUENTIAL_LATENCY_SLACK,
             "added_latency_slack_s": ADDED_LATENCY_SLACK,
             "event_loop": args.event_loop,
+            "idle_stream_target_bytes": IDLE_STREAM_TARGET_BYTES,
         },
         "sequential": {name: t.summary() for name, t in results.sequential.items()},
         "concurrent": {name: t.summary() for name, t in results.concurrent.items()},
@@ -624,7 +644,7 @@ def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     tables = [
         _latency_table(results, args),
         _throughput_table(results, args),
-        _streams_table(results),
+        _streams_table(results, args),
     ]
     for table in tables:
         reporter.print_table(table)
