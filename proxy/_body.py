@@ -41,6 +41,7 @@ from ._coding import (
     BodyTooLarge,
     ContentDecoder,
     encoded_size_cap,
+    io_piece_bytes,
     parse_content_encoding,
 )
 
@@ -65,11 +66,6 @@ __all__ = [
 DEFAULT_CHUNK_BYTES: Final = 256 * 1024
 """Bytes asked of the payload per read; also the size of one decoded piece."""
 
-#: A declared body is read in pieces of at most 1/_READS_PER_BODY of its size (but not
-#: under _MIN_READ_BYTES): each piece is a transient copy beside the presized buffer, so
-#: a fixed 256 KiB piece would be a quarter of a 1 MiB body (issue 11 item 4).
-_READS_PER_BODY: Final = 16
-_MIN_READ_BYTES: Final = 16 * 1024
 #: Stands in for the read deadline when no read can wait (reusable, stateless).
 _NO_TIMER: Final = contextlib.nullcontext()
 
@@ -270,7 +266,7 @@ async def read_body(
     sink = BodySink(limit, None if codings else content_length)
     if content_length is not None and not codings:
         # Only ever smaller than asked: the transient piece scales with the body.
-        chunk_bytes = min(chunk_bytes, max(_MIN_READ_BYTES, content_length // _READS_PER_BODY))
+        chunk_bytes = io_piece_bytes(content_length, chunk_bytes)
     decoder: ContentDecoder | None = None
     if codings:
         piece = max(chunk_bytes, ZSTD_BLOCK_MAX_BYTES)

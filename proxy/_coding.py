@@ -39,6 +39,7 @@ __all__ = [
     "BodyTooLarge",
     "ContentDecoder",
     "encoded_size_cap",
+    "io_piece_bytes",
     "parse_content_encoding",
     "reserve",
 ]
@@ -57,6 +58,27 @@ make the decoder allocate hundreds of megabytes."""
 ZSTD_BLOCK_MAX_BYTES: Final = 128 * 1024
 """Most bytes one zstd block regenerates, whatever its type (RFC 8878 section 3.1.1.2.4:
 Block_Maximum_Size is min(Window_Size, 128 KB)); the smallest useful decoder piece."""
+
+PIECES_PER_BODY: Final = 16
+"""A body moves through I/O in pieces of at most 1/16 of its size (:func:`io_piece_bytes`)."""
+
+MIN_PIECE_BYTES: Final = 16 * 1024
+"""The smallest I/O piece: below this the per-call cost outweighs the memory saved."""
+
+
+def io_piece_bytes(body_bytes: int, most: int) -> int:
+    """Bytes per I/O piece (a read from the client, a slice sent upstream) for a body.
+
+    Each piece is a transient beside the body's one buffer (a copy read off the
+    payload, a slice the socket transport could not send at once and copied), so
+    a fixed piece size is a fixed cost that a small body pays as a large share:
+    a 256 KiB piece is a quarter of a 1 MiB body (issue 11 item 4). The piece is
+    1/:data:`PIECES_PER_BODY` of ``body_bytes``, never under :data:`MIN_PIECE_BYTES`
+    and never over ``most`` (the caller's cap, e.g. 256 KiB, which keeps large
+    bodies to few calls). A ``most`` under the floor wins (the caller asked for
+    less). Both sizes in bytes; returns at least 1.
+    """
+    return max(1, min(most, max(MIN_PIECE_BYTES, body_bytes // PIECES_PER_BODY)))
 
 
 # --------------------------------------------------------------------------- errors

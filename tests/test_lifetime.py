@@ -37,7 +37,15 @@ from aiohttp import web
 from proxy import _coding as coding_module
 from proxy import _wire as wire
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
-from proxy._exchange import SEND_SLICE_BYTES, Exchange, HeldBytes, Phase, Preparer, null_lock
+from proxy._exchange import (
+    SEND_SLICE_MAX_BYTES,
+    Exchange,
+    HeldBytes,
+    Phase,
+    Preparer,
+    null_lock,
+    send_slice_bytes,
+)
 from proxy._plugins import BodyUnavailable, ExchangeRecord, Plugin, PluginHost, PrepareContext
 from proxy._protocols import Protocol
 from proxy._structure import Splice
@@ -295,14 +303,41 @@ async def test_outbound_chunks_are_views_of_the_one_buffer() -> None:
     holder = ex.outbound_holder
     assert holder is not None
     pieces = [piece async for piece in ex.outbound_chunks()]
-    assert len(pieces) == -(-len(body) // SEND_SLICE_BYTES) > 1
-    for piece in pieces:
-        assert isinstance(piece, memoryview)
-        assert piece.obj is holder.data  # a view of the buffer, not a copy
-        assert len(piece) <= SEND_SLICE_BYTES
+    # ~1.2 MB: slices of 1/16 of the body, not a fixed 256 KiB (a quarter of it).
+    piece = len(body) // 16
+    assert 16 * 1024 < piece < SEND_SLICE_MAX_BYTES
+    assert [len(p) for p in pieces[:-1]] == [piece] * (len(pieces) - 1)
+    assert len(pieces) == -(-len(body) // piece)
+    for view in pieces:
+        assert isinstance(view, memoryview)
+        assert view.obj is holder.data  # a view of the buffer, not a copy
     assert b"".join(pieces) == body
     # A second pass (a resend) sends the same bytes again.
     assert b"".join([piece async for piece in ex.outbound_chunks()]) == body
+
+
+@pytest.mark.parametrize(
+    ("body_bytes", "expected"),
+    [
+        (1_000, 16 * 1024),  # floor: tiny bodies go in one 16 KiB-bounded slice
+        (100_000, 16 * 1024),  # 1/16 would be 6 KB: the floor holds
+        (1 << 20, 64 * 1024),  # 1 MiB: 1/16, not 256 KiB
+        (3_000_000, 187_500),
+        (16 << 20, 256 * 1024),  # cap: large bodies stay in few slices
+        (64 << 20, 256 * 1024),
+    ],
+)
+async def test_send_slices_scale_with_the_body_within_bounds(
+    body_bytes: int, expected: int
+) -> None:
+    assert send_slice_bytes(body_bytes) == expected
+    frame = b'{"model":"m","messages":[{"role":"user","content":"%s"}]}'
+    body = frame % (b"x" * (body_bytes - len(frame) + 2))
+    assert len(body) == body_bytes
+    ex = exchange_for(body, [])
+    sizes = [len(piece) async for piece in ex.outbound_chunks()]
+    assert max(sizes) == min(expected, body_bytes)
+    assert sum(sizes) == body_bytes
 
 
 async def test_fold_refolds_through_the_view_without_a_tree_or_a_joined_copy(
@@ -864,7 +899,9 @@ async def test_changed_body_is_serialized_once_and_sent_as_views(
     assert record.wire_digest == xxhash.xxh3_128_hexdigest(body)
     assert len(sent) > 1
     assert all(is_view and of_buffer for is_view, of_buffer, _ in sent)
-    assert max(size for _, _, size in sent) <= SEND_SLICE_BYTES
+    # Slices scale with the body sent (1/16 of ~1.2 MB), below the 256 KiB cap.
+    assert max(size for _, _, size in sent) == send_slice_bytes(record.outbound_bytes)
+    assert send_slice_bytes(record.outbound_bytes) < SEND_SLICE_MAX_BYTES
     assert sum(size for _, _, size in sent) == record.outbound_bytes == upstream.body_bytes
 
 

@@ -1126,3 +1126,26 @@ def test_64mb_chat_body_structure_costs_under_3mb() -> None:
     assert meta.message_count == count
     assert (meta.model, meta.stream, meta.byte_length) == ("gpt-4.1", True, len(body))
     assert time.monotonic() - started < 10
+
+
+def test_utf8_check_of_a_1mib_body_costs_a_small_share_of_it() -> None:
+    # Mostly ASCII with an emoji now and then: each decoded slice becomes a str of 4
+    # bytes per character (issue 11 item 4: with 128 KiB slices that peaked at ~1 B).
+    text = ("plain words and code() " * 170 + "\U0001f600 ") * 300
+    body = msgspec.json.encode(
+        {
+            "model": "gpt-4.1",
+            "messages": [
+                {"role": "user", "content": text[i : i + 4096]} for i in range(0, len(text), 4096)
+            ],
+        }
+    )
+    assert 1 << 20 <= len(body) < 5 * 2**20 // 4
+    tracemalloc.start()
+    try:
+        meta = compute_wire_metadata(CHAT, body, digest_bytes(body))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert meta.byte_length == len(body) and meta.comparable is True
+    assert peak < len(body) // 20, f"peak {peak} bytes for a {len(body)}-byte body"
