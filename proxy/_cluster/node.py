@@ -185,6 +185,7 @@ class ClusterNode:
         "_pending_closes",
         "_pending_deregs",
         "_served",
+        "_started",
         "_tailer",
         "_tasks",
         "_tip",
@@ -236,6 +237,7 @@ class ClusterNode:
         self._heartbeat: asyncio.Task[None] | None = None
         self._tailer: asyncio.Task[None] | None = None
         self._tip: str | None = None
+        self._started = 0.0  # loop time of start(), for a tip taken only at the reconcile
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -243,13 +245,15 @@ class ClusterNode:
         """Find the close stream's tip and start the heartbeat and the tailer.
 
         Redis unreachable at start: the node starts degraded (logged) and
-        catches up once the heartbeat reaches it. Never raises for an outage.
+        catches up once the heartbeat reaches it, closes announced since this
+        call included. Never raises for an outage.
         """
+        loop = asyncio.get_running_loop()
+        self._started = loop.time()
         try:
             self._tip = await self.store.stream_tip()
         except ClusterUnavailable as exc:
             self._set_degraded(exc)
-        loop = asyncio.get_running_loop()
         self._heartbeat = loop.create_task(self._heartbeat_loop(), name="cluster-heartbeat")
         self._tailer = loop.create_task(self._tail_loop(), name="cluster-close-tailer")
 
@@ -471,7 +475,12 @@ class ClusterNode:
         await store.refresh(dict(self._entries), self.heartbeat_ttl, readd=True)
         await self._flush_pending()
         if self._tip is None:
-            self._tip = await store.stream_tip()
+            # Started during the outage: the tail starts where the stream stood when this
+            # node started, not now, or the closes announced meanwhile (for sessions it
+            # may have admitted with its local view) would never reach it. Measured on
+            # Redis's clock (stream ids are its milliseconds): no clock skew between hosts.
+            since = asyncio.get_running_loop().time() - self._started + store.timeout
+            self._tip = await store.tip_since(since)
         was = self.degraded_since
         self.degraded = False
         self.degraded_since = None

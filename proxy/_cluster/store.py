@@ -14,6 +14,7 @@ request waiting on Redis is a request the proxy is not serving.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -249,6 +250,18 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
         return str(newest[0][0]) if newest else "0-0"
+
+    async def tip_since(self, seconds: float) -> str:
+        """A stream id older than every close command added in the last ``seconds``
+        seconds, by Redis's own clock (``TIME``): a tailer reading after it misses none
+        of them. ``0-0`` when ``seconds`` reaches back before the epoch."""
+        try:
+            now_s, now_us = await self._client.time()
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        # Ids are "<ms>-<seq>"; XREAD returns ids after the one given, so one ms earlier.
+        ms = int(now_s) * 1000 + int(now_us) // 1000 - math.ceil(seconds * 1000) - 1
+        return f"{ms}-0" if ms > 0 else "0-0"
 
     async def prune(self, sid: str) -> int:
         """Expire entries past their deadline (counted in the tally); entries left."""
