@@ -19,7 +19,7 @@ import enum
 import json
 import random
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -242,6 +242,42 @@ _SYSTEM: Final = (
 )
 
 
+def _history_start(
+    protocol: BenchProtocol, *, usage: bool, user_id: str | None
+) -> tuple[bytes, Callable[[Turn], dict[str, Any]], list[bytes]]:
+    """The start of a request body in ``protocol``'s shape, up to its open history list.
+
+    Returns ``(prefix, render, pieces)``: the JSON text up to and including the
+    history's ``[``, the function that turns a :class:`Turn` into one history item,
+    and the items that open every history (chat's system message). ``usage``: a
+    chat request asks for usage in its stream (``stream_options``); ``user_id``: an
+    Anthropic request names its user in ``metadata``.
+    """
+    pieces: list[bytes] = []
+    render: Callable[[Turn], dict[str, Any]]
+    if protocol is BenchProtocol.CHAT:
+        head: dict[str, Any] = {"model": "gpt-4.1", "stream": True}
+        if usage:
+            head["stream_options"] = {"include_usage": True}
+        head["max_tokens"] = 4096
+        key, render = "messages", _chat_message
+        pieces.append(_dumps({"role": "system", "content": _SYSTEM}))
+    elif protocol is BenchProtocol.RESPONSES:
+        head = {"model": "gpt-4.1", "stream": True, "instructions": _SYSTEM, "store": False}
+        key, render = "input", _responses_item
+    else:
+        head = {
+            "model": "claude-sonnet-4",
+            "stream": True,
+            "max_tokens": 4096,
+            "system": [{"type": "text", "text": _SYSTEM}],
+        }
+        if user_id is not None:
+            head["metadata"] = {"user_id": user_id}
+        key, render = "messages", _anthropic_message
+    return _dumps(head)[:-1] + b',"' + key.encode() + b'":[', render, pieces
+
+
 def build_body(protocol: BenchProtocol, size: int, corpus: Corpus, *, seed: int = 1) -> bytes:
     """A streamed request body of about ``size`` bytes (a little over, never under,
     for ``size`` above a few KiB) in ``protocol``'s shape, ending with a user turn.
@@ -249,31 +285,7 @@ def build_body(protocol: BenchProtocol, size: int, corpus: Corpus, *, seed: int 
     ``"model"`` and ``"stream": true`` come first, as real clients send them (the
     emulator only scans the ends of bodies over 8 MiB). Returns UTF-8 JSON bytes.
     """
-    if protocol is BenchProtocol.CHAT:
-        head = {
-            "model": "gpt-4.1",
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "max_tokens": 4096,
-        }
-        key, render = "messages", _chat_message
-        first: list[bytes] = [_dumps({"role": "system", "content": _SYSTEM})]
-    elif protocol is BenchProtocol.RESPONSES:
-        head = {"model": "gpt-4.1", "stream": True, "instructions": _SYSTEM, "store": False}
-        key, render = "input", _responses_item
-        first = []
-    else:
-        head = {
-            "model": "claude-sonnet-4",
-            "stream": True,
-            "max_tokens": 4096,
-            "system": [{"type": "text", "text": _SYSTEM}],
-            "metadata": {"user_id": f"bench-user-{seed}"},
-        }
-        key, render = "messages", _anthropic_message
-        first = []
-    prefix = _dumps(head)[:-1] + b',"' + key.encode() + b'":['
-    pieces = first
+    prefix, render, pieces = _history_start(protocol, usage=True, user_id=f"bench-user-{seed}")
     total = len(prefix) + 2 + sum(len(p) + 1 for p in pieces)
     turns = conversation(corpus, seed)
     for turn in turns:
@@ -342,24 +354,7 @@ def build_agent_history(
     tool results that the ``fold`` plugin can elide. Returns UTF-8 JSON bytes.
     """
     rng = random.Random(seed)
-    if protocol is BenchProtocol.CHAT:
-        head: dict[str, Any] = {"model": "gpt-4.1", "stream": True, "max_tokens": 4096}
-        key, render = "messages", _chat_message
-        pieces: list[bytes] = [_dumps({"role": "system", "content": _SYSTEM})]
-    elif protocol is BenchProtocol.RESPONSES:
-        head = {"model": "gpt-4.1", "stream": True, "instructions": _SYSTEM, "store": False}
-        key, render = "input", _responses_item
-        pieces = []
-    else:
-        head = {
-            "model": "claude-sonnet-4",
-            "stream": True,
-            "max_tokens": 4096,
-            "system": [{"type": "text", "text": _SYSTEM}],
-        }
-        key, render = "messages", _anthropic_message
-        pieces = []
-    prefix = _dumps(head)[:-1] + b',"' + key.encode() + b'":['
+    prefix, render, pieces = _history_start(protocol, usage=False, user_id=None)
     pieces.append(_dumps(render(Turn("user", corpus.slice(rng, corpus.prose, 200, 1_000)))))
     total = len(prefix) + sum(len(p) + 1 for p in pieces)
     number = 0
