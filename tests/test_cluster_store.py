@@ -9,8 +9,10 @@ registries of their own; the HTTP layer is tested in test_cluster_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.crc import key_slot
@@ -455,6 +457,45 @@ async def test_tip_since_reaches_back_that_many_seconds_on_redis_clock(store: Re
     finally:
         await reader.aclose()
     assert await store.tip_since(1e12) == "0-0"
+
+
+class _SwallowingTailClient:
+    """A tail client whose blocking read, like a client library's when a cancel races
+    its own read timeout, turns the cancellation into an ordinary empty answer."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def xread(self, *args: object, **kwargs: object) -> list[object]:
+        self.reads += 1
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(0.2)
+        return []
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _SwallowingStore(RedisStore):
+    def __init__(self, url: str) -> None:
+        super().__init__(url, timeout=0.5, max_connections=8)
+        self.tail = _SwallowingTailClient()
+
+    def tail_client(self, block_s: float) -> Any:
+        return self.tail
+
+
+async def test_stop_ends_even_when_the_tail_read_swallows_its_cancellation(
+    redis_server: RedisServer,
+) -> None:
+    """Finding (a test that hung under load): stop() cancelled the tailer and awaited it
+    without bound; a cancellation lost inside the Redis client left the tailer looping
+    and the node's stop (the process's shutdown) waiting forever."""
+    store = _SwallowingStore(redis_server.url)
+    node = ClusterNode(store, _registry(), node_id="n", heartbeat_ttl=1.5, tombstone_ttl=60.0)
+    await node.start()
+    await wait_until(lambda: store.tail.reads > 0, "the tailer reading")
+    await asyncio.wait_for(node.stop(within=2.0), 5.0)
 
 
 class _UnreachableAtStart(RedisStore):

@@ -186,6 +186,7 @@ class ClusterNode:
         "_pending_deregs",
         "_served",
         "_started",
+        "_stopping",
         "_tailer",
         "_tasks",
         "_tip",
@@ -238,6 +239,9 @@ class ClusterNode:
         self._tailer: asyncio.Task[None] | None = None
         self._tip: str | None = None
         self._started = 0.0  # loop time of start(), for a tip taken only at the reconcile
+        # Set by stop(): the loops end at their next turn even if a cancellation was lost
+        # (a client library that turns a cancel racing its own timeout into a timeout).
+        self._stopping = False
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -261,15 +265,23 @@ class ClusterNode:
         """Leave the cluster: finish deregistrations, remove what is left, close the pool.
 
         Called at process shutdown after the streams have drained (``within``
-        seconds bound the Redis work; past it, entries expire by their TTL).
+        seconds bound the wait for the background tasks, and again the Redis work;
+        past it, entries expire by their TTL). Never hangs: a task that outlives the
+        bound is logged and left to end at its next turn.
         """
-        for task in (self._heartbeat, self._tailer):
-            if task is not None:
-                task.cancel()
-        for task in (self._heartbeat, self._tailer):
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        self._stopping = True
+        tasks = {task for task in (self._heartbeat, self._tailer) if task is not None}
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=within)
+            if pending:
+                log.warning(
+                    "cluster: %d background task(s) did not stop in %.1fs", len(pending), within
+                )
+            for task in done:
+                if not task.cancelled():
+                    task.result()  # a defect in a loop surfaces here, as it did when awaited
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
                 if self._tasks:
@@ -457,7 +469,7 @@ class ClusterNode:
 
     async def _heartbeat_loop(self) -> None:
         interval = self.heartbeat_ttl / 3
-        while True:  # until cancelled by stop()
+        while not self._stopping:  # until cancelled by stop(), or its flag
             await asyncio.sleep(min(interval, 1.0) if self.degraded else interval)
             try:
                 if self.degraded:
@@ -509,7 +521,7 @@ class ClusterNode:
     async def _tail_loop(self) -> None:
         client = self.store.tail_client(TAIL_BLOCK)
         try:
-            while True:  # until cancelled by stop()
+            while not self._stopping:  # until cancelled by stop(), or its flag
                 if self._tip is None or self.degraded:
                     await asyncio.sleep(min(self.heartbeat_ttl / 3, 1.0))
                     continue
