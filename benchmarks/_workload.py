@@ -305,35 +305,9 @@ def build_small_body(protocol: BenchProtocol, size: int, corpus: Corpus) -> byte
     this small (its first tool result alone is ~35 KB). Returns UTF-8 JSON bytes.
     """
     text = corpus.prose[: max(size, 0)]
+    prefix, render, pieces = _history_start(protocol, usage=True, user_id=None)
     while True:
-        if protocol is BenchProtocol.CHAT:
-            obj: dict[str, Any] = {
-                "model": "gpt-4.1",
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "max_tokens": 4096,
-                "messages": [
-                    {"role": "system", "content": _SYSTEM},
-                    _chat_message(Turn("user", text)),
-                ],
-            }
-        elif protocol is BenchProtocol.RESPONSES:
-            obj = {
-                "model": "gpt-4.1",
-                "stream": True,
-                "instructions": _SYSTEM,
-                "store": False,
-                "input": [_responses_item(Turn("user", text))],
-            }
-        else:
-            obj = {
-                "model": "claude-sonnet-4",
-                "stream": True,
-                "max_tokens": 4096,
-                "system": [{"type": "text", "text": _SYSTEM}],
-                "messages": [_anthropic_message(Turn("user", text))],
-            }
-        raw = _dumps(obj)
+        raw = b"".join((prefix, b",".join([*pieces, _dumps(render(Turn("user", text)))]), b"]}"))
         if len(raw) <= size or not text:
             return raw
         # Escapes and multi-byte characters make bytes outnumber characters: trim by the excess.
