@@ -43,7 +43,6 @@ figure), ``memory.md`` (the tables), ``memory.png`` (RSS over time); with
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -58,6 +57,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Final
 
 import aiohttp
@@ -304,9 +304,7 @@ class Bench:
 
 
 @contextlib.asynccontextmanager
-async def open_bench(
-    args: argparse.Namespace, log_dir: Path, max_body: int
-) -> AsyncIterator[Bench]:
+async def open_bench(args: SimpleNamespace, log_dir: Path, max_body: int) -> AsyncIterator[Bench]:
     """An HTTP session and a running emulator for one benchmark run.
 
     Reads ``interval``, ``proxy_env`` and ``proxy_module`` from ``args``;
@@ -593,7 +591,7 @@ def run_command(command: click.Command, prog: str, argv: Sequence[str]) -> int:
 @click.pass_context
 def command(ctx: click.Context, **options: Any) -> int:
     """``context-proxy bench memory``: the options become the ``args`` of :func:`collect`."""
-    args = argparse.Namespace(**options, argv=list(ctx.obj or []))
+    args = SimpleNamespace(**options, argv=list(ctx.obj or []))
     return _run(args)
 
 
@@ -689,7 +687,7 @@ def measure_refold_cpu(protocol: BenchProtocol, body: bytes, repeats: int = 3) -
     )
 
 
-async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
+async def collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
     """Run the benchmark described by ``args`` (the options of :data:`command`).
 
     Server logs go to ``log_dir``. Raises :class:`~benchmarks._harness.ServiceError`
@@ -766,7 +764,7 @@ async def collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Pat
     )
 
 
-def write_outputs(args: argparse.Namespace, results: Results, reporter: rpt.Reporter) -> list[Path]:
+def write_outputs(args: SimpleNamespace, results: Results, reporter: rpt.Reporter) -> list[Path]:
     """Print the tables and write JSON, Markdown and PNG (and the published copies).
 
     Returns the paths written.
@@ -1028,7 +1026,7 @@ def run_json(run: ProcessRun | None) -> dict[str, Any] | None:
 
 
 def _document(
-    args: argparse.Namespace,
+    args: SimpleNamespace,
     cases: Sequence[Case],
     sequential: Sequence[ProcessRun],
     variants: Sequence[Variant],
@@ -1240,7 +1238,7 @@ def _series(label: str, timeline: Mapping[str, Any], colour: str) -> rpt.Series:
     )
 
 
-def _preamble(args: argparse.Namespace, wall: float) -> str:
+def _preamble(args: SimpleNamespace, wall: float) -> str:
     return (
         f"Command: `{' '.join(['context-proxy bench memory', *args.argv])}`, "
         f"wall time {wall:.0f} s, Python {platform.python_version()}, "
@@ -1257,7 +1255,7 @@ def main(argv: list[str]) -> int:
     return run_command(command, "context-proxy bench memory", argv)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: SimpleNamespace) -> int:
     if args.replot is not None:
         targets = [args.out / "memory.png"]
         if args.publish:

@@ -30,7 +30,6 @@ Outputs in ``--out``: ``overhead.json``, ``overhead.md``.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import datetime
@@ -40,6 +39,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Final
 
 import aiohttp
@@ -139,7 +139,7 @@ _REQUEST_TIMEOUT: Final = 60.0
 @click.pass_context
 def command(ctx: click.Context, **options: Any) -> int:
     """``context-proxy bench overhead``."""
-    return _run(argparse.Namespace(**options), list(ctx.obj or []))
+    return _run(SimpleNamespace(**options), list(ctx.obj or []))
 
 
 @dataclasses.dataclass(slots=True)
@@ -389,7 +389,7 @@ class Results:
     started: datetime.datetime
 
 
-async def _collect(args: argparse.Namespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
+async def _collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
     started = time.monotonic()
     started_wall = datetime.datetime.now(datetime.UTC)
     protocol = BenchProtocol(args.protocol)
@@ -446,7 +446,7 @@ def _ms(seconds: float) -> str:
     return "n/a" if math.isnan(seconds) else f"{seconds * 1000:.2f}"
 
 
-def _latency_table(results: Results, args: argparse.Namespace) -> rpt.Table:
+def _latency_table(results: Results, args: SimpleNamespace) -> rpt.Table:
     table = rpt.Table(
         title="Latency of small streamed requests: median ms (added over direct)",
         columns=(
@@ -501,7 +501,7 @@ def _latency_table(results: Results, args: argparse.Namespace) -> rpt.Table:
     return table
 
 
-def _throughput_table(results: Results, args: argparse.Namespace) -> rpt.Table:
+def _throughput_table(results: Results, args: SimpleNamespace) -> rpt.Table:
     table = rpt.Table(
         title=(
             f"Throughput: {args.concurrency} concurrent {args.throughput_bytes}-byte requests, "
@@ -546,7 +546,7 @@ def _throughput_table(results: Results, args: argparse.Namespace) -> rpt.Table:
     return table
 
 
-def _streams_table(results: Results, args: argparse.Namespace) -> rpt.Table:
+def _streams_table(results: Results, args: SimpleNamespace) -> rpt.Table:
     table = rpt.Table(
         title=(
             "Memory per open idle stream (answers held open by the upstream), "
@@ -583,7 +583,7 @@ def _streams_table(results: Results, args: argparse.Namespace) -> rpt.Table:
     return table
 
 
-def _document(results: Results, args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+def _document(results: Results, args: SimpleNamespace, argv: Sequence[str]) -> dict[str, Any]:
     return {
         "benchmark": "overhead",
         "started_at": results.started.isoformat(),
@@ -629,7 +629,7 @@ def main(argv: list[str]) -> int:
     return run_command(command, "context-proxy bench overhead", argv)
 
 
-def _run(args: argparse.Namespace, argv: Sequence[str]) -> int:
+def _run(args: SimpleNamespace, argv: Sequence[str]) -> int:
     limits = raise_nofile_limit()
     if limits[0] < 3 * args.streams + 200:
         print(
