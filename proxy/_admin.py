@@ -16,9 +16,11 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+from collections.abc import Awaitable
 from typing import Any, Final
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from ._sessions import SessionCloseError, SessionInfo
 from ._state import STATE, AppState
@@ -58,11 +60,19 @@ def _canonical(address: str) -> str:
 
 
 @web.middleware
-async def _admin_guard(request: web.Request, handler: Any) -> web.StreamResponse:
+def _admin_guard(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
+    """403 for ``/admin/`` unless the peer or the token is allowed; anything else passes.
+
+    Returns the handler's coroutine rather than awaiting it: no frame of the
+    guard is held while a request (a stream) runs.
+    """
     if request.path.startswith("/admin/") and not _allowed(request, request.app[STATE]):
-        return web.json_response({"error": "forbidden"}, status=403)
-    response: web.StreamResponse = await handler(request)
-    return response
+        return _forbidden()
+    return handler(request)
+
+
+async def _forbidden() -> web.Response:
+    return web.json_response({"error": "forbidden"}, status=403)
 
 
 async def healthz(request: web.Request) -> web.Response:

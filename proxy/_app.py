@@ -18,7 +18,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
@@ -436,8 +436,19 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The router's own 404/405 as JSON too (OpenAI shape; Anthropic under /v1/messages)."""
+def _json_errors(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
+    """The router's own 404/405 as JSON too (OpenAI shape; Anthropic under /v1/messages).
+
+    An exchange goes straight to its handler (it answers errors itself and raises
+    no ``HTTPException``): this returns the handler's coroutine rather than
+    awaiting it, so no frame of the middleware is held while a stream runs.
+    """
+    if request.match_info.handler is handle_exchange:
+        return handler(request)
+    return _router_errors_as_json(request, handler)
+
+
+async def _router_errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as exc:

@@ -14,6 +14,7 @@ against a negative control in which nothing is dropped.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import re
@@ -211,3 +212,38 @@ async def test_the_first_byte_frees_the_header_fields_by_tracemalloc(
     _keep_everything(monkeypatch)
     control = await freed_per_stream("traced-control")
     assert ours - control >= MIN_FREED_PER_STREAM, (ours, control)
+
+
+def _await_chain(task: asyncio.Task[Any]) -> list[str]:
+    """Names of the coroutines (and async generators) ``task`` waits in, outermost first."""
+    names: list[str] = []
+    awaited: Any = task.get_coro()
+    while awaited is not None:
+        code = getattr(awaited, "cr_code", None) or getattr(awaited, "ag_code", None)
+        if code is None:
+            break  # a future or an awaitable object: the bottom of the chain
+        names.append(code.co_name)
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+    return names
+
+
+async def test_an_open_stream_waits_through_no_pass_through_frames(
+    emulator: SubprocessEmulator, http: aiohttp.ClientSession
+) -> None:
+    """Every coroutine frame an idle stream is suspended in is held per open stream:
+    the middlewares, the Expect guard, ``relay()`` and the admission hand over their
+    callee's coroutine (or are plain objects) instead of awaiting it in a frame of their own."""
+    key = "frames"
+    await emulator.reset(http)
+    async with proxy_at(emulator.url, []) as proxy:
+        resp, _ = await _open_held(http, proxy.url, key)
+        try:
+            (task,) = proxy.state.handlers
+            chain = _await_chain(task)
+        finally:
+            await emulator.release(http, key)
+            await resp.read()
+            resp.release()
+    assert chain[-3:] == ["_answer", "readany", "_wait"], chain
+    passing = {"guarded", "_json_errors", "_admin_guard", "relay", "_run", "_next", "admitted"}
+    assert not passing & set(chain), chain
