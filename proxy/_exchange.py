@@ -850,6 +850,9 @@ class Exchange:
         return f"<Exchange {self.id} {self.protocol} {self._phase.value} held={self.held_bytes()}>"
 
 
+_NULL_LOCK: Final = contextlib.nullcontext()  # stateless: one serves every exchange
+
+
 def null_lock() -> AbstractAsyncContextManager[object]:
     """The lock context for a request without a session."""
-    return contextlib.nullcontext()
+    return _NULL_LOCK

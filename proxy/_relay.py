@@ -521,7 +521,8 @@ class _Relay:
                     actions = self._drain(gate, decoder)
                 else:
                     try:
-                        if self.linger_until is None:
+                        # The grace read needs no timer when the body's end is here.
+                        if self.linger_until is None or content.is_eof():
                             chunk = await content.readany()
                         else:
                             async with asyncio.timeout_at(self.linger_until):
