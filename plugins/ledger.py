@@ -60,6 +60,7 @@ from proxy import (
     ClusterUnavailable,
     ExchangeRecord,
     LedgerGate,
+    Outcome,
     Plugin,
     Scalar,
     open_ledger_gate,
@@ -528,7 +529,7 @@ class LedgerPlugin(Plugin):
                 not in memory failed.
         """
         sid = record.session_id
-        if sid is None or record.outcome != "ok":
+        if sid is None or record.outcome is not Outcome.OK:
             return
         if self._gate is not None:
             await self._commit_shared(self._gate, sid, record)

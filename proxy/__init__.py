@@ -1,7 +1,7 @@
 """context-proxy: a streaming LLM proxy with a strict request-memory lifetime.
 
 The public API: the plugin interface (:class:`Plugin`, :class:`PrepareContext`,
-:class:`ExchangeRecord`, :class:`WireMetadata`, :class:`Protocol`), the structural
+:class:`ExchangeRecord`, :class:`Outcome`, :class:`WireMetadata`, :class:`Protocol`), the structural
 view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
 :class:`WireError`), the ledger's hash gate shared by a cluster's nodes
 (:class:`LedgerGate`, :class:`GateVerdict`, :class:`ClusterUnavailable`,
@@ -16,6 +16,7 @@ from ._config import ConfigError, Settings, load_settings
 from ._plugins import (
     BodyUnavailable,
     ExchangeRecord,
+    Outcome,
     Plugin,
     PrepareContext,
     Scalar,
@@ -36,6 +37,7 @@ __all__ = [
     "GateVerdict",
     "LedgerGate",
     "Node",
+    "Outcome",
     "Plugin",
     "PrepareContext",
     "Protocol",

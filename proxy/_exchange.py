@@ -64,6 +64,7 @@ import xxhash
 from . import _wire as wire
 from ._coding import io_piece_bytes
 from ._plugins import ExchangeRecord, PluginHost, PrepareContext
+from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
 from ._protocols import Protocol
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
@@ -156,20 +157,6 @@ class IllegalTransition(RuntimeError):
         super().__init__(f"{exchange_id}: illegal phase move {old.value} -> {new.value}")
         self.old = old
         self.new = new
-
-
-class Outcome(enum.StrEnum):
-    """What really happened to an exchange; the value is what records, logs and metrics carry."""
-
-    OK = "ok"
-    CLIENT_GONE = "client_gone"
-    REJECTED = "rejected"
-    CANCELLED = "cancelled"
-    UPSTREAM_ERROR = "upstream_error"
-    UPSTREAM_TIMEOUT = "upstream_timeout"
-    UPSTREAM_UNREACHABLE = "upstream_unreachable"
-    STREAM_ERROR = "stream_error"
-    ERROR = "error"
 
 
 class HeadHolder(typing.Protocol):
@@ -828,7 +815,7 @@ class Exchange:
             outbound_bytes=self.outbound_size,
             outbound_digest=self.outbound_digest,
             status=self.status,
-            outcome=self.outcome.value,
+            outcome=self.outcome,
             fold_level=self.fold_level,
             refolds=self.refolds,
             retries=self.retries,

@@ -55,6 +55,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "BodyUnavailable",
     "ExchangeRecord",
+    "Outcome",
     "Plugin",
     "PluginError",
     "PluginHost",
@@ -110,6 +111,26 @@ def _field_names(cls: type[ExchangeRecord]) -> tuple[str, ...]:
     return names
 
 
+class Outcome(enum.StrEnum):
+    """What really happened to an exchange (:attr:`ExchangeRecord.outcome`).
+
+    A ``str`` enum: the value (``"ok"``, ``"client_gone"``, ...) is what records, logs,
+    the access log and the metrics' ``outcome`` label carry, so ``record.outcome == "ok"``
+    and ``record.outcome is Outcome.OK`` are both true for a successful exchange.
+    docs/plugins.md lists what each member means.
+    """
+
+    OK = "ok"
+    CLIENT_GONE = "client_gone"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    UPSTREAM_ERROR = "upstream_error"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    STREAM_ERROR = "stream_error"
+    ERROR = "error"
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ExchangeRecord:
     """What a ``commit`` hook learns about one finished exchange: scalars only.
@@ -140,7 +161,7 @@ class ExchangeRecord:
     outbound_bytes: int
     outbound_digest: str | None
     status: int
-    outcome: str
+    outcome: Outcome
     fold_level: int
     refolds: int
     retries: int

@@ -47,7 +47,7 @@ from aiohttp import web
 from ._app import STATE, AppState, build_app, running
 from ._config import Settings, load_settings
 from ._emulator import EmulatorServer, start_emulator
-from ._plugins import ExchangeRecord, Plugin, PluginHost, Scalar, load_plugins
+from ._plugins import ExchangeRecord, Outcome, Plugin, PluginHost, Scalar, load_plugins
 from ._protocols import Protocol
 
 __all__ = [
@@ -445,7 +445,7 @@ def make_record(**overrides: Scalar) -> ExchangeRecord:
         "outbound_bytes": 1000,
         "outbound_digest": None,
         "status": 200,
-        "outcome": "ok",
+        "outcome": Outcome.OK,
         "fold_level": 0,
         "refolds": 0,
         "retries": 0,

@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugins.ledger import LedgerPlugin
 from plugins.usage import UsagePlugin
-from proxy import ExchangeRecord, Plugin
+from proxy import ExchangeRecord, Outcome, Plugin
 from proxy._cli import main as cli_main
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.testing import ProxyProcess, ProxyStartError, proxy_process, proxy_with_emulator
@@ -511,7 +511,7 @@ class Records(Plugin):
     name = "records"
 
     def __init__(self) -> None:
-        self.seen: list[tuple[str | None, int, str, int | None]] = []
+        self.seen: list[tuple[str | None, int, Outcome, int | None]] = []
 
     async def commit(self, record: ExchangeRecord) -> None:
         self.seen.append((record.session_id, record.status, record.outcome, record.output_tokens))
@@ -550,6 +550,9 @@ async def test_a_plugin_failing_in_commit_affects_neither_client_nor_later_plugi
 
     expected_output = 3 if not stream else None  # no usage chunk unless the client asks
     assert records.seen == [("f1", 200, "ok", expected_output)] * 2
+    # The outcome is the public enum (a str enum, so the tuple above compares equal).
+    assert [seen[2] for seen in records.seen] == [Outcome.OK, Outcome.OK]
+    assert all(isinstance(seen[2], Outcome) for seen in records.seen)
     assert view is not None
     assert view["plugins"]["usage"]["requests"] == 2
     assert failures == {"raises": 2, "hangs": 2}

@@ -7,8 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from proxy import ExchangeRecord, WireMetadata
-from proxy._exchange import Outcome
+from proxy import ExchangeRecord, Outcome, WireMetadata
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "plugins.md"
