@@ -252,9 +252,15 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
         assert sample["complete"], sample["error"]
         assert sample["held_after"] == 0
         # Sane figures: the process grew while holding a body, and the naive
-        # proxy (raw + parsed + re-serialized, all kept) grew more.
+        # proxy (raw + parsed + re-serialized, all kept until the answer ends) holds
+        # more while the answer streams.
         assert sample["peak_growth_x_body"] > 0.5
-        assert naive["peak_growth_x_body"] > sample["peak_growth_x_body"]
+        assert naive["mid_growth_x_body"] > sample["mid_growth_x_body"]
+        if variant != "plugin":
+            # The whole-object path (ctx.body) parses and re-serializes like the naive
+            # proxy does, so its documented peak (~2.4 B, README) meets the naive
+            # proxy's at 1 MiB; every other variant keeps one copy at most.
+            assert naive["peak_growth_x_body"] > sample["peak_growth_x_body"]
         assert {t["figure"] for t in ours[variant]["targets"]} == {"peak", "mid-stream", "after"}
     plain = ours["plain"]["samples"][0]
     plugin = ours["plugin"]["samples"][0]
