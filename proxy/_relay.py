@@ -171,6 +171,10 @@ class Upstream:
             # (aiohttp relays a gzip body without its trailer as complete).
             auto_decompress=False,
             trust_env=False,
+            # aiohttp gives a POST/PUT/PATCH without one ``application/octet-stream``:
+            # the upstream gets the client's Content-Type, or none when it sent none.
+            # Set once here, so no request merges its own skip list.
+            skip_auto_headers=(hdrs.CONTENT_TYPE,),
             response_class=UpstreamResponse,
         )
 
@@ -251,10 +255,10 @@ class _Decoder:
 class _OutboundBody(aiohttp.payload.Payload):
     """The exchange's outbound body as aiohttp sends it: :meth:`Exchange.outbound_chunks`.
 
-    ``size`` bytes (the Content-Length). It adds no content type: a request the
-    client sent without a ``Content-Type`` goes upstream without one too.
-    Cheaper per request than handing aiohttp the async iterator (its payload
-    lookup, and a per-request ``skip_auto_headers`` merge to drop that header).
+    ``size`` bytes (the Content-Length). It adds no content type (nor does the
+    session, see :class:`Upstream`): a request the client sent without a
+    ``Content-Type`` goes upstream without one too. Cheaper per request than
+    handing aiohttp the async iterator (its payload lookup).
     """
 
     def __init__(self, ex: Exchange, size: int) -> None:

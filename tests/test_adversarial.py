@@ -523,6 +523,44 @@ async def test_non_json_passthrough_body_is_forwarded_verbatim() -> None:
     assert json.loads(chat_body)["error"]["code"] == "invalid_json"
 
 
+def _content_types(head: bytes) -> list[str]:
+    """The ``Content-Type`` values of a request head (bytes), in order."""
+    fields = (line.partition(b":") for line in head.split(b"\r\n")[1:])
+    return [value.strip().decode() for name, _, value in fields if name.lower() == b"content-type"]
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type"),
+    [
+        (CHAT_PATH, None),
+        (ANTHROPIC_PATH, None),
+        ("/v1/files", None),
+        (CHAT_PATH, "application/json; charset=utf-8"),
+        ("/v1/files", "text/plain"),
+    ],
+    ids=["chat-none", "messages-none", "passthrough-none", "chat-json-charset", "passthrough-text"],
+)
+async def test_the_upstream_gets_exactly_the_clients_content_type(
+    path: str, content_type: str | None
+) -> None:
+    """Finding (regression): a request sent without ``Content-Type`` reached the upstream
+    as ``application/octet-stream`` (aiohttp's default for a POST). Now the upstream gets
+    the client's ``Content-Type`` as sent, and none when the client sent none."""
+    body = body_for(path, stream=False)
+    headers = [("Content-Length", str(len(body))), *auth_headers(path)]
+    if content_type is not None:
+        headers.append(("Content-Type", content_type))
+    async with RawUpstream(_ok) as upstream, proxy_for(upstream.url) as url:
+        client = await RawClient.connect(url)
+        client.send_head("POST", path, headers)
+        await client.send(body)
+        status, _ = await read_all(client)
+        await client.close()
+    assert status == 200
+    assert upstream.bodies == [body]
+    assert _content_types(upstream.heads[0]) == ([] if content_type is None else [content_type])
+
+
 # ------------------------------------------------------------ upstream misbehaviour
 
 
