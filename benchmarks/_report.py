@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -47,6 +49,8 @@ __all__ = [
 PASS: Final = "PASS"
 MISS: Final = "MISS"
 MiB: Final = 1024 * 1024
+#: Columns the tables fit when the output is not a terminal (issue 12 item 6).
+TABLE_WIDTH: Final = 80
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -126,9 +130,24 @@ class Table:
 
     def to_rich(self) -> RichTable:
         """The table for a rich console."""
-        table = RichTable(title=escape(self.title), title_justify="left", show_lines=False)
-        for column in self.columns:
-            table.add_column(escape(column), overflow="fold")
+        # No vertical rules and no outer padding: a column costs its cells and two
+        # spaces, so eight columns of figures fit 80 columns.
+        table = RichTable(
+            title=escape(self.title),
+            title_justify="left",
+            show_lines=False,
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            collapse_padding=True,
+        )
+        # A section label may be long ("1 MiB chat (B = 1,071,404 bytes)"): it wraps
+        # inside the first column rather than widening it for every row.
+        first = max([len(self.columns[0]), *(len(row[0]) for row in self.rows if len(row) > 1)])
+        for index, column in enumerate(self.columns):
+            table.add_column(
+                escape(column), overflow="fold", max_width=max(first, 12) if index == 0 else None
+            )
         for row in self.rows:
             if len(row) == 1:
                 table.add_section()
@@ -207,11 +226,12 @@ class Reporter:
 
     def __init__(self, *, quiet: bool = False, console: Console | None = None) -> None:
         if console is None:
+            # On a terminal (or with COLUMNS set) rich uses that width; piped to a file
+            # or a CI log the tables are laid out for 80 columns, which every
+            # benchmark's table fits without folding a cell.
             console = Console()
-            if not console.is_terminal:
-                # Piped to a file or CI log: rich would assume 80 columns and wrap
-                # every cell; the tables read well at 160.
-                console = Console(width=160)
+            if not console.is_terminal and "COLUMNS" not in os.environ:
+                console = Console(width=TABLE_WIDTH)
         self.console = console
         self.quiet = quiet
 

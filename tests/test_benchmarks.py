@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from benchmarks import _report as rpt
-from benchmarks import memory
+from benchmarks import memory, overhead
 from benchmarks._workload import (
     BenchProtocol,
     Corpus,
@@ -213,7 +213,14 @@ def test_write_json_turns_nan_into_null(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
+def _widest_table(text: str) -> int:
+    """Columns of the widest table printed: its header rule spans the whole table."""
+    return max((len(line.strip()) for line in text.splitlines() if "──" in line), default=0)
+
+
+def test_memory_benchmark_smoke_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     # About 25 s: 5 variants + the baseline, each a fresh process, 1 MiB bodies, plus
     # 2 sequential requests per proxy. Every wait inside is bounded (10 min per request).
     out = tmp_path / "results"
@@ -228,7 +235,12 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
         "--publish", "--publish-dir", str(docs),
         "--quiet",
     ]  # fmt: skip
+    # Room for 200 columns: the tables must still need at most 80 (issue 12 item 6).
+    monkeypatch.setenv("COLUMNS", "200")
     assert memory.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Targets: this proxy's RSS growth" in printed
+    assert 40 < _widest_table(printed) <= 80, printed
 
     for name in ("memory.json", "memory.md", "memory.png"):
         assert (out / name).stat().st_size > 0
@@ -238,7 +250,7 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
         ).read_bytes()
     assert (out / "memory.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     table = (out / "memory.md").read_text()
-    assert "| target | limit x B | 1 MiB |" in table
+    assert "| target | limit | 1 MiB |" in table
     assert "1 MiB chat (B = " in table
 
     doc = json.loads((out / "memory.json").read_text())
@@ -291,3 +303,26 @@ def test_memory_benchmark_smoke_run(tmp_path: Path) -> None:
     assert naive["mid_growth_x_body"] > plain["mid_growth_x_body"]
     assert [len(run["samples"]) for run in doc["sequential"]] == [2, 2, 2]
     assert doc["timelines"] and all(t["t_s"] for t in doc["timelines"])
+
+
+def test_overhead_benchmark_runs_and_its_tables_fit_80_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # About 15 s: the emulator, this proxy and the naive one, a few requests each.
+    monkeypatch.setenv("COLUMNS", "200")
+    argv = [
+        "--requests", "5",
+        "--concurrency", "5",
+        "--concurrent-requests", "10",
+        "--throughput-requests", "20",
+        "--streams", "5",
+        "--out", str(tmp_path),
+        "--quiet",
+    ]  # fmt: skip
+    assert overhead.main(argv) == 0
+    printed = capsys.readouterr().out
+    for title in ("Latency of small streamed requests", "Throughput:", "Memory per open idle"):
+        assert title in printed
+    assert "5/5" in printed  # every idle stream opened, for both proxies
+    assert 40 < _widest_table(printed) <= 80, printed
+    assert (tmp_path / "overhead.json").stat().st_size > 0
