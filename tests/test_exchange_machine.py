@@ -158,7 +158,8 @@ def test_illegal_transition_is_a_runtime_error_naming_the_move() -> None:
 def test_a_commit_runs_once() -> None:
     ex = _at(Phase.STREAMING)
     record = ex.begin_commit()
-    assert record.outcome == "ok" and type(record.outcome) is str
+    # The record carries the public str enum: equal to its string, typed for plugins.
+    assert record.outcome is Outcome.OK and record.outcome == "ok"
     with pytest.raises(IllegalTransition):
         ex.begin_commit()
     # commit_record() only reads: no phase change, any number of times.
