@@ -354,6 +354,8 @@ async def _run_exchange(
         from_bearer=settings.session_from_bearer,
     )
     logs.SESSION_ID.set(sid)
+    # Before admission: a request refused there (a closed session) is booked with it too.
+    ex.set_session(sid)
     if sid is None and settings.require_session and ex.protocol.is_exchange:
         ex.conclude(400, Outcome.REJECTED, "session_required")
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
@@ -370,8 +372,6 @@ async def _run_exchange(
                 )
             )
             await ex.prepare()
-        else:
-            ex.set_session(sid)
         response = await relay(
             request,
             ex,

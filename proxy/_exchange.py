@@ -273,6 +273,7 @@ class Exchange:
         "protocol",
         "query",
         "reading_bytes",
+        "received_bytes",
         "refolds",
         "releases",
         "response_bytes",
@@ -309,6 +310,9 @@ class Exchange:
         #: bytes received so far, which :meth:`held_bytes` counts as ``raw``.
         self.declared_bytes = 0
         self.reading_bytes = 0
+        #: Once the read settled: the decoded body bytes received (0: no body), whether
+        #: or not they made a request (invalid JSON, a body cut short are booked too).
+        self.received_bytes = 0
         self._phase = Phase.READING
         self.started: Final = time.monotonic()
         self.started_wall: Final = time.time()
@@ -385,7 +389,11 @@ class Exchange:
         self.reading_bytes += nbytes
 
     def end_reading(self) -> None:
-        """The read settled (body, error or cancel): the bytes being read no longer count."""
+        """The read settled (body, error or cancel): the bytes being read no longer count.
+
+        They are kept as :attr:`received_bytes` (the access line's ``request_bytes``).
+        """
+        self.received_bytes = self.reading_bytes
         self.reading_bytes = 0
 
     def attach_body(self, buffer: bytearray, meta: WireMetadata) -> None:
@@ -724,7 +732,7 @@ class Exchange:
     # ------------------------------------------------------------- bookkeeping
 
     def set_session(self, session_id: str | None) -> None:
-        """The session this exchange belongs to (``None``: none), for requests with no preparer."""
+        """The session this exchange belongs to (``None``: none), known once its body is read."""
         self.session_id = session_id
 
     def upstream_answered(self, status: int) -> None:

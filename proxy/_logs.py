@@ -155,8 +155,9 @@ def log_access(ex: Exchange, *, route: str) -> None:
     """Write the access line of one finished exchange (INFO on ``context_proxy.access``).
 
     ``route`` is the request path without its query string (which may carry a
-    key). Sizes are bytes: ``request_bytes`` is the decoded body received,
-    ``response_bytes`` what was relayed to the client; times are seconds.
+    key). Sizes are bytes: ``request_bytes`` is the decoded body received (one
+    refused, e.g. not JSON, too), ``response_bytes`` what was relayed to the
+    client; times are seconds.
     """
     if not ACCESS_LOG.isEnabledFor(logging.INFO):
         return
@@ -165,7 +166,7 @@ def log_access(ex: Exchange, *, route: str) -> None:
         "route": route,
         "status": ex.status,
         "outcome": str(ex.outcome),
-        "request_bytes": ex.meta.byte_length if ex.meta is not None else 0,
+        "request_bytes": ex.received_bytes,
         "response_bytes": ex.response_bytes,
         "ttfb_s": None if ex.ttfb is None else round(ex.ttfb, 6),
         "duration_s": round(ex.age(), 6),

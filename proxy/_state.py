@@ -23,7 +23,7 @@ from ._commits import CommitTracker
 from ._config import Settings
 from ._exchange import Exchange
 from ._metrics import Metrics
-from ._plugins import ExchangeRecord, PluginHost
+from ._plugins import ExchangeRecord, Outcome, PluginHost
 from ._relay import Upstream
 from ._sessions import SessionRegistry, Tracking
 
@@ -107,10 +107,14 @@ class AppState:
         A session whose shutdown has already completed (its commit outlived the
         wait, see :meth:`_session_commits`) is not recreated for it: entering
         the lock raises :class:`~proxy._sessions.SessionClosed` and the commit
-        counts as failed (the plugins were told the session closed).
+        counts as failed (the plugins were told the session closed). A request
+        refused because its session is closed carries the session's id but is
+        booked without the lock: it did nothing in the session, and the lock
+        would refuse it or bring the closed session back.
         """
         sid = record.session_id
-        async with self.registry.locked(sid) if sid else contextlib.nullcontext():
+        refused = record.outcome == Outcome.REJECTED and record.error == "session_closed"
+        async with self.registry.locked(sid) if sid and not refused else contextlib.nullcontext():
             await self.host.run_commit(record)
 
     async def _session_commits(self, sid: str) -> None:

@@ -785,6 +785,30 @@ async def test_bad_bodies_get_a_protocol_error_and_nothing_goes_upstream(
         assert h.emulator.stats[0].model == "b"
 
 
+async def test_a_refused_body_is_booked_with_the_bytes_received(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Finding: a body that was read but refused (not JSON) got ``request_bytes=0`` in its
+    access line. Now the line books the decoded bytes received, as for a body that went
+    upstream."""
+    caplog.set_level(logging.INFO, logger="context_proxy.access")
+    bodies = (b"not json {{{", gzip.compress(b"[1, 2, 3]"), body_for(CHAT_PATH, stream=False))
+    async with proxy_with_emulator() as h:
+        for body, coding in zip(bodies, ([], [("Content-Encoding", "gzip")], []), strict=True):
+            client = await RawClient.connect(h.url)
+            await client.request("POST", CHAT_PATH, body, coding)
+            await read_all(client)
+            await client.close()
+        await wait_until(lambda: len(access_lines(caplog)) == 3, "three access lines", BOUND_S)
+    booked = [(r["status"], r["request_bytes"]) for r in access_lines(caplog)]
+    assert booked == [(400, 12), (400, len(b"[1, 2, 3]")), (200, len(bodies[2]))]
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    """The fields of each access line captured so far, in order."""
+    return [r.__dict__["access"] for r in caplog.records if r.name == "context_proxy.access"]
+
+
 async def test_content_length_too_large_and_endless_chunked_bodies_time_out() -> None:
     """A body shorter than its ``Content-Length`` and a chunked body that never ends get
     408 after ``body_idle_timeout`` (not a hang), with ``Connection: close``; nothing is

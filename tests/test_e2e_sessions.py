@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections import defaultdict
@@ -435,6 +436,32 @@ async def test_shutdown_session_waits_cancels_tombstones_and_expires(
     assert all(
         (r.status, r.outcome) == (503, "rejected") for r in recorder.records if r.model == "late"
     )
+
+
+async def test_a_request_refused_for_a_closed_session_is_booked_with_its_session_id(
+    http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding: the 503 ``session_closed`` refusal was committed with ``session_id=None``
+    and its access line said ``session_id=-``, though the client named the session. Now
+    the commit record and the access line carry the id the request was refused for, and
+    the commit still reaches the plugins (the closed session's lock would refuse it)."""
+    caplog.set_level(logging.INFO, logger="context_proxy.access")
+    recorder = Recorder()
+    sid = "sess-refused-1"
+    async with proxy_with_emulator(plugins=[recorder], tombstone_ttl=TOMBSTONE_TTL_S) as h:
+        closed = await http.delete(f"{h.url}/admin/sessions/{sid}")
+        assert closed.status == 200
+        late = await call(http, h.url + CHAT, request_body(CHAT, "late"), {"x-session-id": sid})
+        await wait_until(lambda: bool(recorder.records), "the refusal committed", BOUND_S)
+        assert h.emulator.stats == []
+    assert late.status == 503 and late.json()["error"]["code"] == "session_closed"
+    [record] = recorder.records
+    assert (record.session_id, record.status, record.outcome) == (sid, 503, "rejected")
+    [access] = [r for r in caplog.records if r.name == "context_proxy.access"]
+    assert f"session_id={sid}" in access.getMessage()
+    assert access.__dict__["access"]["session_id"] == sid
+    # Booked, not failed: the closed session's lock is not taken for it.
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_a_closed_session_stays_visible_and_its_cut_streams_say_session_closed(
