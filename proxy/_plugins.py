@@ -537,14 +537,9 @@ class PluginHost:
         if isinstance(exc, TimeoutError):
             log.warning("plugin %s: %s exceeded its %.1fs budget; skipped", name, hook, budget)
         else:
-            log.warning(
-                "plugin %s: %s raised %s: %s; skipped",
-                name,
-                hook,
-                type(exc).__name__,
-                exc,
-                exc_info=log.isEnabledFor(logging.DEBUG),
-            )
+            # The class only: the text (or a traceback's) may quote the request a hook
+            # saw. A plugin author who wants the details logs them in the plugin.
+            log.warning("plugin %s: %s raised %s; skipped", name, hook, type(exc).__name__)
 
     async def _dispatch(
         self,

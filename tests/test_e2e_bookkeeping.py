@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugins.ledger import LedgerPlugin
 from plugins.usage import UsagePlugin
-from proxy import ExchangeRecord, Outcome, Plugin
+from proxy import ExchangeRecord, Outcome, Plugin, PrepareContext, WireMetadata
 from proxy._cli import main as cli_main
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.testing import ProxyProcess, ProxyStartError, proxy_process, proxy_with_emulator
@@ -557,8 +557,50 @@ async def test_a_plugin_failing_in_commit_affects_neither_client_nor_later_plugi
     assert view["plugins"]["usage"]["requests"] == 2
     assert failures == {"raises": 2, "hangs": 2}
     messages_logged = [r.getMessage() for r in caplog.records]
-    assert (
-        messages_logged.count("plugin raises: commit raised RuntimeError: bookkeeping bug; skipped")
-        == 2
-    )
+    assert messages_logged.count("plugin raises: commit raised RuntimeError; skipped") == 2
     assert messages_logged.count("plugin hangs: commit exceeded its 0.2s budget; skipped") == 2
+
+
+MODEL_SECRET: Final = "model-SECRET-b41f7e"
+PROMPT_SECRET: Final = "prompt-SECRET-93c0d2"
+
+
+class Quotes(Plugin):
+    """Hooks that raise with request content in the message, as plugin bugs often do."""
+
+    name = "quotes"
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        return True
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        assert ctx.body is not None
+        raise KeyError(f"cannot fold {ctx.body['messages'][0]['content']!r}")
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        raise ValueError(f"unknown model {record.model!r}")
+
+
+async def test_a_failing_hook_is_logged_by_its_class_never_its_text(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Finding: a hook's exception text was logged (``commit raised ValueError: unknown
+    model 'SECRET...'``), and at DEBUG its traceback, both quoting request content. Now
+    the line names the plugin, the hook and the exception class only, at every level."""
+    caplog.set_level(logging.DEBUG)
+    async with proxy_with_emulator(plugins=[Quotes()]) as h:
+        client = openai.AsyncOpenAI(base_url=h.openai_base_url, api_key=SECRET)
+        completion = await client.chat.completions.create(
+            model=MODEL_SECRET, messages=[{"role": "user", "content": PROMPT_SECRET}]
+        )
+        assert completion.choices[0].message.content == DEFAULT_TEXT
+        await h.settle()
+        failures = dict(h.state.host.failures)
+    assert failures == {"quotes": 2}
+    plugin_lines = [r.getMessage() for r in caplog.records if r.name == "context_proxy.plugins"]
+    assert "plugin quotes: prepare raised KeyError; skipped" in plugin_lines
+    assert "plugin quotes: commit raised ValueError; skipped" in plugin_lines
+    formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    logged = "\n".join(formatter.format(r) for r in caplog.records)
+    for secret in (MODEL_SECRET, PROMPT_SECRET, SECRET):
+        assert secret not in logged

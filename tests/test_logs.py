@@ -138,7 +138,9 @@ async def test_json_lines_parse_and_carry_one_access_line_per_exchange(
     assert len({r["exchange_id"] for r in access}) == 3
 
     # A record written inside an exchange (the failing commit hook) names it.
-    failures = [r for r in records if "bookkeeping failed" in r["message"]]
+    failures = [
+        r for r in records if "plugin failing_commit: commit raised RuntimeError" in r["message"]
+    ]
     assert len(failures) == 3
     assert {r["exchange_id"] for r in failures} == {r["exchange_id"] for r in access}
     assert all(r["session_id"] == SESSION for r in failures)

@@ -177,7 +177,7 @@ async def test_failures_are_isolated_logged_once_and_counted(
     assert host.failures == {"hangs": 2}
     assert [r.getMessage() for r in caplog.records] == [
         "plugin hangs: commit exceeded its 0.2s budget; skipped",
-        "plugin hangs: session_closed raised ValueError: no; skipped",
+        "plugin hangs: session_closed raised ValueError; skipped",
     ]
 
 
