@@ -26,21 +26,39 @@ aiohttp's keep-alive timeout's business, not this one's.
 The same edge answers an ``Expect`` other than ``100-continue`` for every route,
 matched or not, through one callback: aiohttp's own answer echoes the value
 into its 417 and fails with a 500 when the value is not valid UTF-8.
+
+And it answers a request aiohttp cannot parse (:meth:`HeaderDeadlineHandler.handle_error`):
+aiohttp's own answer is text quoting the parser's message, i.e. request bytes
+(a header line with its API key, the tail of a body past a short
+``Content-Length``). Ours is a JSON error in the OpenAI shape, the one the
+proxy uses when no route is known (nothing of the request is parsed yet), in
+our own words.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
-from aiohttp import hdrs, web
+from aiohttp import hdrs, http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
+
+from ._protocols import Protocol, error_body
 
 ExpectRefusal = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 """Builds the answer to a request whose ``Expect`` is not ``100-continue`` (e.g. a 417)."""
 
 __all__ = ["ExpectRefusal", "HeaderDeadlineHandler", "ProxyRunner"]
+
+# What a client is told about a request that could not be parsed, by the parser's
+# exception class (most specific first); never the parser's message, which quotes bytes.
+_MALFORMED: Final[tuple[tuple[type[Exception], str], ...]] = (
+    (http_exceptions.LineTooLong, "a request line or header field is over the size limit"),
+    (http_exceptions.InvalidHeader, "malformed header field"),
+    (http_exceptions.BadStatusLine, "malformed request line"),
+    (http_exceptions.InvalidURLError, "malformed request target"),
+)
 
 
 class HeaderDeadlineHandler(RequestHandler):
@@ -101,6 +119,44 @@ class HeaderDeadlineHandler(RequestHandler):
         if self._waiting_for_headers():
             self.log_debug("request headers not complete within %gs: closing", self._header_timeout)
             self.force_close()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """The answer to a request aiohttp could not parse or handle: a JSON error, then close.
+
+        aiohttp calls this with 400 for a request it cannot parse (``exc`` is
+        the parser's ``HttpProcessingError``), 500 and 504 for a handler that
+        raised or timed out. It logs (the server log's filter in proxy/_app.py
+        keeps the bytes out) and raises ``ConnectionError`` when part of an
+        answer was already sent, as aiohttp does; the answer has ``status``, an
+        OpenAI-shaped JSON error naming the kind of fault (never ``message`` or
+        the exception's text: they quote request bytes) and ``Connection: close``.
+        """
+        # aiohttp's own handling (log, the already-sent check); its text answer is dropped.
+        super().handle_error(request, status, exc, message)
+        if status == 400:
+            code = "malformed_request"
+            text = next(
+                (words for kind, words in _MALFORMED if isinstance(exc, kind)),
+                "malformed HTTP request",
+            )
+        else:
+            code, text = "internal_error", f"internal proxy error (HTTP {status})"
+        resp = web.Response(
+            status=status,
+            body=error_body(Protocol.OPENAI, status, text, code=code),
+            content_type="application/json",
+            # Said explicitly: aiohttp answers an unparsed request as HTTP/1.0,
+            # where it sends no Connection field for a close.
+            headers={hdrs.CONNECTION: "close"},
+        )
+        resp.force_close()
+        return resp
 
     def connection_lost(self, exc: BaseException | None) -> None:
         """Cancel the header timer, then let aiohttp tear the connection down."""

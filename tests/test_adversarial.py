@@ -39,6 +39,7 @@ from tests.test_e2e_support import (
     CHAT_PATH,
     RESPONSES_PATH,
     RawClient,
+    RawResponse,
     sse_events,
     wait_until,
 )
@@ -679,6 +680,53 @@ async def test_malformed_requests_never_put_request_bytes_in_the_log(
     assert errors_logged(caplog) == []
     assert any("malformed request" in r.getMessage() for r in caplog.records)
     assert_no_secret(log_text(caplog), "the log")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        (
+            f"POST {CHAT_PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\x01\r\n"
+            f"Content-Length: 2\r\n\r\n{{}}"
+        ).encode(),
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n%s"
+        % (CHAT_PATH.encode(), body_for(CHAT_PATH, stream=False)),
+        (
+            f"POST {ANTHROPIC_PATH} HTTP/1.1\r\nHost: x\r\nx-api-key: {SECRET}{'A' * 9000}\r\n"
+            f"Content-Length: 2\r\n\r\n{{}}"
+        ).encode(),
+    ],
+    ids=["control-char-in-authorization", "short-content-length", "over-long-header-line"],
+)
+async def test_a_malformed_request_gets_a_json_400_without_its_bytes(raw: bytes) -> None:
+    """Finding: aiohttp answered a request it could not parse with a text/plain 400 quoting
+    the parser's message: the Authorization header with its key, the tail of a body sent
+    past a short ``Content-Length`` (prompt text), the start of an over-long x-api-key
+    line. Now the answer is an OpenAI-shaped JSON error (no route is known yet) in the
+    proxy's words, with ``Connection: close``; no byte of the request comes back."""
+    async with proxy_with_emulator() as h:
+        client = await RawClient.connect(h.url)
+        await client.send(raw)
+        answers: list[tuple[RawResponse, bytes]] = []
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while len(answers) < 3:  # bounded: the proxy closes after the 400
+                head = await client.read_head()
+                answers.append((head, await client.read_body(head)))
+        await client.close()
+        assert h.emulator.stats == []
+    assert answers, "no answer at all"
+    for head, body in answers:
+        assert head.headers["Content-Type"].startswith("application/json")
+        assert_no_secret(body.decode("latin-1"), "the answer")
+        assert_no_secret(str(head.headers), "the answer's head")
+    head, body = answers[-1]
+    error = json.loads(body)["error"]
+    assert (head.status, error["type"], error["code"]) == (
+        400,
+        "invalid_request_error",
+        "malformed_request",
+    )
+    assert head.headers["Connection"].lower() == "close"
 
 
 async def test_traversal_absolute_form_pipelining_and_http10() -> None:
