@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import brotli
@@ -326,35 +326,38 @@ _Emit = Callable[[bytes], None]
 
 
 class _Stage:
-    """One content-coding decoder in a chain: input in, bounded pieces out to ``emit``.
+    """One content-coding decoder in a chain: input in, bounded pieces out, lazily.
 
     ``piece`` bounds the bytes one decoder call may produce; ``cap`` bounds the
-    total this stage produces (413 past it). ``feed`` and ``finish`` raise
-    BodyEncodingError (400) for corrupt or truncated data and let the limit
-    errors of later stages through.
+    total this stage produces (413 past it, see :meth:`count`). :meth:`decode`
+    and :meth:`flush` are generators: each decoder call runs when the next piece
+    is asked for, so a consumer that takes one piece at a time holds one piece
+    (and the input not yet decoded), never the whole output of its input. They
+    raise BodyEncodingError (400) for corrupt or truncated data.
     """
 
-    __slots__ = ("__weakref__", "_cap", "_coding", "_emit", "_fed", "_limit", "_piece", "_produced")
+    __slots__ = ("__weakref__", "_cap", "_coding", "_fed", "_limit", "_piece", "_produced")
 
-    def __init__(self, coding: str, emit: _Emit, *, piece: int, cap: int, limit: int) -> None:
+    def __init__(self, coding: str, *, piece: int, cap: int, limit: int) -> None:
         self._coding = coding
-        self._emit = emit
         self._piece = piece
         self._cap = cap
         self._limit = limit
         self._produced = 0
         self._fed = False
 
-    def _push(self, out: bytes) -> None:
+    def count(self, out: bytes) -> None:
+        """Book ``out`` as produced by this stage; BodyTooLarge (413) past its cap."""
         self._produced += len(out)
         if self._produced > self._cap:
             raise BodyTooLarge(self._limit)
-        self._emit(out)
 
-    def feed(self, data: bytes) -> None:
+    def decode(self, data: bytes) -> Iterator[bytes]:
+        """The decoded pieces of the next input bytes (empty input: none)."""
         raise NotImplementedError
 
-    def finish(self) -> None:
+    def flush(self) -> Iterator[bytes]:
+        """The input ended: what the codec still holds, then BodyEncodingError if unfinished."""
         raise NotImplementedError
 
     def _truncated(self) -> BodyEncodingError:
@@ -384,15 +387,15 @@ class _ZlibStage(_Stage):
 
     __slots__ = ("_d", "_head", "_multi", "_wbits")
 
-    def __init__(self, coding: str, emit: _Emit, *, piece: int, cap: int, limit: int) -> None:
-        super().__init__(coding, emit, piece=piece, cap=cap, limit=limit)
+    def __init__(self, coding: str, *, piece: int, cap: int, limit: int) -> None:
+        super().__init__(coding, piece=piece, cap=cap, limit=limit)
         self._multi = coding == "gzip"
         # gzip framing; for deflate the first two bytes decide (see feed).
         self._wbits = 16 + zlib.MAX_WBITS if self._multi else 0
         self._d = zlib.decompressobj(self._wbits) if self._multi else None
         self._head = b""
 
-    def feed(self, data: bytes) -> None:
+    def decode(self, data: bytes) -> Iterator[bytes]:
         if not data:
             return
         self._fed = True
@@ -405,18 +408,18 @@ class _ZlibStage(_Stage):
             self._d = zlib.decompressobj(self._wbits)
             pending, self._head = self._head, b""
             if pending:
-                self._run(pending)
-        self._run(data)
+                yield from self._run(pending)
+        yield from self._run(data)
 
-    def _run(self, data: bytes) -> None:
+    def _run(self, data: bytes) -> Iterator[bytes]:
         # Input goes in slices: zlib copies what a bounded call did not consume
         # into ``unconsumed_tail`` on every call, which for a bomb (one input byte
         # per thousand output bytes) would copy most of a chunk per piece.
         view = memoryview(data)
         for start in range(0, len(view), _ZLIB_SLICE):
-            self._run_slice(view[start : start + _ZLIB_SLICE])
+            yield from self._run_slice(view[start : start + _ZLIB_SLICE])
 
-    def _run_slice(self, data: bytes | memoryview) -> None:
+    def _run_slice(self, data: bytes | memoryview) -> Iterator[bytes]:
         more = True
         while more:
             d = self._d
@@ -430,7 +433,7 @@ class _ZlibStage(_Stage):
             except zlib.error:
                 raise BodyEncodingError.corrupt(self._coding) from None
             if out:
-                self._push(out)
+                yield out
             if d.eof:
                 data = d.unused_data
                 more = bool(data)
@@ -439,9 +442,10 @@ class _ZlibStage(_Stage):
                 # A full piece may leave output in zlib's window with no input left.
                 more = bool(data) or len(out) == _ZLIB_PIECE
 
-    def finish(self) -> None:
+    def flush(self) -> Iterator[bytes]:
         if self._fed and (self._d is None or not self._d.eof):
             raise self._truncated()
+        yield from ()
 
 
 class _BrotliStage(_Stage):
@@ -456,11 +460,11 @@ class _BrotliStage(_Stage):
 
     __slots__ = ("_d",)
 
-    def __init__(self, coding: str, emit: _Emit, *, piece: int, cap: int, limit: int) -> None:
-        super().__init__(coding, emit, piece=piece, cap=cap, limit=limit)
+    def __init__(self, coding: str, *, piece: int, cap: int, limit: int) -> None:
+        super().__init__(coding, piece=piece, cap=cap, limit=limit)
         self._d = brotli.Decompressor()
 
-    def feed(self, data: bytes) -> None:
+    def decode(self, data: bytes) -> Iterator[bytes]:
         if not data:
             return
         self._fed = True
@@ -469,10 +473,10 @@ class _BrotliStage(_Stage):
         except brotli.error:
             raise BodyEncodingError.corrupt(self._coding) from None
         if out:
-            self._push(out)
-        self._drain()
+            yield out
+        yield from self._drain()
 
-    def _drain(self) -> None:
+    def _drain(self) -> Iterator[bytes]:
         d = self._d
         while True:
             try:
@@ -480,17 +484,17 @@ class _BrotliStage(_Stage):
             except brotli.error:
                 raise BodyEncodingError.corrupt(self._coding) from None
             if out:
-                self._push(out)
+                yield out
             elif d.can_accept_more_data() or d.is_finished():
                 return
             else:
                 # Would loop forever: the decoder neither yields nor takes input.
                 raise BodyEncodingError.corrupt(self._coding)
 
-    def finish(self) -> None:
+    def flush(self) -> Iterator[bytes]:
         if not self._fed:
             return
-        self._drain()
+        yield from self._drain()
         if not self._d.is_finished():
             raise self._truncated()
 
@@ -629,13 +633,13 @@ class _ZstdStage(_Stage):
 
     __slots__ = ("_d", "_framer")
 
-    def __init__(self, coding: str, emit: _Emit, *, piece: int, cap: int, limit: int) -> None:
-        super().__init__(coding, emit, piece=piece, cap=cap, limit=limit)
+    def __init__(self, coding: str, *, piece: int, cap: int, limit: int) -> None:
+        super().__init__(coding, piece=piece, cap=cap, limit=limit)
         dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW_BYTES)
         self._d = dctx.decompressobj(read_across_frames=True)
         self._framer = _ZstdFramer()
 
-    def feed(self, data: bytes) -> None:
+    def decode(self, data: bytes) -> Iterator[bytes]:
         if not data:
             return
         self._fed = True
@@ -649,11 +653,12 @@ class _ZstdStage(_Stage):
                 raise BodyEncodingError.corrupt(self._coding) from None
             pos += n
             if out:
-                self._push(out)
+                yield out
 
-    def finish(self) -> None:
+    def flush(self) -> Iterator[bytes]:
         if self._fed and not self._framer.between_frames:
             raise self._truncated()
+        yield from ()
 
 
 _STAGES: Final[dict[str, type[_Stage]]] = {
@@ -665,49 +670,86 @@ _STAGES: Final[dict[str, type[_Stage]]] = {
 
 
 class ContentDecoder:
-    """Undoes a stack of content codings, feeding the decoded bytes to ``sink``.
+    """Undoes a stack of content codings: pushed to ``sink``, or pulled piece by piece.
+
+    :meth:`feed` / :meth:`finish` hand every decoded piece to ``sink`` before
+    they return; :meth:`pieces` / :meth:`end_pieces` decode only as far as the
+    caller iterates, one decoder call per piece, so a consumer that forwards a
+    piece before it asks for the next holds about one piece per stage however
+    much the input expands (a decompression bomb).
 
     Args:
         codings: from :func:`parse_content_encoding`, in the order applied
             (``("gzip", "br")`` is undone br first); at least one.
-        sink: called with each decoded piece, in order (e.g. ``BodySink.write``);
+        sink: called with each decoded piece, in order (e.g. ``BodySink.write``),
+            by :meth:`feed` and :meth:`finish` (``None``: pull only);
             a piece is at most about ``piece`` bytes (one zstd block more at worst).
         piece: bytes one decoder call may produce; at least
             :data:`ZSTD_BLOCK_MAX_BYTES` keeps zstd within it.
         limit: largest decoded body in bytes; the output of every inner stage
             is held to :func:`encoded_size_cap` of it.
 
-    ``feed`` and ``finish`` raise :class:`BodyEncodingError` (400) for corrupt
-    or truncated data and :class:`BodyTooLarge` (413) past a cap, and pass on
-    whatever ``sink`` raises. After :meth:`release` the decoder holds no codec
+    ``feed`` and ``finish`` (and iterating ``pieces`` and ``end_pieces``) raise
+    :class:`BodyEncodingError` (400) for corrupt or truncated data and
+    :class:`BodyTooLarge` (413) past a cap; ``feed`` and ``finish`` pass on
+    whatever ``sink`` raises. Each ``pieces`` iterator is used up before the
+    next wire bytes are given. After :meth:`release` the decoder holds no codec
     state and must not be fed again.
     """
 
     # Weak-referenceable so tests can prove a read leaves no decoder alive.
-    __slots__ = ("__weakref__", "_stages")
+    __slots__ = ("__weakref__", "_sink", "_stages")
 
-    def __init__(self, codings: tuple[str, ...], sink: _Emit, *, piece: int, limit: int) -> None:
+    def __init__(
+        self, codings: tuple[str, ...], sink: _Emit | None = None, *, piece: int, limit: int
+    ) -> None:
         stages: list[_Stage] = []
-        emit = sink
         cap = limit
-        # The first coding applied is the last one undone: build from the sink out.
+        # The first coding applied is the last one undone: built from the output
+        # side out (only the innermost stage has the decoded body's limit as its cap).
         for coding in codings:
-            stage = _STAGES[coding](coding, emit, piece=piece, cap=cap, limit=limit)
-            stages.append(stage)
-            emit = stage.feed
+            stages.append(_STAGES[coding](coding, piece=piece, cap=cap, limit=limit))
             cap = encoded_size_cap(limit)
         stages.reverse()
         self._stages = stages
+        self._sink = sink
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        """The decoded pieces of the next wire bytes (any split is fine), decoded as iterated."""
+        return self._through(0, self._stages[0].decode(data))
+
+    def end_pieces(self) -> Iterator[bytes]:
+        """The wire ended: what the codecs still hold, decoded as iterated; then
+        BodyEncodingError if a coding is unfinished."""
+        # Each flush may yield output into the next stage, so go wire side first.
+        for index, stage in enumerate(self._stages):
+            yield from self._through(index, stage.flush())
+
+    def _through(self, index: int, outs: Iterator[bytes]) -> Iterator[bytes]:
+        """Stage ``index``'s pieces ``outs``, undone by the stages after it."""
+        stage = self._stages[index]
+        inner = index + 1
+        for out in outs:
+            stage.count(out)
+            if inner == len(self._stages):
+                yield out
+            else:
+                yield from self._through(inner, self._stages[inner].decode(out))
 
     def feed(self, data: bytes) -> None:
-        """Decode the next wire bytes (any split is fine; empty is a no-op)."""
-        self._stages[0].feed(data)
+        """Decode the next wire bytes into ``sink`` (any split is fine; empty is a no-op)."""
+        sink = self._sink
+        assert sink is not None, "a pull-only decoder is read with pieces()"
+        for out in self.pieces(data):
+            sink(out)
 
     def finish(self) -> None:
-        """The wire ended: flush, and raise BodyEncodingError if a coding is unfinished."""
-        # Each finish may flush output into the next stage, so go wire side first.
-        for stage in self._stages:
-            stage.finish()
+        """The wire ended: flush into ``sink``, and raise BodyEncodingError if a coding
+        is unfinished."""
+        sink = self._sink
+        assert sink is not None, "a pull-only decoder is read with end_pieces()"
+        for out in self.end_pieces():
+            sink(out)
 
     def release(self) -> None:
         """Drop every stage and its codec state (idempotent)."""

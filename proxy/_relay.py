@@ -13,11 +13,10 @@ rule, usage) is the gate's; this module only does the I/O around it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import re
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterator, Mapping
 from typing import Any, Final
 
 import aiohttp
@@ -216,40 +215,68 @@ def _bad_head(exc: aiohttp.ClientResponseError) -> str:
 
 
 class _Decoder:
-    """Undoes the upstream answer's content codings; knows whether the coded body ended.
+    """Undoes the upstream answer's content codings, one piece at a time; knows
+    whether the coded body ended.
 
-    Decoded pieces wait in :attr:`pending` until the gate takes them, one at a
-    time, so a piece decoded after a refold request is not lost when the refold
-    is declined. :meth:`feed` (corrupt data) and :meth:`finish` (the coded data
-    stopped before its end, e.g. a gzip body without its trailer) raise
-    :class:`~proxy._coding.BodyError`.
+    The wire bytes given to :meth:`feed` (or the end, :meth:`finish`) are decoded
+    only as the relay asks for pieces (:meth:`next_piece`), each at most about
+    :data:`DECODE_PIECE_BYTES`, and the relay asks for the next one once it has
+    forwarded the last (client backpressure included). So an answer that expands
+    a thousandfold (a gzip bomb) is held a piece at a time, not a wire chunk's
+    worth of output; and a refold request seen in one piece leaves the rest
+    undecoded for when the refold is declined.
     """
 
-    __slots__ = ("_decoder", "codings", "ended", "failure", "pending")
+    __slots__ = ("_decoder", "_pieces", "codings", "ended", "failure")
 
     def __init__(self, codings: tuple[str, ...]) -> None:
         self.codings = codings
-        self.pending: collections.deque[bytes] = collections.deque()
         self.ended = False
-        #: Why the coded data is unusable past :attr:`pending` (``None``: it is fine).
+        #: Why the coded data is unusable past the pieces taken (``None``: it is fine).
         self.failure: str | None = None
-        self._decoder = ContentDecoder(
-            codings, self.pending.append, piece=DECODE_PIECE_BYTES, limit=_NO_LIMIT
-        )
+        self._decoder = ContentDecoder(codings, piece=DECODE_PIECE_BYTES, limit=_NO_LIMIT)
+        self._pieces: Iterator[bytes] | None = None
+
+    @property
+    def decoding(self) -> bool:
+        """Whether the bytes fed (or the end) may still give pieces: ask before reading on."""
+        return self._pieces is not None
 
     def feed(self, data: bytes) -> None:
-        """Decode the next wire bytes into :attr:`pending`."""
-        self._decoder.feed(data)
+        """The next wire bytes, decoded by the next :meth:`next_piece` calls."""
+        self._pieces = self._decoder.pieces(data)
 
     def finish(self) -> None:
-        """The wire body ended: flush into :attr:`pending`, check the coded data ended."""
+        """The wire body ended: the codecs' rest comes from :meth:`next_piece`, then
+        the check that the coded data ended."""
         self.ended = True
-        self._decoder.finish()
+        self._pieces = self._decoder.end_pieces()
+
+    def next_piece(self) -> bytes | None:
+        """The next decoded piece; ``None`` once the bytes fed are decoded.
+
+        Corrupt data (or coded data that stopped before its end, e.g. a gzip
+        body without its trailer) ends the body here: :attr:`failure` says why.
+        """
+        pieces = self._pieces
+        if pieces is None:
+            return None
+        try:
+            return next(pieces)
+        except StopIteration:
+            pass
+        except BodyError:
+            # What decoded before the damage went to the gate; the end follows.
+            what = "truncated" if self.ended else "corrupt"
+            self.failure = f"{what} {'+'.join(self.codings)} body"
+            self.ended = True
+        self._pieces = None
+        return None
 
     def release(self) -> None:
-        """Drop the codec state and what was not taken (idempotent)."""
+        """Drop the codec state and the bytes not yet decoded (idempotent)."""
         self._decoder.release()
-        self.pending.clear()
+        self._pieces = None
 
 
 class _OutboundBody(aiohttp.payload.Payload):
@@ -521,7 +548,7 @@ class _Relay:
                 # The read is awaited here, not in a helper coroutine: an idle
                 # stream waits in this frame, and every frame of the chain is
                 # held per open stream.
-                if decoder is not None and (decoder.pending or decoder.ended):
+                if decoder is not None and (decoder.decoding or decoder.ended):
                     actions = self._drain(gate, decoder)
                 else:
                     try:
@@ -580,31 +607,23 @@ class _Relay:
                 # stream keeps a write per piece: a failure relaying one is a cut stream.
                 actions += gate.end(clean=True)
             return actions
-        try:
-            if chunk:
-                decoder.feed(chunk)
-            else:
-                decoder.finish()
-        except BodyError:
-            # What decoded before the damage still goes to the gate, then the end.
-            decoder.ended = True
-            what = "corrupt" if chunk else "truncated"
-            decoder.failure = f"{what} {'+'.join(decoder.codings)} body"
+        if chunk:
+            decoder.feed(chunk)
+        else:
+            decoder.finish()
         return self._drain(gate, decoder)
 
     @staticmethod
     def _drain(gate: StreamGate, decoder: _Decoder) -> list[Action]:
-        """Feed the waiting decoded pieces until the gate stops to decide; end after the last."""
-        actions: list[Action] = []
-        pending = decoder.pending
-        while pending:
-            actions += gate.feed(pending.popleft())
-            if gate.state in _DECIDING:
-                return actions
+        """Feed the gate the next decoded piece (one: its writes are done before the
+        next is decoded); the end after the last."""
+        piece = decoder.next_piece()
+        if piece is not None:
+            return gate.feed(piece)
         if decoder.ended:
             failure = decoder.failure
-            actions += gate.end(clean=failure is None, reason=failure or "")
-        return actions
+            return gate.end(clean=failure is None, reason=failure or "")
+        return []  # these wire bytes are decoded: read on
 
     # ------------------------------------------------------------------ actions
 

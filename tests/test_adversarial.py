@@ -13,18 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import gzip
+import hashlib
 import json
 import logging
 import time
+import tracemalloc
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import aiohttp
 import anthropic
+import brotli
 import openai
 import psutil  # type: ignore[import-untyped]  # no stubs; types-psutil is not a dependency
 import pytest
+import zstandard
 from aiohttp import web
 
 from proxy import Plugin
@@ -460,6 +466,81 @@ async def test_broken_json_answer_is_cut_not_spliced_with_an_event(kind: str) ->
             )
         await sdk.close()
     assert len(upstream.heads) == 2
+
+
+BOMB_BYTES: Final = 64 << 20  # decoded size of the compressed answer below
+BOMB_HELD_BOUND: Final = 4 << 20  # bytes: the most the whole run may hold at once
+
+
+def _bomb(coding: str) -> tuple[bytes, str]:
+    """A ``coding``-compressed body of :data:`BOMB_BYTES` repetitive bytes (under 1 MB on the
+    wire), and the SHA-256 of the decoded body; built 1 MiB at a time, never whole."""
+    block = b"".join(b"line %06d of a file that compresses far too well\n" % i for i in range(20))
+    block = (block * (1 + (1 << 20) // len(block)))[: 1 << 20]
+    digest = hashlib.sha256()
+    compressor: Any
+    if coding == "gzip":
+        compressor = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        compress, flush = compressor.compress, compressor.flush
+    elif coding == "br":
+        compressor = brotli.Compressor(quality=5)
+        compress, flush = compressor.process, compressor.finish
+    else:
+        compressor = zstandard.ZstdCompressor(level=3).compressobj()
+        compress, flush = compressor.compress, compressor.flush
+    wire = bytearray()
+    for _ in range(BOMB_BYTES // len(block)):
+        digest.update(block)
+        wire += compress(block)
+    wire += flush()
+    assert len(wire) < 1 << 20
+    return bytes(wire), digest.hexdigest()
+
+
+@pytest.mark.parametrize("coding", ["gzip", "br", "zstd"])
+async def test_a_compressed_answer_is_decoded_only_as_fast_as_the_client_reads(
+    coding: str,
+) -> None:
+    """Finding: each wire chunk of a compressed answer was decoded whole before the first
+    piece went to the client, so a gzip bomb (here 64 MiB from under 1 MB on the wire)
+    sat in memory while a slow client read. Now the relay decodes the next piece only
+    once the previous one was forwarded: with the client not reading, and while it then
+    reads the whole answer, the process holds a few MiB at most; the answer arrives intact."""
+    wire, expected = _bomb(coding)
+
+    def reply(target: str) -> bytes:
+        return (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+            b"Content-Encoding: %s\r\nContent-Length: %d\r\n\r\n%s"
+            % (coding.encode(), len(wire), wire)
+        )
+
+    async with RawUpstream(reply) as upstream, proxy_for(upstream.url) as url:
+        client = await RawClient.connect(url, rcvbuf=64 * 1024)
+        gc.collect()
+        tracemalloc.start()
+        try:
+            client.send_head("GET", "/v1/files/file-bomb/content", auth_headers(CHAT_PATH))
+            await client.send(b"")
+            head = await client.read_head()
+            # Not reading: the proxy has the whole answer from the upstream (it closed)
+            # and must wait for the client. A bounded look at what it holds meanwhile.
+            await wait_until(lambda: bool(upstream.bodies), "the upstream answered", BOUND_S)
+            for _ in range(20):
+                await asyncio.sleep(0.05)
+                stalled_peak = tracemalloc.get_traced_memory()[1]
+                assert stalled_peak < BOMB_HELD_BOUND, f"{stalled_peak} bytes held while stalled"
+            digest, size = hashlib.sha256(), 0
+            async for piece in client.iter_body(head):
+                digest.update(piece)
+                size += len(piece)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        await client.close()
+    assert head.status == 200 and "Content-Encoding" not in head.headers
+    assert (size, digest.hexdigest()) == (BOMB_BYTES, expected)
+    assert peak < BOMB_HELD_BOUND, f"{peak} bytes held at the peak"
 
 
 # ------------------------------------------------------ what reaches the upstream (F5, F6)
