@@ -32,7 +32,7 @@ from typing import ClassVar, Final
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
-from proxy import ExchangeRecord, Plugin, Scalar
+from proxy import ExchangeRecord, Outcome, Plugin, Scalar
 
 __all__ = ["METRIC_NAMES", "UsagePlugin"]
 
@@ -135,7 +135,9 @@ class UsagePlugin(Plugin):
 
         A failed exchange can still have been billed (a stream cut after its
         usage event), so every record counts; ``None`` counts add nothing. A
-        record without a session id counts in the metrics only.
+        record without a session id counts in the metrics only, and so does a
+        request refused because its session was closed: the session's totals were
+        forgotten in :meth:`session_closed`, and the refusal must not bring them back.
         """
         key = (record.protocol, self.model_label(record.model))
         totals = self._by_label.get(key)
@@ -143,7 +145,7 @@ class UsagePlugin(Plugin):
             totals = self._by_label[key] = _Totals()
         totals.add(record)
         sid = record.session_id
-        if sid is None:
+        if sid is None or _refused_as_closed(record):
             return
         usage = self._sessions.get(sid)
         if usage is None:
@@ -214,3 +216,8 @@ class UsagePlugin(Plugin):
             return "other"
         self._models.add(label)
         return label
+
+
+def _refused_as_closed(record: ExchangeRecord) -> bool:
+    """A request the proxy refused (503) because its session was already closed."""
+    return record.outcome is Outcome.REJECTED and record.error == "session_closed"

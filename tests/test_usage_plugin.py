@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from plugins.usage import UsagePlugin
-from proxy import ExchangeRecord, Scalar
+from proxy import ExchangeRecord, Outcome, Scalar
 from proxy.testing import make_record
 
 #: Where these tests' records differ from ``make_record``'s: an Anthropic exchange
@@ -91,6 +91,31 @@ async def test_records_without_usage_or_session_count_where_they_can(
     }
     assert sample(registry, "input", "anthropic", "claude-test") == 0
     assert sample(registry, "input", "anthropic", "unknown") == 100
+
+
+async def test_a_refusal_for_a_closed_session_does_not_bring_its_totals_back(
+    registry_and_plugin: tuple[CollectorRegistry, UsagePlugin],
+) -> None:
+    registry, plugin = registry_and_plugin
+    await plugin.commit(anthropic_record())
+    await plugin.session_closed("s1")
+    # A late request for s1 is refused with 503 (the session is closed); the proxy
+    # books it with the session id it carried, after the plugin forgot the session.
+    await plugin.commit(
+        anthropic_record(
+            outcome=Outcome.REJECTED,
+            status=503,
+            error="session_closed",
+            input_tokens=None,
+            output_tokens=None,
+            cache_read_tokens=None,
+        )
+    )
+    assert plugin.session_state("s1") == {}
+    # Other refusals of an open session still count as its requests.
+    await plugin.commit(anthropic_record(session_id="s2", outcome=Outcome.REJECTED, error="busy"))
+    assert plugin.session_state("s2")["requests"] == 1
+    assert sample(registry, "input", "anthropic", "claude-test") == 200
 
 
 async def test_the_app_registry_renders_the_plugin_as_a_collector() -> None:
