@@ -475,13 +475,16 @@ def _unclaimed(key: str) -> str:
 def unclaimed_tables(specs: Sequence[str], options: Mapping[str, object]) -> list[str]:
     """One problem line per ``[plugin.<key>]`` table no entry of ``specs`` takes.
 
-    Entries that cannot be resolved are skipped (loading them reports that).
+    An entry that cannot be resolved still owns the table keyed by the entry as
+    written: loading it reports the import problem, and that table is not
+    reported a second time as belonging to no plugin.
     """
     keys: set[str] = set()
     for spec in specs:
         try:
             cls, _ = _resolve(spec)
         except PluginError:
+            keys.add(spec)
             continue
         keys.update(_table_keys(spec, cls))
     return [_unclaimed(key) for key in options if key not in keys]

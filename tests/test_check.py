@@ -114,3 +114,21 @@ def test_a_table_no_plugin_takes_is_one_problem_line(tmp_path: Path) -> None:
     problems = [line for line in result.output.splitlines() if "plugin.flod" in line]
     assert len(problems) == 1
     assert "plugin.fold" not in result.output
+
+
+def test_an_unimportable_plugin_is_one_problem_and_its_table_is_not_reported_again(
+    tmp_path: Path,
+) -> None:
+    """The import failure is the problem; its own options table is not 'taken by no plugin'."""
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        'plugins = ["fold", "no_such_module:Counter", "nosuchplugin"]\n'
+        '[plugin."no_such_module:Counter"]\nlimit = 3\n[plugin.nosuchplugin]\nx = 1\n'
+    )
+    result = _check(config)
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 2, result.output
+    assert "cannot import no_such_module:Counter" in lines[0]
+    assert "nosuchplugin" in lines[1]
+    assert "no plugin in the plugins list takes this table" not in result.output
