@@ -164,6 +164,16 @@ def bench(ctx: click.Context, kind: str | None) -> None:
     sys.exit(module.main(list(ctx.args)))
 
 
+def _refusal_hint(status: int, token: str | None) -> str:
+    """What to do about a 403 from ``/admin/``: the peer is not in ``admin_allow``
+    and no token (or a wrong one) was sent."""
+    if status != 403:
+        return ""
+    if token:
+        return ": the proxy refused this admin token (CONTEXT_PROXY_ADMIN_TOKEN or --token)"
+    return ": set CONTEXT_PROXY_ADMIN_TOKEN or --token to the proxy's admin_token"
+
+
 def _admin_get(url: str, token: str | None) -> Any:
     request = urllib.request.Request(url)
     if token:
@@ -172,7 +182,9 @@ def _admin_get(url: str, token: str | None) -> Any:
         with urllib.request.urlopen(request, timeout=10) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
-        raise click.ClickException(f"{url}: HTTP {exc.code}") from None
+        raise click.ClickException(
+            f"{url}: HTTP {exc.code}{_refusal_hint(exc.code, token)}"
+        ) from None
     except OSError as exc:
         raise click.ClickException(f"{url}: {exc}") from None
 

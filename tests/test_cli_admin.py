@@ -124,6 +124,25 @@ async def test_sessions_json_parses_and_the_token_comes_from_the_environment(
     assert TOKEN not in result.output
 
 
+async def test_a_refused_sessions_command_says_how_to_pass_the_token() -> None:
+    """Under ``admin_allow = []`` the 403 names the variable and the option to set;
+    a wrong token is said to be refused, and never printed."""
+    async with proxy_with_emulator(plugins=[], admin_allow=[], admin_token=TOKEN) as h:
+        runner = CliRunner()
+        args = ["sessions", "--url", h.url]
+        missing = await asyncio.to_thread(
+            runner.invoke, cli_main, args, env={"CONTEXT_PROXY_ADMIN_TOKEN": None}
+        )
+        wrong = await asyncio.to_thread(
+            runner.invoke, cli_main, args, env={"CONTEXT_PROXY_ADMIN_TOKEN": "not-the-token"}
+        )
+    assert missing.exit_code == 1
+    assert "HTTP 403: set CONTEXT_PROXY_ADMIN_TOKEN or --token" in missing.output
+    assert wrong.exit_code == 1
+    assert "HTTP 403: the proxy refused this admin token" in wrong.output
+    assert "not-the-token" not in wrong.output
+
+
 @pytest.mark.parametrize("kind", ["memory", "overhead", "concurrency"])
 def test_every_benchmark_is_a_click_command_under_the_cli(kind: str) -> None:
     import importlib
