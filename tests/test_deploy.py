@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy._config import Settings
+from proxy._config import load_settings
+from proxy._plugins import load_plugins
 from tests.process_support import Proc
 
 DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
@@ -67,7 +68,20 @@ def _seconds(value: str) -> float:
     return int(match[1]) * (60 if match[2] == "min" else 1)
 
 
-def test_the_documented_unit_stops_gracefully_within_its_timeout() -> None:
+def _settings_file(tmp_path: Path) -> Path:
+    """The unit's settings file, as docs/deploy.md gives it, written to ``tmp_path``."""
+    match = re.search(
+        r"```toml title=\"/etc/context-proxy/context-proxy.toml\"\n(.*?)```",
+        DEPLOY.read_text(),
+        re.S,
+    )
+    assert match, "docs/deploy.md has no settings file for the unit"
+    path = tmp_path / "context-proxy.toml"
+    path.write_text(match.group(1))
+    return path
+
+
+def test_the_documented_unit_stops_gracefully_within_its_timeout(tmp_path: Path) -> None:
     unit = _unit()
     service = unit["Service"]
     assert service["KillSignal"] == "SIGTERM"
@@ -76,8 +90,22 @@ def test_the_documented_unit_stops_gracefully_within_its_timeout() -> None:
     assert "ExecStart" in service and "serve" in service["ExecStart"]
     assert "ExecStartPre" in service and "check" in service["ExecStartPre"]
     environment = dict(item.split("=", 1) for item in service["Environment"].split() if "=" in item)
-    grace = float(environment.get("CONTEXT_PROXY_SHUTDOWN_GRACE", Settings().shutdown_grace))
-    # The drain: grace, then up to 5 s for cut streams, sessions and the ledger flush.
-    assert _seconds(service["TimeoutStopSec"]) >= grace + 15
+    settings = load_settings(_settings_file(tmp_path), environ=environment)
+    host = load_plugins(settings.plugins, settings.plugin, timeout=settings.plugin_timeout)
+    per_hook = settings.plugin_timeout
+    # AppState.drain, step by step: the grace; 5 s for cancelled streams to wind down;
+    # one commit's bound for all pending commits; each plugin's shutdown hook in turn
+    # (PluginHost gives shutdown at least 10 s); aiohttp's runner shutdown_timeout (1 s).
+    worst = (
+        settings.shutdown_grace
+        + 5.0
+        + per_hook * (len(host.plugins) + 1)
+        + sum(max(per_hook, 10.0) for _ in host.implementing("shutdown"))
+        + 1.0
+    )
+    text = DEPLOY.read_text()
+    assert f"**{worst:.0f} s**" in text, "the documented worst case is not the computed one"
+    # Above it, with room for the session closes (the one step without a total bound).
+    assert _seconds(service["TimeoutStopSec"]) >= worst + 30
     assert "/var/lib/context-proxy/" in DEPLOY.read_text()
     assert "/readyz" in DEPLOY.read_text()
