@@ -562,7 +562,10 @@ _LABEL: Final = re.compile(r'(\w+)="([^"]*)"')
 
 
 async def held_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, int]:
-    """``context_proxy_held_bytes`` from ``GET /metrics``, as ``{"phase/kind": bytes}``."""
+    """``context_proxy_held_bytes`` from ``GET /metrics``, as ``{"phase/kind": bytes}``.
+
+    Only what is held: the proxy exports every (phase, kind) from the start, at 0.
+    """
     async with session.get(url + "/metrics") as resp:
         resp.raise_for_status()
         text = await resp.text()
@@ -570,7 +573,9 @@ async def held_metrics(session: aiohttp.ClientSession, url: str) -> dict[str, in
     for match in _HELD_LINE.finditer(text):
         labels = dict(_LABEL.findall(match["labels"]))
         key = f"{labels.get('phase', '?')}/{labels.get('kind', '?')}"
-        held[key] = int(float(match["value"]))
+        value = int(float(match["value"]))
+        if value:
+            held[key] = value
     return held
 
 

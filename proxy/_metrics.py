@@ -36,12 +36,14 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ._exchange import Phase
 from ._fdlimit import EXHAUSTED_MESSAGE
+from ._protocols import Protocol as ApiProtocol
 
 if TYPE_CHECKING:
     from ._exchange import Exchange
 
-__all__ = ["BODY_BUCKETS", "TIME_BUCKETS", "LiveSource", "Metrics"]
+__all__ = ["BODY_BUCKETS", "HELD_KINDS", "LIVE_PHASES", "TIME_BUCKETS", "LiveSource", "Metrics"]
 
 disable_created_metrics()  # type: ignore[no-untyped-call]
 
@@ -52,6 +54,10 @@ TIME_BUCKETS: Final = (
 )  # fmt: skip
 #: Bytes, for request bodies: 1 KiB to 256 MiB in steps of four.
 BODY_BUCKETS: Final = tuple(float(1024 * 4**i) for i in range(10))
+#: Buffer kinds of ``context_proxy_held_bytes`` (the fields of ``HeldBytes``).
+HELD_KINDS: Final = ("raw", "parsed", "outbound", "response")
+#: Phases an exchange can be in while listed as in flight, or when its client hangs up.
+LIVE_PHASES: Final = tuple(phase.value for phase in Phase if phase is not Phase.CLOSED)
 
 
 def _version(package: str) -> str:
@@ -113,7 +119,9 @@ class _LiveCollector(Collector):
             "Bytes held by in-flight exchanges, by phase and buffer kind",
             labels=["phase", "kind"],
         )
-        totals: dict[tuple[str, str], int] = {}
+        # Every (phase, kind) from the first scrape, at 0 while nothing is held:
+        # a series that appears only once it is non-zero defeats rate() and alerts.
+        totals = dict.fromkeys(((phase, kind) for phase in LIVE_PHASES for kind in HELD_KINDS), 0)
         for ex in list(state.exchanges.values()):
             h = ex.held_bytes()
             phase = ex.phase.value
@@ -230,6 +238,11 @@ class Metrics:
             ["protocol"],
             registry=r,
         )
+        # Small, known label sets: every child exists (at 0) from the start.
+        for phase in LIVE_PHASES:
+            self.disconnects.labels(phase)
+        for protocol in ApiProtocol:
+            self.internal_errors.labels(str(protocol))
         self.bodies_read = Counter(
             "context_proxy_exchanges_read",
             "Exchanges whose request body was read; each one is committed exactly once",

@@ -80,12 +80,14 @@ async def test_a_non_ascii_bearer_token_is_refused_not_a_crash(value: bytes) -> 
 
 
 def _metric(h: Harness, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
     text = h.state.metrics.render().decode()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def _boom(*args: Any, **kwargs: Any) -> Any:

@@ -7,17 +7,21 @@ series; the HTTP status is the label ``code``; and every series is in the README
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy._metrics import BODY_BUCKETS, TIME_BUCKETS
 from proxy._protocols import Protocol
 from proxy.testing import proxy_with_emulator
+
+from .cluster_support import RedisServer, need_binary
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -134,6 +138,80 @@ async def test_every_series_is_documented_in_the_readme() -> None:
     readme = README.read_text()
     table = readme[readme.index("### Metrics") :]
     documented = set(re.findall(r"`((?:context_proxy|process|python)_[a-z_]+)", table))
+    missing = {
+        n
+        for n in names
+        if n not in documented and f"{n}_total" not in documented and f"{n}_info" not in documented
+    }
+    assert not missing, f"series missing from the README metrics table: {sorted(missing)}"
+
+
+def _documented_series() -> set[str]:
+    readme = README.read_text()
+    table = readme[readme.index("### Metrics") : readme.index("## Shutdown")]
+    return set(re.findall(r"`((?:context_proxy|process|python)_[a-z_]+)", table))
+
+
+async def test_series_with_a_small_known_label_set_are_there_at_zero_from_the_start() -> None:
+    """Before any traffic, every phase a client can leave in, every protocol and every
+    (phase, buffer kind) has its sample at 0: rate() and alerts need no first event."""
+    async with (
+        proxy_with_emulator(plugins=[]) as h,
+        aiohttp.ClientSession() as http,
+        http.get(h.url + "/metrics") as resp,
+    ):
+        samples = _parse(await resp.text())
+    for phase in ("reading", "parsed", "prepared", "sent", "accepted", "streaming"):
+        key = ("context_proxy_client_disconnects_total", frozenset({("phase", phase)}))
+        assert samples.get(key) == 0, phase
+        for kind in ("raw", "parsed", "outbound", "response"):
+            held = frozenset({("phase", phase), ("kind", kind)})
+            assert samples.get(("context_proxy_held_bytes", held)) == 0, (phase, kind)
+    for protocol in Protocol:
+        key = ("context_proxy_internal_errors_total", frozenset({("protocol", str(protocol))}))
+        assert samples.get(key) == 0, protocol
+    for event in ("started", "finished", "failed", "timed_out"):
+        assert samples.get(("context_proxy_commits_total", frozenset({("event", event)}))) == 0
+
+
+@pytest.mark.timeout(60)
+async def test_every_family_scraped_after_traffic_in_cluster_mode_is_in_the_readme_table(
+    tmp_path: Path,
+) -> None:
+    """Cluster mode (a real redis-server), the default plugins, then traffic: a complete
+    stream, a refused body, a client that hangs up mid-stream. Every family on /metrics
+    then has a row in README's table."""
+    need_binary("redis-server")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    try:
+        async with (
+            proxy_with_emulator(plugins=["fold"], redis_url=redis.url) as h,
+            aiohttp.ClientSession() as http,
+        ):
+            async with http.post(h.url + CHAT, json=_chat("hi")) as resp:
+                assert resp.status == 200
+                await resp.read()
+            async with http.post(h.url + CHAT, data=b"not json") as resp:
+                assert resp.status == 400
+            slow = {"x-emulator": "chunks=40; delay=0.05"}
+            async with http.post(h.url + CHAT, json=_chat("bye"), headers=slow) as resp:
+                assert resp.status == 200
+                await resp.content.readany()
+                resp.close()  # hang up mid-stream
+            await h.settle()
+            for _ in range(100):  # bounded: the hang-up is counted once the handler ends
+                if h.metric("context_proxy_client_disconnects_total", phase="streaming"):
+                    break
+                await asyncio.sleep(0.05)
+            assert h.metric("context_proxy_client_disconnects_total", phase="streaming") == 1
+            async with http.get(h.url + "/metrics") as resp:
+                text = await resp.text()
+    finally:
+        redis.stop()
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert "context_proxy_cluster_degraded" in names
+    documented = _documented_series()
     missing = {
         n
         for n in names
