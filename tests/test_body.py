@@ -647,7 +647,12 @@ async def test_broken_chunk_framing_ends_by_idle_timeout(harness: Harness) -> No
         finally:
             await close_quietly(writer)
     assert (status, payload["kind"]) == (408, "timeout")
-    assert_nothing_left(await harness.outcome())
+    # The bytes after the broken chunk line stay with the connection: the last socket
+    # read (asyncio reads up to 256 KiB at once) and aiohttp's parser's copy of it,
+    # both freed when the connection closes. How much depends on how the 4 MiB
+    # arrived (an idle machine delivers bigger reads); a reader that kept the body,
+    # or any piece of it beyond that, still shows (the body is 8x this allowance).
+    assert_nothing_left(await harness.outcome(), unread=2 * 256 * KiB)
 
 
 async def test_idle_client_gets_408(harness: Harness) -> None:
