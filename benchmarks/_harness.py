@@ -34,12 +34,14 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 import aiohttp
+import click
 import psutil  # type: ignore[import-untyped]  # no stubs; types-psutil is not a dependency
 
 from ._report import Reporter
 from ._workload import BenchProtocol
 
 __all__ = [
+    "CONTEXT_SETTINGS",
     "HOST",
     "EmulatorControl",
     "RssSampler",
@@ -56,6 +58,7 @@ __all__ = [
     "read_vm_hwm",
     "reset_vm_hwm",
     "run_collect",
+    "run_command",
     "start_emulator",
     "start_naive",
     "start_proxy",
@@ -641,3 +644,24 @@ def run_collect(
     except (RuntimeError, OSError, TimeoutError) as exc:
         reporter.note(f"[bold red]benchmark failed:[/bold red] {exc}")
         return None
+
+
+#: click settings every ``bench`` command shares.
+CONTEXT_SETTINGS: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+def run_command(command: click.Command, prog: str, argv: Sequence[str]) -> int:
+    """Run a benchmark's click ``command`` on ``argv``; its exit status (2: bad options).
+
+    ``argv`` reaches the command as ``ctx.obj`` (the results record the command line).
+    """
+    try:
+        status = command.main(
+            args=list(argv), prog_name=prog, standalone_mode=False, obj=list(argv)
+        )
+    except click.ClickException as exc:
+        exc.show()
+        return exc.exit_code
+    except click.Abort:
+        return 1
+    return int(status or 0)

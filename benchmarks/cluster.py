@@ -43,8 +43,16 @@ from proxy._cluster import RedisStore
 
 from . import _report as rpt
 from ._cluster import nginx_config, start_redis
-from ._harness import HOST, Service, free_port, raise_nofile_limit, start_emulator, start_proxy
-from .memory import CONTEXT_SETTINGS, run_command
+from ._harness import (
+    CONTEXT_SETTINGS,
+    HOST,
+    Service,
+    free_port,
+    raise_nofile_limit,
+    run_command,
+    start_emulator,
+    start_proxy,
+)
 
 __all__ = ["ADMISSION_TARGET", "Options", "command", "main", "summary_table"]
 

@@ -24,10 +24,9 @@ from typing import Any
 import click
 
 from . import _report as rpt
-from ._harness import raise_nofile_limit, run_collect
+from ._harness import CONTEXT_SETTINGS, raise_nofile_limit, run_collect, run_command
 from ._workload import BenchProtocol, Corpus, MiB, build_body
 from .memory import (
-    CONTEXT_SETTINGS,
     VARIANTS,
     Case,
     _choices,
@@ -37,7 +36,6 @@ from .memory import (
     open_bench,
     plot_document,
     plot_memory,
-    run_command,
     run_json,
     run_process,
 )

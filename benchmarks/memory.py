@@ -65,6 +65,7 @@ import click
 
 from . import _report as rpt
 from ._harness import (
+    CONTEXT_SETTINGS,
     EmulatorControl,
     RssSampler,
     Service,
@@ -77,6 +78,7 @@ from ._harness import (
     read_vm_hwm,
     reset_vm_hwm,
     run_collect,
+    run_command,
     start_naive,
     start_proxy,
     wait_proxy_idle,
@@ -102,7 +104,6 @@ __all__ = [
     "out_option",
     "plot_document",
     "plot_memory",
-    "run_command",
     "run_json",
     "run_process",
     "write_outputs",
@@ -509,27 +510,8 @@ out_option: Final = click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
 )
 
+
 #: Click settings shared by the benchmark commands.
-CONTEXT_SETTINGS: Final = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
-
-
-def run_command(command: click.Command, prog: str, argv: Sequence[str]) -> int:
-    """Run a benchmark's click ``command`` on ``argv``; its exit status (2: bad options).
-
-    ``argv`` reaches the command as ``ctx.obj`` (the results record the command line).
-    """
-    try:
-        status = command.main(
-            args=list(argv), prog_name=prog, standalone_mode=False, obj=list(argv)
-        )
-    except click.ClickException as exc:
-        exc.show()
-        return exc.exit_code
-    except click.Abort:
-        return 1
-    return int(status or 0)
-
-
 @click.command(
     context_settings=CONTEXT_SETTINGS,
     help="Request-memory lifetime of context-proxy against a naive proxy.",

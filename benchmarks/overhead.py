@@ -48,6 +48,7 @@ import psutil  # type: ignore[import-untyped]  # as in _harness
 
 from . import _report as rpt
 from ._harness import (
+    CONTEXT_SETTINGS,
     EmulatorControl,
     RssSampler,
     Service,
@@ -56,11 +57,11 @@ from ._harness import (
     open_client_and_emulator,
     raise_nofile_limit,
     run_collect,
+    run_command,
     start_naive,
     start_proxy,
 )
 from ._workload import BenchProtocol, Corpus, build_body, build_small_body
-from .memory import CONTEXT_SETTINGS, run_command
 
 __all__ = [
     "ADDED_LATENCY_SLACK",

@@ -47,15 +47,16 @@ import psutil
 
 from . import _report as rpt
 from ._harness import (
+    CONTEXT_SETTINGS,
     admin_exchanges,
     open_client_and_emulator,
     raise_nofile_limit,
     run_collect,
+    run_command,
     start_proxy,
     wait_proxy_idle,
 )
 from ._workload import BenchProtocol, Corpus, build_body
-from .memory import CONTEXT_SETTINGS, run_command
 
 __all__ = ["FATES", "Options", "command", "main", "rss_slope"]
 
