@@ -378,7 +378,7 @@ async def _run_exchange(
             state.upstream,
             # The target as the client sent it: decoding would turn %3F into a query,
             # %2F into a path separator, %0D%0A into nothing.
-            target=state.upstream.url(
+            target=state.upstream.target(
                 upstream_name, request.rel_url.raw_path, request.rel_url.raw_query_string
             ),
             headers=forward_headers(request.headers),

@@ -22,10 +22,9 @@ headers     :meth:`Exchange.attach_headers` (the header     with the outbound bo
             the client's; a resend sends them again)        resend is still possible;
                                                             :meth:`drop_outbound`,
                                                             :meth:`close`
-head        the upstream answer's header fields (in         :meth:`mark_streaming`,
-            aiohttp's response object, with the request's   through the answer's
-            fields it keeps): read to build the client's    ``drop_head()``
-            response head, never again
+head        the upstream answer's header fields (in the     :meth:`mark_streaming`,
+            client's ``UpstreamAnswer``): read to build     through the answer's
+            the client's response head, never again         ``drop_head()``
 response    the relay's held stream head, JSON head and     the relay; accounted here
             partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
 ==========  ==============================================  ==========================
@@ -160,7 +159,7 @@ class IllegalTransition(RuntimeError):
 
 
 class HeadHolder(typing.Protocol):
-    """What holds the upstream answer's head (the relay's ``UpstreamResponse``)."""
+    """What holds the upstream answer's head (``proxy._upstream.UpstreamAnswer``)."""
 
     def drop_head(self) -> None:
         """Forget the header fields (idempotent)."""

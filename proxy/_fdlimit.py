@@ -41,8 +41,8 @@ def raise_nofile_limit() -> tuple[int, int]:
 def is_fd_exhaustion(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an error it wraps) is ``EMFILE``/``ENFILE``.
 
-    aiohttp wraps a failed connect in ``ClientConnectorError`` (an ``OSError``
-    carrying the errno) and keeps the original as ``__cause__``/``os_error``.
+    A failed upstream connect comes wrapped (``proxy._upstream.ConnectFailed``)
+    with the original as ``__cause__``/``os_error``, as aiohttp's errors do.
     """
     seen = 0
     while exc is not None and seen < 8:  # a short chain; bounded all the same

@@ -15,15 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import Coroutine, Iterator, Mapping
 from typing import Any, Final
 
-import aiohttp
-import aiohttp.payload
-from aiohttp import hdrs, web
-from aiohttp.abc import AbstractStreamWriter
-from multidict import CIMultiDict, CIMultiDictProxy
+from aiohttp import web
+from multidict import CIMultiDict
 
 from . import _protocols as protocols
 from ._cancel import orderly_cancel_reason
@@ -48,11 +44,17 @@ from ._stream import (
     StreamGate,
     Usage,
 )
+from ._upstream import (
+    BadResponseHead,
+    UpstreamAnswer,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTarget,
+)
 
 __all__ = [
     "ClientGone",
     "Upstream",
-    "UpstreamResponse",
     "error_response",
     "relay",
 ]
@@ -63,8 +65,6 @@ log = logging.getLogger("context_proxy.relay")
 DECODE_PIECE_BYTES: Final = 256 * 1024
 # Decoded answers have no size limit (a long stream is fine); the decoders want one.
 _NO_LIMIT: Final = 1 << 62
-# aiohttp's parser message for a line over its limit (the number is the limit, in bytes).
-_LINE_LIMIT: Final = re.compile(r"Got more than (\d+) bytes")
 
 
 class ClientGone(Exception):
@@ -81,109 +81,47 @@ class _UpstreamFailure(Exception):
         self.message = message
 
 
-def _unreachable(exc: aiohttp.ClientError) -> str:
-    """Plain words for a request that got no response head (never a header value).
-
-    ``HOST:PORT`` is the configured upstream's (a connector error carries it).
-    """
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        where = f"{exc.host}:{exc.port}"
-        if isinstance(exc.os_error, ConnectionRefusedError):
-            return f"upstream refused the connection at {where}"
-        if isinstance(exc, aiohttp.ClientConnectorDNSError):
-            return f"upstream host name did not resolve ({where})"
-        return f"could not connect to the upstream at {where}"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "upstream closed the connection before answering"
-    if isinstance(exc, aiohttp.ServerTimeoutError):
-        return "upstream did not answer in time"
-    return "upstream connection failed before an answer"
-
-
 def _read_failure(exc: BaseException) -> str:
     """Plain words for a body read that failed (what follows "upstream stream failed: ")."""
     if isinstance(exc, TimeoutError):
-        # aiohttp's ServerTimeoutError is a TimeoutError too: the idle-read bound.
+        # IdleReadTimeout: the idle-read bound.
         return "upstream sent nothing for too long mid-answer"
     return "upstream closed the connection mid-answer"
 
 
-#: The header fields of an answer whose head was relayed (read-only, shared by all).
-_NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
-
-
-class UpstreamResponse(aiohttp.ClientResponse):
-    """aiohttp's client response, able to forget its head once it has been relayed.
-
-    Used as the session's ``response_class`` (aiohttp's documented extension
-    point). An answer streams for minutes; by then its header fields (parsed
-    and raw, the set-cookie copies) and the request's header fields kept in
-    ``request_info`` have been turned into the client's response head and are
-    never read again. Real upstreams send a few dozen fields (rate-limit
-    counters, trace ids, cookies): kilobytes per open stream.
-    ``tests/test_idle_stream.py`` pins the attributes this relies on.
-    """
-
-    def drop_head(self) -> None:
-        """Forget the response's and the request's header fields (idempotent).
-
-        ``headers`` and ``raw_headers`` are empty afterwards; the status, the
-        URL and the body stream are untouched.
-        """
-        self._headers = _NO_FIELDS
-        self._raw_headers = ()
-        self._raw_cookie_headers = None
-        self._cache.clear()
-        info = self._request_info
-        if info.headers is not _NO_FIELDS:
-            self._request_info = aiohttp.RequestInfo(
-                info.url, info.method, _NO_FIELDS, info.real_url
-            )
-
-
 class Upstream:
-    """The upstream HTTP client: one pooled ``aiohttp.ClientSession`` for all exchanges.
+    """The upstream HTTP client: one :class:`~proxy._upstream.UpstreamPool` for all exchanges.
 
     There is no total timeout (it would cut a long stream): ``connect`` bounds
     the TCP/TLS connect, ``header_timeout`` the wait for response headers, and
     ``idle_read`` the silence between two reads of the body (seconds each).
+
+    Raises:
+        ValueError: an upstream base URL is not ``http(s)://host[:port][/path]``.
     """
 
-    __slots__ = ("bases", "header_timeout", "session")
+    __slots__ = ("header_timeout", "pool", "targets")
 
     def __init__(self, settings: Settings) -> None:
-        self.bases: Final[Mapping[str, str]] = {
-            "openai": settings.upstream_openai.rstrip("/"),
-            "anthropic": settings.upstream_anthropic.rstrip("/"),
+        self.targets: Final[Mapping[str, UpstreamTarget]] = {
+            "openai": UpstreamTarget(settings.upstream_openai),
+            "anthropic": UpstreamTarget(settings.upstream_anthropic),
         }
         self.header_timeout: Final = settings.upstream_header_timeout
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=settings.upstream_max_connections),
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                connect=settings.upstream_connect_timeout,
-                sock_read=settings.upstream_idle_read_timeout,
-            ),
-            # A proxy must not carry one client's cookies into another's requests.
-            cookie_jar=aiohttp.DummyCookieJar(),
-            # Decoded by the relay, which checks that a coded body really ended
-            # (aiohttp relays a gzip body without its trailer as complete).
-            auto_decompress=False,
-            trust_env=False,
-            # aiohttp gives a POST/PUT/PATCH without one ``application/octet-stream``:
-            # the upstream gets the client's Content-Type, or none when it sent none.
-            # Set once here, so no request merges its own skip list.
-            skip_auto_headers=(hdrs.CONTENT_TYPE,),
-            response_class=UpstreamResponse,
+        self.pool = UpstreamPool(
+            connect_timeout=settings.upstream_connect_timeout,
+            idle_read=settings.upstream_idle_read_timeout,
+            max_connections=settings.upstream_max_connections,
         )
 
-    def url(self, upstream: str, path: str, query: str) -> str:
-        """The upstream URL for ``path`` and the raw ``query`` string (kept as sent)."""
-        return f"{self.bases[upstream]}{path}" + (f"?{query}" if query else "")
+    def target(self, upstream: str, path: str, query: str) -> tuple[UpstreamTarget, str]:
+        """Where ``path`` and the raw ``query`` string (kept as sent) go on ``upstream``."""
+        target = self.targets[upstream]
+        return target, target.request_target(path, query)
 
     async def close(self) -> None:
         """Close the pool (open upstream connections are closed)."""
-        await self.session.close()
+        await self.pool.close()
 
 
 def error_response(
@@ -201,17 +139,6 @@ def error_response(
         content_type="application/json",
         headers=headers,
     )
-
-
-def _bad_head(exc: aiohttp.ClientResponseError) -> str:
-    """What was wrong with an upstream response head aiohttp could not parse."""
-    text = exc.message
-    limit = _LINE_LIMIT.search(text)
-    if limit is not None:
-        return f"upstream response headers over the parser's limit ({limit.group(1)} bytes a line)"
-    if "Too many headers" in text:
-        return "upstream response headers over the parser's limit (too many fields)"
-    return "upstream sent a response head that could not be parsed"
 
 
 class _Decoder:
@@ -279,39 +206,6 @@ class _Decoder:
         self._pieces = None
 
 
-class _OutboundBody(aiohttp.payload.Payload):
-    """The exchange's outbound body as aiohttp sends it: :meth:`Exchange.outbound_chunks`.
-
-    ``size`` bytes (the Content-Length). It adds no content type (nor does the
-    session, see :class:`Upstream`): a request the client sent without a
-    ``Content-Type`` goes upstream without one too. Cheaper per request than
-    handing aiohttp the async iterator (its payload lookup).
-    """
-
-    def __init__(self, ex: Exchange, size: int) -> None:
-        super().__init__(ex)
-        self._size = size
-        # Its own framing header instead of a content type (aiohttp wants one header).
-        self.headers.popall(hdrs.CONTENT_TYPE, None)
-        self.headers[hdrs.CONTENT_LENGTH] = str(size)
-
-    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        """Not used by the client (the body is binary and sent, never decoded)."""
-        raise TypeError("the outbound body is sent as bytes, never decoded")
-
-    async def write(self, writer: AbstractStreamWriter) -> None:
-        """Write every slice of the outbound body (no copy; aiohttp drains as it goes)."""
-        ex: Exchange = self._value
-        async for piece in ex.outbound_chunks():
-            await writer.write(piece)
-
-    async def write_with_length(
-        self, writer: AbstractStreamWriter, content_length: int | None
-    ) -> None:
-        """As :meth:`write`: the Content-Length is the body's own size."""
-        await self.write(writer)
-
-
 class _ClientStream(web.StreamResponse):
     """The relayed answer to the client: its head waits for the first body bytes.
 
@@ -335,11 +229,6 @@ def _finishes(actions: list[Action], start: int) -> bool:
     if start >= len(actions) or not isinstance(actions[-1], Finish):
         return False
     return all(isinstance(a, (Usage, Linger)) for a in actions[start:-1])
-
-
-def _arrived(resp: aiohttp.ClientResponse) -> bool:
-    """Whether body bytes (or the body's end) of ``resp`` are here: a read will not wait."""
-    return resp.content.total_bytes > 0 or resp.content.is_eof()
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -374,7 +263,7 @@ class _Relay:
         request: web.Request,
         ex: Exchange,
         upstream: Upstream,
-        target: str,
+        target: tuple[UpstreamTarget, str],
         headers: CIMultiDict[str],
         settings: Settings,
     ) -> None:
@@ -395,45 +284,42 @@ class _Relay:
 
     # ------------------------------------------------------------------ sending
 
-    async def _send(self) -> aiohttp.ClientResponse:
+    async def _send(self) -> UpstreamAnswer:
         ex = self.ex
         headers = ex.outbound_headers
         if headers is None:
             raise RuntimeError(f"{ex.id}: send after the outbound header fields were dropped")
-        if ex.outbound_holder is not None:
+        has_body = ex.outbound_holder is not None
+        if has_body:
             headers["Content-Length"] = str(ex.outbound_size)
         # Sent from here on: the upload and the wait for headers are one phase.
         ex.mark_sent()
+        where, path = self.target
         try:
             async with asyncio.timeout(self.upstream.header_timeout):
-                resp = await self.upstream.session.request(
+                return await self.upstream.pool.request(
+                    where,
                     ex.method,
-                    self.target,
-                    headers=headers,
-                    data=(
-                        _OutboundBody(ex, ex.outbound_size)
-                        if ex.outbound_holder is not None
-                        else None
-                    ),
-                    allow_redirects=False,
+                    path,
+                    headers,
+                    ex.outbound_chunks() if has_body else None,
+                    ex.outbound_size if has_body else 0,
                 )
         except TimeoutError:
+            # The connect's own bound (ConnectTimeout) is a TimeoutError too.
             raise _UpstreamFailure(
                 504, Outcome.UPSTREAM_TIMEOUT, "upstream sent no response headers in time"
             ) from None
-        except aiohttp.ClientResponseError as exc:
-            # The response head could not be parsed. Its text quotes upstream bytes
-            # (a header value): only our own words go to the client and the log.
-            raise _UpstreamFailure(502, Outcome.UPSTREAM_ERROR, _bad_head(exc)) from None
-        except aiohttp.ClientError as exc:
+        except BadResponseHead as exc:
+            # Our own words (the head's bytes may hold a header value).
+            raise _UpstreamFailure(502, Outcome.UPSTREAM_ERROR, str(exc)) from None
+        except UpstreamError as exc:
             if is_fd_exhaustion(exc):
                 # Our limit, not the upstream's fault: the client may retry (here or elsewhere).
                 raise _UpstreamFailure(503, Outcome.REJECTED, EXHAUSTED_MESSAGE) from None
-            message = _unreachable(exc)
             # The class name helps whoever reads the log; the client gets plain words.
             log.info("%s: upstream request failed (%s)", ex.id, type(exc).__name__)
-            raise _UpstreamFailure(502, Outcome.UPSTREAM_UNREACHABLE, message) from None
-        return resp
+            raise _UpstreamFailure(502, Outcome.UPSTREAM_UNREACHABLE, str(exc)) from None
 
     def _can_refold(self) -> bool:
         # After release the preparer is gone: an overflow seen later (e.g. in a
@@ -472,7 +358,7 @@ class _Relay:
                 finally:
                     # Closing (not releasing) an unfinished response drops its connection,
                     # which is how the upstream learns we are gone.
-                    if resp.content.at_eof():
+                    if resp.at_eof:
                         resp.release()
                     else:
                         resp.close()
@@ -510,7 +396,7 @@ class _Relay:
         retry = {"Retry-After": str(self.retry_after)}
         return error_response(ex.protocol, 503, message, code=code, headers=retry)
 
-    async def _answer(self, resp: aiohttp.ClientResponse) -> _Verdict:
+    async def _answer(self, resp: UpstreamAnswer) -> _Verdict:
         """Drive one upstream answer through a fresh gate: ``done``, ``refold`` or ``retry``."""
         ex = self.ex
         ex.upstream_answered(resp.status)
@@ -529,7 +415,7 @@ class _Relay:
         gate = self.gate = StreamGate(
             ex.protocol,
             status=resp.status,
-            content_type=resp.content_type if "Content-Type" in resp.headers else "",
+            content_type=resp.content_type,
             stream_requested=meta is not None and meta.stream,
             can_refold=self._can_refold(),
             may_resend=ex.retries < self.max_retries,
@@ -537,12 +423,11 @@ class _Relay:
         self.linger_until = None
         # When the answer's first bytes came with its head, the client's head waits
         # for them (the next read returns at once): both leave in one write.
-        verdict = await self._perform(gate.start(), resp=resp, send_head=not _arrived(resp))
+        verdict = await self._perform(gate.start(), resp=resp, send_head=not resp.arrived)
         ex.hold_response(gate.held_bytes())
         if verdict is not None:
             return verdict
         decoder = _Decoder(codings) if codings else None
-        content = resp.content
         try:
             while verdict is None:
                 # The read is awaited here, not in a helper coroutine: an idle
@@ -553,19 +438,15 @@ class _Relay:
                 else:
                     try:
                         # The grace read needs no timer when the body's end is here.
-                        if self.linger_until is None or content.is_eof():
-                            chunk = await content.readany()
+                        if self.linger_until is None or resp.ended:
+                            chunk = await resp.read()
                         else:
                             async with asyncio.timeout_at(self.linger_until):
-                                chunk = await content.readany()
-                    except (
-                        aiohttp.ClientPayloadError,
-                        aiohttp.ClientConnectionError,
-                        TimeoutError,
-                    ) as exc:
+                                chunk = await resp.read()
+                    except (UpstreamError, TimeoutError) as exc:
                         actions = self._read_failed(gate, exc)
                     else:
-                        actions = self._take(content, gate, decoder, chunk)
+                        actions = self._take(resp, gate, decoder, chunk)
                         del chunk  # not held while the next read waits
                 verdict = await self._perform(actions, resp=resp)
                 del actions  # the events written: not held while the next read waits
@@ -590,18 +471,18 @@ class _Relay:
 
     def _take(
         self,
-        content: aiohttp.StreamReader,
+        resp: UpstreamAnswer,
         gate: StreamGate,
         decoder: _Decoder | None,
         chunk: bytes,
     ) -> list[Action]:
-        """Give the gate the chunk just read from ``content`` (``b""``: the body ended),
+        """Give the gate the chunk just read from ``resp`` (``b""``: the body ended),
         decoded first."""
         if decoder is None:
             if not chunk:
                 return gate.end(clean=True)
             actions = gate.feed(chunk)
-            if content.at_eof() and not gate.framed and gate.state not in _DECIDING:
+            if resp.at_eof and not gate.framed and gate.state not in _DECIDING:
                 # A plain answer (JSON) whose body ended with this chunk: the end goes in
                 # the same batch, so the answer leaves with it in one write. An event
                 # stream keeps a write per piece: a failure relaying one is a cut stream.
@@ -631,7 +512,7 @@ class _Relay:
         self,
         actions: list[Action],
         *,
-        resp: aiohttp.ClientResponse | None = None,
+        resp: UpstreamAnswer | None = None,
         outcome: Outcome = Outcome.STREAM_ERROR,
         send_head: bool = True,
     ) -> _Verdict | None:
@@ -646,7 +527,7 @@ class _Relay:
         return verdict
 
     async def _perform_all(
-        self, actions: list[Action], resp: aiohttp.ClientResponse | None, outcome: Outcome
+        self, actions: list[Action], resp: UpstreamAnswer | None, outcome: Outcome
     ) -> _Verdict | None:
         ex = self.ex
         for index, action in enumerate(actions):
@@ -694,7 +575,7 @@ class _Relay:
                 return "done"
         return None
 
-    async def _refold(self, action: Refold, resp: aiohttp.ClientResponse | None) -> _Verdict | None:
+    async def _refold(self, action: Refold, resp: UpstreamAnswer | None) -> _Verdict | None:
         """Re-prepare at the next fold level; ``refold`` means send again.
 
         Never after the client has gone (nobody would read the answer), and
@@ -721,10 +602,10 @@ class _Relay:
             if transport is not None:
                 transport.close()
 
-    async def _start_client(self, resp: aiohttp.ClientResponse) -> None:
+    async def _start_client(self, resp: UpstreamAnswer) -> None:
         client = _ClientStream(status=resp.status, headers=response_headers(resp.headers))
         # The upstream's head is in the client's now: the exchange lets it go.
-        self.ex.mark_streaming(upstream_head=resp if isinstance(resp, UpstreamResponse) else None)
+        self.ex.mark_streaming(upstream_head=resp)
         self.client = client
         try:
             await client.prepare(self.request)
@@ -763,7 +644,7 @@ def relay(
     ex: Exchange,
     upstream: Upstream,
     *,
-    target: str,
+    target: tuple[UpstreamTarget, str],
     headers: CIMultiDict[str],
     settings: Settings,
 ) -> Coroutine[Any, Any, web.StreamResponse]:

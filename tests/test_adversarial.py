@@ -294,7 +294,7 @@ async def test_hangups_at_every_moment_leave_nothing_behind(
         await wait_until(lambda: _server_connections(port) == 0, "without client connections")
         # Idle pooled upstream connections are expected; dropping them must leave nothing.
         assert h.state.upstream is not None
-        await h.state.upstream.session.connector.close()  # type: ignore[union-attr]
+        await h.state.upstream.pool.close()
         await wait_until(
             lambda: len(asyncio.all_tasks()) <= tasks_before, "back to the tasks before"
         )

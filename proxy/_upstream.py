@@ -1,0 +1,830 @@
+"""The upstream HTTP/1.1 client: pooled keep-alive connections, one exchange at a time on each.
+
+Why our own and not aiohttp's ``ClientSession``: the proxy sends one request
+shape (a method, a target, header fields it already filtered, a body it
+already holds as slices) and relays one answer shape (a status, header fields,
+body bytes as they come). aiohttp's client does much more per request (URL
+objects, cookie and redirect handling, trace hooks, a task per upload, a
+timer per socket read) and keeps several KiB per open stream (its response,
+parser, stream reader and queues; issue 11 items 3 and 5). Framing is not
+ours: the status line, header fields, chunked and length bodies are parsed by
+llhttp through ``httptools``.
+
+Two layers, h11-style:
+
+* :class:`ResponseFraming` is sans-I/O: feed it the bytes of a connection and
+  read what it found (the head, body pieces, the end, a framing error).
+  Tests drive it with bytes alone.
+* :class:`UpstreamPool` and its connection protocol are the driver: connect
+  (TCP or TLS, bounded by ``connect_timeout``), write the request with
+  backpressure, hand the relay an :class:`UpstreamAnswer` once the head is
+  here, and keep the connection for the next request when the answer ended
+  cleanly and both sides allow it.
+
+Errors are :class:`UpstreamError` subclasses carrying our own words, never
+the upstream's bytes (a header value may hold a secret).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import urllib.parse
+from collections.abc import AsyncIterable, Coroutine, Mapping
+from typing import Any, Final
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+__all__ = [
+    "AnswerCut",
+    "BadResponseHead",
+    "ConnectFailed",
+    "ConnectTimeout",
+    "IdleReadTimeout",
+    "ResponseFraming",
+    "ServerDisconnected",
+    "UpstreamAnswer",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamTarget",
+]
+
+#: Longest header field line accepted from an upstream (name, ``": "``, value), bytes.
+#: The same bound as aiohttp's and nginx's default (8 KiB less the line end).
+MAX_FIELD_LINE_BYTES: Final = 8190
+#: Most header fields accepted in one response head.
+MAX_FIELDS: Final = 128
+#: Bytes a response head may take in all before it is refused, however it is split.
+MAX_HEAD_BYTES: Final = MAX_FIELDS * (MAX_FIELD_LINE_BYTES + 2)
+#: Body bytes buffered from an upstream before its socket is paused: the relay reads
+#: them as it writes to the client, so a slow client slows the upstream read.
+READ_HIGH_WATER_BYTES: Final = 64 * 1024
+#: Seconds an idle pooled connection is kept for the next request (aiohttp's default).
+KEEPALIVE_SECONDS: Final = 15.0
+#: What the proxy accepts from upstreams (it decodes answers itself, piece by piece).
+ACCEPT_ENCODING: Final = "gzip, deflate, br"
+#: The ``User-Agent`` sent when the client sent none.
+USER_AGENT: Final = "context-proxy"
+
+_NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
+# A body of at most this many bytes leaves with the request head in one write.
+_COALESCE_BYTES: Final = 16 * 1024
+
+
+class UpstreamError(Exception):
+    """No usable answer (or no complete body) from the upstream; ``str()`` is our words."""
+
+
+class ConnectFailed(UpstreamError):
+    """The TCP or TLS connect failed: ``host``, ``port`` and the ``OSError`` behind it."""
+
+    def __init__(self, host: str, port: int, os_error: OSError) -> None:
+        where = f"{host}:{port}"
+        if isinstance(os_error, ConnectionRefusedError):
+            words = f"upstream refused the connection at {where}"
+        elif isinstance(os_error, socket.gaierror):
+            words = f"upstream host name did not resolve ({where})"
+        else:
+            words = f"could not connect to the upstream at {where}"
+        super().__init__(words)
+        self.host = host
+        self.port = port
+        self.os_error = os_error
+        self.__cause__ = os_error
+
+
+class ConnectTimeout(UpstreamError, TimeoutError):
+    """The connect did not complete within ``connect_timeout`` seconds."""
+
+
+class ServerDisconnected(UpstreamError):
+    """The upstream closed the connection before a complete response head."""
+
+
+class BadResponseHead(UpstreamError):
+    """The response head could not be parsed, or is over a limit (our words say which)."""
+
+
+class AnswerCut(UpstreamError):
+    """The answer's body did not end as its framing says (closed early, bad chunking)."""
+
+
+class IdleReadTimeout(UpstreamError, TimeoutError):
+    """No body bytes for ``idle_read`` seconds mid-answer."""
+
+
+# ---------------------------------------------------------------- sans-I/O framing
+
+
+class ResponseFraming:
+    """The framing of answers on one connection (sans-I/O, over llhttp).
+
+    :meth:`feed` takes the bytes read; afterwards :attr:`status` and
+    :attr:`fields` are set once a final head (not 1xx) is complete
+    (:attr:`head_done`), :attr:`body` holds the body pieces not yet taken,
+    :attr:`complete` says the answer ended, and :attr:`error` says why the
+    connection's bytes are unusable (our words; the bytes after it are not
+    parsed). :meth:`eof` says the peer closed. One answer per request:
+    :meth:`expect` resets for the next request on a kept connection.
+
+    Limits: a field line over :data:`MAX_FIELD_LINE_BYTES`, more than
+    :data:`MAX_FIELDS` fields, or a head over :data:`MAX_HEAD_BYTES` is an
+    :attr:`error`. A ``101`` (protocol switch) is an error too: nothing the
+    proxy sends asks for one. Bytes after a complete answer are an error (no
+    pipelining: nothing was asked).
+    """
+
+    __slots__ = (
+        "_head_bytes",
+        "_head_only",
+        "_parser",
+        "body",
+        "body_bytes",
+        "closed",
+        "complete",
+        "error",
+        "fields",
+        "head_done",
+        "keep_alive",
+        "status",
+        "until_close",
+    )
+
+    def __init__(self, *, head_only: bool = False) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.expect(head_only=head_only)
+
+    def expect(self, *, head_only: bool) -> None:
+        """Start over for the answer to the next request (``head_only``: a HEAD request)."""
+        self._head_only = head_only
+        self._head_bytes = 0
+        self.status = 0
+        self.fields: list[tuple[str, str]] = []
+        self.head_done = False
+        self.body: list[bytes] = []
+        self.body_bytes = 0
+        self.complete = False
+        self.keep_alive = False
+        self.until_close = False
+        #: The peer closed the connection (:meth:`eof`).
+        self.closed = False
+        self.error: str | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Parse ``data``, the next bytes of the connection (nothing after an error)."""
+        if self.error is not None:
+            return
+        if self.complete:
+            self.error = "upstream sent bytes after its answer"
+            return
+        if not self.head_done:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.error = "upstream switched protocols"
+        except httptools.HttpParserCallbackError:
+            # One of ours raised: the limit or rule it states is in ``error``.
+            if self.error is None:  # pragma: no cover - every callback sets one first
+                self.error = "upstream sent a response head that could not be parsed"
+        except httptools.HttpParserError:
+            if self.error is None:
+                if self.complete:
+                    self.error = "upstream sent bytes after its answer"
+                elif self.head_done:
+                    self.error = "upstream body framing is broken"
+                else:
+                    self.error = "upstream sent a response head that could not be parsed"
+        if self.error is None and not self.head_done and self._head_bytes > MAX_HEAD_BYTES:
+            self.error = (
+                f"upstream response headers over the parser's limit ({MAX_HEAD_BYTES} bytes in all)"
+            )
+
+    def eof(self) -> None:
+        """The peer closed: an answer framed "until close" ends here; else it is cut."""
+        self.closed = True
+        if self.complete or self.error is not None:
+            return
+        if self.head_done and self.until_close:
+            self.complete = True
+            return
+        self.error = (
+            "upstream closed the connection before answering"
+            if not self.head_done
+            else "upstream closed the connection mid-answer"
+        )
+
+    def take(self) -> bytes:
+        """The body bytes parsed so far (joined if several pieces), and forget them."""
+        body = self.body
+        if not body:
+            return b""
+        data = body[0] if len(body) == 1 else b"".join(body)
+        self.body = []
+        self.body_bytes = 0
+        return data
+
+    # llhttp callbacks (called by feed_data; an exception stops the parse).
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) + 2 > MAX_FIELD_LINE_BYTES:
+            self.error = (
+                "upstream response headers over the parser's limit "
+                f"({MAX_FIELD_LINE_BYTES} bytes a line)"
+            )
+            raise _Stop
+        fields = self.fields
+        if len(fields) >= MAX_FIELDS:
+            self.error = "upstream response headers over the parser's limit (too many fields)"
+            raise _Stop
+        fields.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        status = parser.get_status_code()
+        if status == 101:
+            self.error = "upstream switched protocols"
+            raise _Stop
+        if 100 <= status < 200:
+            # An interim answer (100 Continue, 103 Early Hints): the final one follows.
+            self.fields = []
+            return
+        self.status = status
+        self.head_done = True
+        self.keep_alive = parser.should_keep_alive()
+        if self._head_only:
+            # No body follows, whatever Content-Length says; llhttp would wait for one,
+            # so the connection is not reused.
+            self.complete = True
+            self.keep_alive = False
+            return
+        if status in (204, 304):
+            return
+        chunked = content_length = False
+        for name, value in self.fields:
+            lowered = name.lower()
+            if lowered == "transfer-encoding":
+                chunked = chunked or "chunked" in value.lower()
+            elif lowered == "content-length":
+                content_length = True
+        self.until_close = not (chunked or content_length)
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.body_bytes += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.head_done:
+            self.complete = True
+
+
+class _Stop(Exception):
+    """Raised in a llhttp callback to stop parsing (the reason is in ``error``)."""
+
+
+# ---------------------------------------------------------------- the driver
+
+
+class UpstreamTarget:
+    """Where one upstream base URL points: scheme, host, port, path prefix (parsed once).
+
+    Raises:
+        ValueError: ``base`` is not an ``http://`` or ``https://`` URL with a host.
+    """
+
+    __slots__ = ("host", "host_field", "key", "port", "prefix", "tls")
+
+    def __init__(self, base: str) -> None:
+        parts = urllib.parse.urlsplit(base)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"upstream base URL must be http(s)://host[:port][/path]: {base!r}")
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname
+        default = 443 if self.tls else 80
+        self.port = parts.port or default
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_field = shown if self.port == default else f"{shown}:{self.port}"
+        self.prefix = parts.path.rstrip("/")
+        self.key = (self.tls, self.host, self.port)
+
+    def request_target(self, path: str, query: str) -> str:
+        """The request target for ``path`` and the raw ``query`` (kept as sent)."""
+        return f"{self.prefix}{path}?{query}" if query else f"{self.prefix}{path}"
+
+
+class UpstreamAnswer:
+    """An upstream answer whose head is here: status, header fields, the body to read.
+
+    The body is read with :meth:`read` (pieces as they come, ``b""`` at its
+    end); afterwards :meth:`release` keeps the connection for the next
+    request, and :meth:`close` (for an answer not read to its end) drops it,
+    which is how the upstream learns nobody reads on.
+    """
+
+    __slots__ = ("_conn", "content_type", "headers", "status")
+
+    def __init__(self, conn: _Connection, status: int, fields: list[tuple[str, str]]) -> None:
+        self._conn: _Connection | None = conn
+        self.status = status
+        #: The answer's header fields (empty after :meth:`drop_head`).
+        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict(fields))
+        raw_type = self.headers.get("Content-Type")
+        #: The media type, lowercased, without parameters (``""``: no Content-Type).
+        self.content_type = (
+            raw_type.split(";", 1)[0].strip().lower() if raw_type is not None else ""
+        )
+
+    @property
+    def arrived(self) -> bool:
+        """Whether body bytes (or the body's end, or a failure) are here: a read will not wait."""
+        conn = self._conn
+        if conn is None:
+            return True
+        framing = conn.framing
+        return bool(framing.body) or framing.complete or framing.error is not None
+
+    @property
+    def ended(self) -> bool:
+        """Whether the body's end was parsed (bytes may still wait to be read)."""
+        conn = self._conn
+        return conn is None or conn.framing.complete
+
+    @property
+    def at_eof(self) -> bool:
+        """Whether the body ended and every byte of it was read."""
+        conn = self._conn
+        return conn is None or (conn.framing.complete and not conn.framing.body)
+
+    def read(self) -> Coroutine[Any, Any, bytes]:
+        """The next body bytes (all that are here, joined), ``b""`` once it ended (awaitable).
+
+        The connection's own coroutine is handed over: an idle stream waits in
+        one frame less (each is held per open stream).
+
+        Raises:
+            AnswerCut: the connection closed before the body's end, or its framing broke.
+            IdleReadTimeout: nothing came for the pool's ``idle_read`` seconds.
+        """
+        conn = self._conn
+        if conn is None:
+            return _nothing()
+        return conn.read_body()
+
+    def drop_head(self) -> None:
+        """Forget the header fields (the client's head was built from them); idempotent."""
+        self.headers = _NO_FIELDS
+
+    def release(self) -> None:
+        """Done with the answer: keep the connection if the body was read to its end."""
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.finish()
+
+    def close(self) -> None:
+        """Drop the connection (the body may be unread); idempotent."""
+        conn = self._conn
+        if conn is not None:
+            self._conn = None
+            conn.abort()
+
+
+class _Connection(asyncio.Protocol):
+    """One upstream connection: the driver around a :class:`ResponseFraming`."""
+
+    __slots__ = (
+        "_drain",
+        "_head",
+        "_idle",
+        "_read_paused",
+        "_reader",
+        "_write_paused",
+        "framing",
+        "in_use",
+        "key",
+        "lost",
+        "pool",
+        "transport",
+    )
+
+    def __init__(self, pool: UpstreamPool, key: tuple[bool, str, int], *, head_only: bool) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.framing = ResponseFraming(head_only=head_only)
+        self.in_use = True
+        self.lost = False
+        self._head: asyncio.Future[None] | None = None
+        self._reader: asyncio.Future[None] | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._idle: asyncio.TimerHandle | None = None
+        self._read_paused = False
+        self._write_paused = False
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        framing = self.framing
+        if not self.in_use:
+            # An idle connection must stay silent: whatever came, it is not reusable.
+            self.abort()
+            return
+        had_head = framing.head_done
+        framing.feed(data)
+        if framing.error is not None:
+            self._wake_all()
+            self.transport_close()
+            return
+        if framing.head_done and not had_head:
+            _wake(self._head)
+            _wake(self._drain)  # an answer during the upload ends the upload
+        if framing.body or framing.complete:
+            _wake(self._reader)
+            if framing.body_bytes > READ_HIGH_WATER_BYTES and not self._read_paused:
+                self._read_paused = True
+                assert self.transport is not None
+                self.transport.pause_reading()
+
+    def eof_received(self) -> bool | None:
+        self.framing.eof()
+        self._wake_all()
+        return None  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.framing.eof()
+        self._wake_all()
+        if not self.in_use:
+            self.pool._forget(self)
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        _wake(self._drain)
+
+    # the driver
+
+    def _wake_all(self) -> None:
+        _wake(self._head)
+        _wake(self._reader)
+        _wake(self._drain)
+
+    def transport_close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    async def send(
+        self, head: bytes, body: AsyncIterable[memoryview] | None, body_bytes: int
+    ) -> UpstreamAnswer:
+        """Write the request, wait for the answer's head; the answer to read.
+
+        Raises:
+            ServerDisconnected: the connection closed before a complete head.
+            BadResponseHead: the head could not be parsed or is over a limit.
+        """
+        transport = self.transport
+        assert transport is not None
+        framing = self.framing
+        if body is None:
+            transport.write(head)
+        else:
+            await self._upload(transport, head, body, body_bytes)
+        while not framing.head_done:
+            if framing.error is not None:
+                if framing.closed:
+                    raise ServerDisconnected(framing.error)
+                raise BadResponseHead(framing.error)
+            if self.lost:
+                raise ServerDisconnected("upstream closed the connection before answering")
+            self._head = asyncio.get_running_loop().create_future()
+            try:
+                await self._head
+            finally:
+                self._head = None
+        answer = UpstreamAnswer(self, framing.status, framing.fields)
+        # The answer's fields are the only copy: dropped with its head (drop_head).
+        framing.fields = []
+        return answer
+
+    async def _upload(
+        self,
+        transport: asyncio.Transport,
+        head: bytes,
+        body: AsyncIterable[memoryview],
+        body_bytes: int,
+    ) -> None:
+        """Write the head and the body's slices, waiting while the socket is full.
+
+        An answer that comes before the body is sent ends the upload; the
+        connection is not reused then (the upstream did not read it all).
+        """
+        framing = self.framing
+        pieces = aiter(body)
+        try:
+            if body_bytes <= _COALESCE_BYTES:
+                # A small body leaves with its head in one write (one syscall).
+                parts = [head]
+                async for piece in pieces:
+                    parts.append(bytes(piece))
+                    del piece
+                transport.write(b"".join(parts))
+                return
+            transport.write(head)
+            async for piece in pieces:
+                while self._write_paused and not (self.lost or framing.head_done):
+                    self._drain = asyncio.get_running_loop().create_future()
+                    try:
+                        await self._drain
+                    finally:
+                        self._drain = None
+                if self.lost or framing.head_done or framing.error is not None:
+                    framing.keep_alive = False
+                    return
+                transport.write(piece)
+                del piece  # the transport copied what it could not send
+        finally:
+            close = getattr(pieces, "aclose", None)
+            if close is not None:
+                await close()
+
+    async def read_body(self) -> bytes:
+        framing = self.framing
+        while True:
+            if framing.body:
+                data = framing.take()
+                if self._read_paused and not self.lost:
+                    self._read_paused = False
+                    assert self.transport is not None
+                    self.transport.resume_reading()
+                return data
+            if framing.error is not None:
+                raise AnswerCut(framing.error)
+            if framing.complete:
+                return b""
+            loop = asyncio.get_running_loop()
+            waiter = self._reader = loop.create_future()
+            timer = loop.call_later(self.pool.idle_read, _time_out, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._reader = None
+
+    def finish(self) -> None:
+        """The relay is done with the answer: pool the connection if it can be reused."""
+        framing = self.framing
+        if (
+            framing.complete
+            and framing.keep_alive
+            and framing.error is None
+            and not framing.body
+            and not self.lost
+        ):
+            self.pool._put_back(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        """Close the connection now (unread bytes are dropped); idempotent."""
+        was_in_use = self.in_use
+        self.in_use = False
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
+        if was_in_use:
+            self.pool._done(self)
+        else:
+            self.pool._forget(self)
+
+    def reuse(self, *, head_only: bool) -> None:
+        """Taken from the pool for the next request."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self.in_use = True
+        self.framing.expect(head_only=head_only)
+
+    def park(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Put in the pool: closed if no request takes it within the keep-alive time."""
+        self.in_use = False
+        self._idle = loop.call_later(KEEPALIVE_SECONDS, self.abort)
+
+
+async def _nothing() -> bytes:
+    return b""
+
+
+def _wake(waiter: asyncio.Future[None] | None) -> None:
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(IdleReadTimeout("upstream sent nothing for too long mid-answer"))
+
+
+class UpstreamPool:
+    """Keep-alive connections to the upstreams, and the requests made on them.
+
+    ``max_connections`` bounds the connections in use at once (0: no bound; a
+    request beyond it waits for one to come free). ``connect_timeout`` bounds a
+    TCP/TLS connect and ``idle_read`` the silence between two body reads
+    (seconds). There is no total timeout: it would cut a long stream. The wait
+    for the head is the caller's to bound. A connection idle in the pool is
+    closed after :data:`KEEPALIVE_SECONDS`.
+    """
+
+    __slots__ = (
+        "_closed",
+        "_idle",
+        "_in_use",
+        "_ssl",
+        "_waiters",
+        "connect_timeout",
+        "idle_read",
+        "max_connections",
+    )
+
+    def __init__(self, *, connect_timeout: float, idle_read: float, max_connections: int) -> None:
+        self.connect_timeout = connect_timeout
+        self.idle_read = idle_read
+        self.max_connections = max_connections
+        self._idle: dict[tuple[bool, str, int], list[_Connection]] = {}
+        self._in_use: set[_Connection] = set()
+        self._waiters: list[asyncio.Future[None]] = []
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    @property
+    def idle_connections(self) -> int:
+        """Connections waiting in the pool for a request."""
+        return sum(len(conns) for conns in self._idle.values())
+
+    @property
+    def connections_in_use(self) -> int:
+        """Connections carrying a request or an answer now."""
+        return len(self._in_use)
+
+    async def request(
+        self,
+        target: UpstreamTarget,
+        method: str,
+        path: str,
+        fields: Mapping[str, str],
+        body: AsyncIterable[memoryview] | None = None,
+        body_bytes: int = 0,
+    ) -> UpstreamAnswer:
+        """Send one request, return the answer once its head is here.
+
+        ``path`` is the request target (path and query); ``fields`` are sent as
+        given, with ``Host``, ``Accept-Encoding`` (what the proxy decodes) and,
+        when absent, ``Accept`` and ``User-Agent`` added; ``body`` is iterated
+        once (``body_bytes`` bytes; its ``Content-Length`` is the caller's field).
+
+        Raises:
+            ConnectFailed: the connect failed (refused, name not resolved, other).
+            ConnectTimeout: the connect took over ``connect_timeout``.
+            ServerDisconnected: the upstream closed before a complete head.
+            BadResponseHead: the head could not be parsed or is over a limit.
+            ValueError: a field name or value holds a line break.
+            RuntimeError: the pool is closed.
+        """
+        head = _request_head(target, method, path, fields)
+        conn = await self._acquire(target, head_only=method == "HEAD")
+        try:
+            return await conn.send(head, body, body_bytes)
+        except BaseException:
+            conn.abort()
+            raise
+
+    async def _acquire(self, target: UpstreamTarget, *, head_only: bool) -> _Connection:
+        if self._closed:
+            raise RuntimeError("the upstream pool is closed")
+        limit = self.max_connections
+        while limit and len(self._in_use) >= limit:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        idle = self._idle.get(target.key)
+        while idle:
+            conn = idle.pop()  # the most recent: least likely closed by the upstream
+            if conn.lost or conn.transport is None or conn.transport.is_closing():
+                continue
+            conn.reuse(head_only=head_only)
+            self._in_use.add(conn)
+            return conn
+        conn = _Connection(self, target.key, head_only=head_only)
+        self._in_use.add(conn)
+        try:
+            await self._connect(conn, target)
+        except BaseException:
+            self._done(conn)
+            raise
+        return conn
+
+    async def _connect(self, conn: _Connection, target: UpstreamTarget) -> None:
+        loop = asyncio.get_running_loop()
+        context = None
+        if target.tls:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            context = self._ssl
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await loop.create_connection(
+                    lambda: conn,  # this connection's protocol object, made before
+                    target.host,
+                    target.port,
+                    ssl=context,
+                    server_hostname=target.host if context is not None else None,
+                )
+        except TimeoutError:
+            raise ConnectTimeout("upstream did not answer in time") from None
+        except OSError as exc:
+            raise ConnectFailed(target.host, target.port, exc) from exc
+
+    def _put_back(self, conn: _Connection) -> None:
+        self._in_use.discard(conn)
+        if self._closed:
+            conn.abort()
+            return
+        conn.park(asyncio.get_running_loop())
+        self._idle.setdefault(conn.key, []).append(conn)
+        self._wake_one()
+
+    def _done(self, conn: _Connection) -> None:
+        """``conn`` closed while in use: its place is free."""
+        if conn in self._in_use:
+            self._in_use.discard(conn)
+            self._wake_one()
+
+    def _forget(self, conn: _Connection) -> None:
+        """``conn`` closed while idle in the pool."""
+        idle = self._idle.get(conn.key)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+            if not idle:
+                del self._idle[conn.key]
+
+    def _wake_one(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def close(self) -> None:
+        """Close every connection (in use ones too) and refuse new requests; idempotent."""
+        self._closed = True
+        for conns in list(self._idle.values()):
+            for conn in list(conns):
+                conn.abort()
+        self._idle.clear()
+        for conn in list(self._in_use):
+            conn.abort()
+        # Let the transports run their connection_lost callbacks.
+        await asyncio.sleep(0)
+
+
+def _request_head(
+    target: UpstreamTarget, method: str, path: str, fields: Mapping[str, str]
+) -> bytes:
+    """The request line and header fields, encoded (UTF-8, raw bytes kept by surrogateescape).
+
+    Raises:
+        ValueError: a field name or value holds CR or LF (it would split the head).
+    """
+    lines = [f"{method} {path} HTTP/1.1\r\nHost: {target.host_field}\r\n"]
+    accept = user_agent = False
+    for name, value in fields.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError("a header field holds a line break")
+        lowered = name.lower()
+        if lowered == "accept":
+            accept = True
+        elif lowered == "user-agent":
+            user_agent = True
+        lines.append(f"{name}: {value}\r\n")
+    if not accept:
+        lines.append("Accept: */*\r\n")
+    if not user_agent:
+        lines.append(f"User-Agent: {USER_AGENT}\r\n")
+    lines.append(f"Accept-Encoding: {ACCEPT_ENCODING}\r\n\r\n")
+    return "".join(lines).encode("utf-8", "surrogateescape")
