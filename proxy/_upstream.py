@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
+import typing
 import urllib.parse
 from collections.abc import AsyncIterable, Coroutine, Mapping
 from typing import Any, Final
@@ -426,8 +427,9 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's is not an asyncio.Transport subclass, but has
+        # the same methods): no isinstance check.
+        self.transport = typing.cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         framing = self.framing

@@ -8,11 +8,13 @@ import logging
 import sys
 from typing import Any
 
+import openai
 import pytest
 import uvloop
 
 from proxy import _loops as loops
 from proxy._config import ConfigError, load_settings
+from tests.test_lifetime_support import SubprocessEmulator, proxy_at
 
 
 def _loop_kind() -> str:
@@ -58,3 +60,25 @@ def test_without_uvloop_installed_it_falls_back_with_a_warning(
         assert loops.run(_kind(), "uvloop") == "asyncio"
     assert "not importable" in caplog.text
     assert uvloop.__name__ == "uvloop"
+
+
+def test_a_streamed_exchange_on_uvloop_reaches_the_client_whole() -> None:
+    """The whole exchange path (our upstream client included) on uvloop's transports,
+    through the emulator, with the openai SDK as the client: a stream and a JSON answer."""
+    async def exchange(emulator_url: str) -> tuple[str, str]:
+        async with proxy_at(emulator_url) as proxy:
+            client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)
+            async with client:
+                messages: Any = [{"role": "user", "content": "hi"}]
+                stream = await client.chat.completions.create(
+                    model="m", messages=messages, stream=True
+                )
+                text = "".join(
+                    [c.choices[0].delta.content or "" async for c in stream if c.choices]
+                )
+                whole = await client.chat.completions.create(model="m", messages=messages)
+                return text, whole.choices[0].message.content or ""
+
+    with SubprocessEmulator() as emulator, asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+        streamed, whole = r.run(exchange(emulator.url))
+    assert streamed and whole

@@ -482,3 +482,28 @@ async def test_https_upstreams_are_verified_and_kept_alive(tmp_path: Path) -> No
                 )
         # One connection kept for both requests (the refused handshake never reached serve).
         assert upstream.connections == 1
+
+
+def test_the_pool_works_on_uvloop() -> None:
+    """``event_loop = "uvloop"`` gives the pool uvloop's transports (not asyncio classes):
+    keep-alive, a large upload under backpressure, and a cut answer behave the same."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> None:
+        async with Upstream(_keep_alive_ok) as upstream, _pool() as pool:
+            body = b"u" * (4 * 1024 * 1024)
+            assert await _post(pool, upstream.port, body) == body
+            assert await _post(pool, upstream.port, b"{}") == b"{}"
+            assert upstream.connections == 1
+
+        async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+            await writer.drain()
+
+        async with Upstream(cut) as upstream, _pool() as pool:
+            with pytest.raises(AnswerCut):
+                await asyncio.wait_for(_post(pool, upstream.port, b"{}"), 5)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())
