@@ -544,6 +544,14 @@ class FoldPlugin(Plugin):
         """
         return fold_level > 0 and meta.protocol in _FOLDABLE and meta.message_count > 1
 
+    def wants_prepare(self, meta: WireMetadata, fold_level: int) -> bool:
+        """Decline the prepare run where :meth:`prepare` does nothing (see :meth:`folds`).
+
+        At fold level 0, the first send of every request, the proxy then skips
+        the run altogether when no other plugin prepares.
+        """
+        return self.folds(meta, fold_level)
+
     async def prepare(self, ctx: PrepareContext) -> bool:
         """Fold the request at ``ctx.fold_level`` through ``ctx.view``; see :meth:`fold`.
 

@@ -487,6 +487,13 @@ class Exchange:
         self.fold_level = level
         host = preparer.host
         wants = host.wants_body(meta, level)
+        if all(granted is None for granted in wants):
+            # Every plugin declined this run (or none prepares): nothing can change the
+            # body, so no lock, no draft and no hook call; the body goes on as it is.
+            if self._raw is None and self._parsed is None:
+                raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
+            self._move(Phase.PREPARED)
+            return False
         async with preparer.lock():
             # Each run starts from the body as received (raw), or from the object a
             # whole-object plugin changed at an earlier level (raw is gone then).

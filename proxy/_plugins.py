@@ -2,6 +2,12 @@
 
 Hooks, in the order an exchange meets them (docs/design.md §5):
 
+``wants_prepare(meta, fold_level) -> bool``
+    Asked first, before each prepare run. Return ``False`` when ``prepare``
+    would do nothing for this request at this fold level (e.g. ``fold`` at
+    level 0): the plugin's ``wants_body`` and ``prepare`` are then not called
+    for this run. When every plugin declines, the run does not happen at all
+    (no session lock, no body view, no hook call). Default: ``True``.
 ``wants_body(meta, fold_level) -> bool``
     Asked before ``prepare``. Return ``True`` only if ``prepare`` must read or
     change the parsed request body at this fold level: the proxy then decodes
@@ -274,6 +280,16 @@ class Plugin:
 
     name: ClassVar[str] = ""
 
+    def wants_prepare(self, meta: WireMetadata, fold_level: int) -> bool:
+        """Whether ``prepare`` has anything to do at this fold level (default: yes).
+
+        Return ``False`` only when ``prepare`` would return ``False`` without
+        reading or changing the body: ``wants_body`` and ``prepare`` are then
+        skipped for this prepare run. Synchronous and instant (no I/O); an
+        exception is logged and counts as ``True``.
+        """
+        return True
+
     def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
         """Whether ``prepare`` needs the parsed body at this fold level (default: no)."""
         return False
@@ -335,6 +351,7 @@ def open_ledger_gate(
 
 
 _HOOKS: Final = (
+    "wants_prepare",
     "wants_body",
     "prepare",
     "commit",
@@ -516,7 +533,7 @@ class PluginHost:
             0 or less means no limit.
     """
 
-    __slots__ = ("_asks_body", "_by_hook", "failures", "plugins", "timeout")
+    __slots__ = ("_asks_body", "_asks_prepare", "_by_hook", "failures", "plugins", "timeout")
 
     def __init__(self, plugins: Iterable[Plugin], *, timeout: float) -> None:
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
@@ -525,7 +542,10 @@ class PluginHost:
         self._by_hook: Final[Mapping[str, tuple[Plugin, ...]]] = {
             hook: tuple(p for p in self.plugins if _overrides(p, hook)) for hook in _HOOKS
         }
-        # Per plugin with a prepare hook: whether it has a wants_body to ask.
+        # Per plugin with a prepare hook: whether it has a wants_prepare / wants_body to ask.
+        self._asks_prepare: Final = tuple(
+            _overrides(p, "wants_prepare") for p in self._by_hook["prepare"]
+        )
         self._asks_body: Final = tuple(
             _overrides(p, "wants_body") for p in self._by_hook["prepare"]
         )
@@ -580,15 +600,28 @@ class PluginHost:
             self._failed(plugin, hook, exc, self.timeout)
             return SKIPPED
 
-    def wants_body(self, meta: WireMetadata, fold_level: int) -> list[bool]:
-        """Per plugin with a ``prepare`` hook (in order), whether it asked for the parsed body.
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> list[bool | None]:
+        """Per plugin with a ``prepare`` hook (in order): its grant for this prepare run.
 
-        Only those plugins are asked: the body is for ``prepare``. A plugin
-        whose ``wants_body`` raises gets no body.
+        ``None``: the plugin declined the run (its ``wants_prepare`` returned
+        ``False``); it is not asked ``wants_body`` and its ``prepare`` is not
+        called. Otherwise whether it asked for the parsed body. A plugin whose
+        ``wants_prepare`` raises takes part; one whose ``wants_body`` raises
+        gets no body. When every entry is ``None`` (or there is none), the
+        caller may skip the run: :meth:`run_prepare` would call nothing.
         """
-        answers: list[bool] = []
-        for plugin, asks in zip(self._by_hook["prepare"], self._asks_body, strict=True):
-            if asks:
+        answers: list[bool | None] = []
+        for plugin, asks_prepare, asks_body in zip(
+            self._by_hook["prepare"], self._asks_prepare, self._asks_body, strict=True
+        ):
+            if asks_prepare:
+                takes = self._dispatch_sync(
+                    plugin, "wants_prepare", plugin.wants_prepare, meta, fold_level
+                )
+                if takes is not SKIPPED and not takes:
+                    answers.append(None)
+                    continue
+            if asks_body:
                 answer = self._dispatch_sync(
                     plugin, "wants_body", plugin.wants_body, meta, fold_level
                 )
@@ -597,15 +630,18 @@ class PluginHost:
                 answers.append(False)
         return answers
 
-    async def run_prepare(self, ctx: PrepareContext, wants: Sequence[bool]) -> bool:
+    async def run_prepare(self, ctx: PrepareContext, wants: Sequence[bool | None]) -> bool:
         """Run every ``prepare`` hook in order; ``True`` if any reported a change.
 
-        ``wants`` is what :meth:`wants_body` returned for this attempt. A plugin
+        ``wants`` is what :meth:`wants_body` returned for this attempt; a plugin
+        whose entry is ``None`` declined the run and is not called. A plugin
         granted the body that then raised may have changed it part way, so it
         also counts as a change (the body is re-serialized, never guessed).
         """
         changed = False
         for plugin, granted in zip(self._by_hook["prepare"], wants, strict=True):
+            if granted is None:
+                continue
             ctx._grant(granted)
             try:
                 result = await self._dispatch(plugin, "prepare", plugin.prepare, ctx)
@@ -616,7 +652,7 @@ class PluginHost:
             changed = touched or changed
         return changed
 
-    def whole_body_edit_failed(self, wants: Sequence[bool], exc: BaseException) -> None:
+    def whole_body_edit_failed(self, wants: Sequence[bool | None], exc: BaseException) -> None:
         """Book a failure for the plugins of this prepare run that held ``ctx.body``.
 
         Called when the object they changed cannot be serialized (``exc``: the

@@ -8,6 +8,7 @@ public methods that make it; every move outside the table raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 
 import pytest
@@ -237,3 +238,32 @@ def test_response_side_bytes_are_held_bytes_until_close() -> None:
     assert (held.response, held.total) == (4096, 4096)
     ex.close()
     assert ex.held_bytes().total == 0
+
+
+def test_a_prepare_run_every_plugin_declines_takes_no_lock_and_keeps_the_body() -> None:
+    """``fold`` declines fold level 0 (``wants_prepare``): the first prepare run is
+    skipped whole (no session lock entered), the refold at level 1 is not."""
+    from plugins.fold import FoldPlugin
+
+    locks: list[int] = []
+
+    def lock() -> contextlib.AbstractAsyncContextManager[object]:
+        locks.append(1)
+        return contextlib.nullcontext()
+
+    moves: list[tuple[Phase, Phase]] = []
+    ex = _exchange(moves)
+    buffer = bytearray(
+        BODY.replace(b'"content":"hi"}]', b'"content":"hi"},{"role":"user","content":"x"}]')
+    )
+    meta = wire.compute_wire_metadata(Protocol.CHAT, buffer, "digest")
+    ex.attach_body(buffer, meta)
+    ex.bind_preparer(Preparer(PluginHost([FoldPlugin()], timeout=1.0), lock, "s"))
+    raw = ex.raw_holder
+    asyncio.run(ex.prepare())
+    assert locks == [] and ex.fold_level == 0
+    assert ex.phase is Phase.PREPARED and moves[-1] == (Phase.PARSED, Phase.PREPARED)
+    assert ex.outbound_holder is raw and ex.outbound_size == len(buffer)
+    ex.mark_sent()
+    assert asyncio.run(ex.refold()) is False  # nothing bulky to fold, but the run happened
+    assert locks == [1] and ex.fold_level == 1 and ex.phase is Phase.PREPARED

@@ -977,6 +977,9 @@ def test_folds_only_a_conversation_and_never_asks_for_the_whole_object(protocol:
     assert plugin.folds(_meta(protocol, message_count=1), 2) is False
     for level in range(5):
         assert plugin.wants_body(_meta(protocol), level) is False
+        # It declines exactly the prepare runs in which it would do nothing.
+        assert plugin.wants_prepare(_meta(protocol), level) is plugin.folds(_meta(protocol), level)
+        assert plugin.wants_prepare(_meta(protocol, message_count=1), level) is False
 
 
 async def test_runs_under_the_plugin_host() -> None:
@@ -990,7 +993,8 @@ async def test_runs_under_the_plugin_host() -> None:
             meta=meta, fold_level=level, session_id="s", path="/v1/messages", draft=draft
         )
         wants = host.wants_body(meta, level)
-        assert wants == [False]
+        # Level 0: fold declines the run (wants_prepare), so it is not even asked for the body.
+        assert wants == ([None] if level == 0 else [False])
         results.append((await host.run_prepare(ctx, wants), draft.result(True)))
         ctx._close()
     assert host.failures == {}

@@ -22,7 +22,7 @@ from proxy._protocols import Protocol
 from proxy._wire import WireMetadata, compute_wire_metadata, digest_bytes
 from proxy.testing import make_record
 
-HOOKS = ("wants_body", "prepare", "commit", "session_closed", "session_state")
+HOOKS = ("wants_prepare", "wants_body", "prepare", "commit", "session_closed", "session_state")
 REQUESTS = 50
 
 
@@ -152,6 +152,59 @@ async def test_only_plugins_with_a_prepare_hook_are_asked_for_the_body() -> None
     # The granted plugin raised after touching the body: that counts as a change.
     assert await host.run_prepare(ctx, wants) is True
     assert host.failures == {"editor": 1}
+
+
+class Declines(Counted):
+    """Has a prepare hook, but declines every run at fold level 0 (as ``fold`` does)."""
+
+    name = "declines"
+
+    def __init__(self, *, fail: bool = False) -> None:
+        self.fail, self.prepared, self.asked_body = fail, 0, 0
+
+    def wants_prepare(self, meta: WireMetadata, fold_level: int) -> bool:
+        if self.fail:
+            raise RuntimeError("broken")
+        return fold_level > 0
+
+    def wants_body(self, meta: WireMetadata, fold_level: int) -> bool:
+        self.asked_body += 1
+        return False
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        self.prepared += 1
+        return False
+
+
+async def test_a_declined_prepare_run_calls_nothing_of_that_plugin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    declines, editor = Declines(), Editor(want=False)
+    host = PluginHost([declines, editor], timeout=5.0)
+    PROBE.lookups.clear()
+    PROBE.timers = 0
+    with PROBE.counting_timers(monkeypatch):
+        for _ in range(REQUESTS):
+            await one_request(host)
+    # Only wants_prepare was looked up on the declining plugin: no wants_body, no
+    # prepare, no timer for it; the other plugin still ran once per request.
+    assert PROBE.lookups == {"wants_prepare": REQUESTS}
+    assert declines.prepared == declines.asked_body == 0
+    assert PROBE.timers == REQUESTS and editor.asked == REQUESTS
+    assert host.wants_body(make_meta(), 0) == [None, False]
+    assert host.wants_body(make_meta(), 1) == [False, False]
+    assert host.failures == {}
+
+
+async def test_a_wants_prepare_that_raises_takes_part_and_is_booked() -> None:
+    declines = Declines(fail=True)
+    host = PluginHost([declines], timeout=5.0)
+    meta = make_meta()
+    wants = host.wants_body(meta, 0)
+    assert wants == [False] and declines.asked_body == 1
+    ctx = PrepareContext(meta=meta, fold_level=0, session_id=None, path="/v1/x", body=None)
+    assert await host.run_prepare(ctx, wants) is False
+    assert declines.prepared == 1 and host.failures == {"declines": 1}
 
 
 class Hangs(Plugin):
