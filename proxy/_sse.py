@@ -38,6 +38,7 @@ _SPACE: Final = 0x20
 _BOM: Final = b"\xef\xbb\xbf"
 _DONE: Final = b"[DONE]"
 _DATA_FIELD: Final = b"data:"
+_EVENT_FIELD: Final = b"event:"
 
 # Field names the framer acts on are at most 5 bytes ("event"); keeping 8 is
 # enough to tell any longer name apart from them.
@@ -297,14 +298,37 @@ class SSEFramer:
                 # _segment + _end_line would do, minus their per-line dispatch.
                 # At _START the field, name and overflow state are already reset.
                 self._scanned += len(_DATA_FIELD)
-                if self._has_data:
-                    self._add_separator()
-                self._has_data = True
                 a = pos + len(_DATA_FIELD)
                 if a < eol and buf[a] == _SPACE:
                     a += 1
+                if (
+                    not self._has_data
+                    and eol + 1 < n
+                    and buf[eol] == _LF
+                    and buf[eol + 1] == _LF
+                    and eol - a <= self._max_data
+                ):
+                    # The block's only data line, and the blank line that ends it, are
+                    # both in this chunk (the usual event): its data is this one slice,
+                    # with no trip through the block's data buffer.
+                    self._scanned += 1
+                    pos = eol + 2
+                    self._dispatch_line(buf[a:eol], base + pos, events)
+                    continue
+                if self._has_data:
+                    self._add_separator()
+                self._has_data = True
                 if a < eol:
                     self._add_data(buf, a, eol)
+                blank = False
+            elif self._state == _START and buf.startswith(_EVENT_FIELD, pos, eol):
+                # A whole ``event:`` line (every event of Responses and Anthropic): what
+                # _segment + _begin_field + _end_line would keep, the value truncated.
+                self._scanned += len(_EVENT_FIELD)
+                a = pos + len(_EVENT_FIELD)
+                if a < eol and buf[a] == _SPACE:
+                    a += 1
+                self._event = buf[a : min(eol, a + _MAX_EVENT_NAME)]
                 blank = False
             else:
                 if eol > pos:
@@ -418,6 +442,26 @@ class SSEFramer:
     def _truncate(self) -> None:
         self._truncated = True
         self._data = bytearray()  # drop the buffer itself, not just its length
+
+    def _dispatch_line(self, data: bytes, end: int, events: list[SSEEvent]) -> None:
+        """A block whose one data line was ``data``, ended by a blank line at ``end``.
+
+        What :meth:`_blank_line` dispatches for it, without the data buffer; the
+        block's data state is untouched (it was never used).
+        """
+        event = self._event
+        events.append(
+            SSEEvent(
+                event=event.decode("utf-8", "replace") if event else None,
+                data=data,
+                data_size=len(data),
+                truncated=False,
+                start=self._region_start,
+                end=end,
+            )
+        )
+        self._region_start = end
+        self._event = None
 
     def _blank_line(self, end: int, events: list[SSEEvent]) -> None:
         """A blank line ending at stream offset ``end``: dispatch, then reset the block."""

@@ -262,7 +262,10 @@ class StreamGate:
         "_accepted",
         "_buf",
         "_can_refold",
+        "_exchange",
         "_framer",
+        "_is_output",
+        "_is_terminal",
         "_json_head",
         "_may_resend",
         "_next_seq",
@@ -271,6 +274,7 @@ class StreamGate:
         "_overflow",
         "_precounted",
         "_protocol",
+        "_sequence_number",
         "_spilled",
         "_state",
         "_status",
@@ -291,6 +295,12 @@ class StreamGate:
         may_resend: bool,
     ) -> None:
         self._protocol = protocol
+        # The protocol's per-event tests, looked up once per answer, not once per event.
+        row = protocols.DIALECTS[protocol]
+        self._exchange = protocol.is_exchange
+        self._is_output = row.is_output
+        self._is_terminal = row.is_terminal
+        self._sequence_number = row.sequence_number if protocol is Protocol.RESPONSES else None
         self._status = status
         self.content_type = content_type
         self.stream_requested = stream_requested
@@ -517,26 +527,26 @@ class StreamGate:
 
     def _see(self, event: SSEEvent) -> None:
         """Note what one complete event means (usage, output, terminal, overflow)."""
-        protocol = self._protocol
         if self._precounted:
             self._precounted -= 1  # its usage was read by _probe_tail
         else:
             self._usage.feed_event(event)
-        if protocol is Protocol.RESPONSES:
-            seq = protocols.sequence_number(protocol, event)
+        sequence_number = self._sequence_number
+        if sequence_number is not None:
+            seq = sequence_number(event)
             self._next_seq = self._next_seq + 1 if seq is None else seq + 1
-        if not protocol.is_exchange:
+        if not self._exchange:
             return
         # Only the first output event matters (gate, resend); skipping the check
         # afterwards saves a JSON decode per chat chunk.
-        if not self._output and protocols.is_output_event(protocol, event):
+        if not self._output and self._is_output(event):
             self._output = True
-        elif protocols.is_terminal_event(protocol, event):
+        elif self._is_terminal(event):
             self._terminal = True
         if (
             self._state is GateState.GATED
             and not self._output
-            and protocols.is_overflow_event(protocol, event)
+            and protocols.is_overflow_event(self._protocol, event)
         ):
             self._overflow = True
 

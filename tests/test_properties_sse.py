@@ -15,7 +15,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy._sse import SSEFramer
+from proxy._sse import SSEEvent, SSEFramer
 
 from .test_sse import BOM, reference_events, simple
 
@@ -111,3 +111,47 @@ def test_a_small_max_data_truncates_but_keeps_sizes_and_boundaries(
     for got, want in zip(small, full, strict=True):
         assert got.truncated == (want.data_size > max_data)
         assert got.data == (b"" if got.truncated else want.data)
+
+
+@st.composite
+def _lf_blocks(draw: st.DrawFn) -> bytes:
+    """Streams shaped like real upstreams': LF line ends, mostly one ``event:`` and one
+    ``data:`` line per block, with the odd comment, id, empty or over-long event name,
+    second data line or stray blank line mixed in."""
+    out = bytearray()
+    for _ in range(draw(st.integers(min_value=0, max_value=10))):
+        if draw(st.booleans()):
+            out += b": keep-alive\n" if draw(st.booleans()) else b"id: 7\n"
+        if draw(st.booleans()):
+            name = draw(st.sampled_from([b"message_start", b"", b"x" * 1100, b"caf\xc3\xa9"]))
+            out += b"event:" + draw(st.sampled_from([b"", b" "])) + name + b"\n"
+        value = draw(st.one_of(_VALUE, _LONG_VALUE))
+        out += b"data:" + draw(st.sampled_from([b"", b" ", b"  "])) + value + b"\n"
+        if draw(st.integers(min_value=0, max_value=4)) == 0:
+            out += b"data: more\n"
+        out += b"\n"
+        if draw(st.integers(min_value=0, max_value=6)) == 0:
+            out += b"\n"
+    return bytes(out)
+
+
+def _fields(events: list[SSEEvent]) -> list[tuple[object, ...]]:
+    return [(e.event, e.data, e.data_size, e.truncated, e.start, e.end) for e in events]
+
+
+@given(_lf_blocks(), st.integers(min_value=0, max_value=6000))
+def test_whole_events_in_one_chunk_frame_as_fed_byte_by_byte(stream: bytes, max_data: int) -> None:
+    """Whole events in one chunk take the framer's short path (no data buffer): every
+    field of every event is what the byte-at-a-time feed (never on that path) gives,
+    and what the reference parser reads, at any ``max_data``."""
+    whole = SSEFramer(max_data=max_data)
+    fast = whole.feed(stream) + whole.close()
+    slow_framer = SSEFramer(max_data=max_data)
+    slow: list[SSEEvent] = []
+    for i in range(len(stream)):
+        slow += slow_framer.feed(stream[i : i + 1])
+    slow += slow_framer.close()
+    assert _fields(fast) == _fields(slow)
+    assert whole.pending_bytes == slow_framer.pending_bytes
+    if b"x" * (1024 + 1) not in stream:  # the framer keeps 1024 bytes of a name, the spec all
+        assert simple(SSEFramer().feed(stream)) == reference_events(stream)

@@ -389,3 +389,34 @@ def test_many_small_events_in_one_chunk_scan_linearly() -> None:
     assert events[-1].data == b'{"i": 19999}'
     assert framer.scanned_bytes <= 2 * len(stream)
     assert framer.pending_bytes == 0
+
+
+def _every_field(events: Sequence[SSEEvent]) -> list[tuple[object, ...]]:
+    return [(e.event, e.data, e.data_size, e.truncated, e.start, e.end) for e in events]
+
+
+@pytest.mark.parametrize(
+    ("stream", "max_data"),
+    [
+        # One data line per block, whole in the chunk: the framer's short path.
+        (b'data: {"a":1}\n\ndata: [DONE]\n\n', 1 << 20),
+        (b"event: message_start\ndata: {}\n\nevent: ping\ndata:\n\n", 1 << 20),
+        (b"event:\ndata: x\n\n", 1 << 20),  # an empty name: the default type
+        (b"event: caf\xc3\xa9\ndata:  two spaces\n\n", 1 << 20),
+        (b"event: " + b"n" * 2000 + b"\ndata: x\n\n", 1 << 20),  # name kept to 1024 bytes
+        (b"data: " + b"v" * 4000 + b"\n\n", 4000),  # exactly max_data: kept
+        (b"data: " + b"v" * 4001 + b"\n\n", 4000),  # one over: truncated, size counted
+        (b": comment\nid: 1\ndata: after a comment\n\n\n\ndata: y\n\n", 1 << 20),
+        (b"data: a\ndata: b\n\nevent: e\ndata: c\n\n", 1 << 20),  # two lines: buffered
+    ],
+)
+def test_whole_events_in_one_chunk_match_a_byte_at_a_time_feed(
+    stream: bytes, max_data: int
+) -> None:
+    whole = SSEFramer(max_data=max_data)
+    fast = whole.feed(stream)
+    bytewise = SSEFramer(max_data=max_data)
+    slow = [event for i in range(len(stream)) for event in bytewise.feed(stream[i : i + 1])]
+    assert _every_field(fast) == _every_field(slow)
+    assert whole.pending_bytes == bytewise.pending_bytes == 0
+    assert whole.scanned_bytes <= 2 * len(stream)

@@ -178,14 +178,33 @@ def chat_is_terminal(event: SSEEvent) -> bool:
     return event.is_done or chat_error_code(event) is not None
 
 
+_USAGE_KEY: Final = b'"usage"'
+_NULL_USAGE: Final = b'"usage":null'
+
+
+def usage_is_null(data: bytes) -> bool:
+    """Whether ``data`` certainly has no ``usage`` object to read, without decoding it.
+
+    True when every ``"usage"`` in the bytes is followed by ``:null`` and no
+    ``\\u`` escape appears. A key ``usage`` can only be spelled with those raw
+    bytes (no other JSON escape yields a letter), so its value is then ``null``
+    or the payload is not JSON: the decode would find no usage either way. This
+    is what most chunks of a chat stream with ``stream_options.include_usage``
+    look like (``"usage":null`` on every chunk but the last). ``False`` says
+    nothing: decode to know.
+    """
+    return data.count(_USAGE_KEY) == data.count(_NULL_USAGE) and b"\\u" not in data
+
+
 def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     """Usage of a chat chunk or a non-streaming chat completion body.
 
     ``usage.prompt_tokens``, ``usage.completion_tokens``,
     ``usage.prompt_tokens_details.cached_tokens``. ``None`` when the payload
     has no usage object, is larger than ``limit`` bytes, or is not valid JSON.
+    A payload whose usage is ``null`` (:func:`usage_is_null`) is not decoded.
     """
-    if (limit is not None and len(data) > limit) or b'"usage"' not in data:
+    if (limit is not None and len(data) > limit) or _USAGE_KEY not in data or usage_is_null(data):
         return None
     chunk = decode_typed(_CHUNK, data)
     if chunk is None or chunk.usage is None:

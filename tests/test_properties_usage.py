@@ -1,0 +1,140 @@
+"""The chat usage reader's no-decode shortcut gives exactly what the full decode gives.
+
+:func:`proxy._protocols._openai.usage_is_null` lets :func:`chat_usage` skip the
+JSON decode of chunks whose ``usage`` is ``null`` (nearly every chunk of a chat
+stream with ``include_usage``). The oracle here is the decode itself, run on
+every payload: random JSON objects with ``usage`` at the top and nested, null or
+not, spelled with escapes, with odd spacing, duplicated, quoted inside strings,
+and cut short; and the chunks real upstreams send.
+"""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy._protocols import _openai
+from proxy._protocols._common import SMALL_EVENT, UsageReport, decode_typed
+
+
+def decoded_usage(data: bytes) -> UsageReport | None:
+    """The usage a full decode of ``data`` finds (what chat_usage returned before the shortcut)."""
+    if b'"usage"' not in data:
+        return None
+    chunk = decode_typed(_openai._CHUNK, data)
+    if chunk is None or chunk.usage is None:
+        return None
+    details = chunk.usage.prompt_tokens_details
+    return UsageReport(
+        input_tokens=chunk.usage.prompt_tokens,
+        output_tokens=chunk.usage.completion_tokens,
+        cache_read_tokens=None if details is None else details.cached_tokens,
+    )
+
+
+_USAGE_VALUES = st.sampled_from(
+    [
+        b"null",
+        b"{}",
+        b'{"prompt_tokens":7,"completion_tokens":3}',
+        b'{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}',
+        b'"usage"',
+        b"nullx",
+        b"[]",
+    ]
+)
+_KEYS = st.sampled_from(
+    [b'"usage"', b'"\\u0075sage"', b'"usag\\u0065"', b'"id"', b'"choices"', b'"x"']
+)
+_COLONS = st.sampled_from([b":", b" :", b": ", b":\n"])
+_STRINGS = st.sampled_from(
+    [
+        b'"usage"',
+        b'"\\"usage\\":null"',
+        b'"a \\"usage\\": {\\"prompt_tokens\\": 1}"',
+        b'"caf\\u00e9"',
+    ]
+)
+
+
+@st.composite
+def payloads(draw: st.DrawFn) -> bytes:
+    members: list[bytes] = []
+    for _ in range(draw(st.integers(min_value=0, max_value=5))):
+        key = draw(_KEYS)
+        kind = draw(st.sampled_from(["usage", "string", "nested", "choices"]))
+        if kind == "usage":
+            value = draw(_USAGE_VALUES)
+        elif kind == "string":
+            value = draw(_STRINGS)
+        elif kind == "nested":
+            value = b'{"usage":' + draw(_USAGE_VALUES) + b"}"
+        else:
+            value = b'[{"delta":{"content":' + draw(_STRINGS) + b"}}]"
+        members.append(key + draw(_COLONS) + value)
+    data = b"{" + b",".join(members) + b"}"
+    if draw(st.booleans()):
+        data = data[: draw(st.integers(min_value=0, max_value=len(data)))]
+    return data
+
+
+@given(payloads())
+def test_the_shortcut_never_changes_the_usage_read(data: bytes) -> None:
+    assert _openai.chat_usage(data, limit=SMALL_EVENT) == decoded_usage(data)
+    assert _openai.chat_usage(data, limit=None) == decoded_usage(data)
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from(["usage", "id", "choices", "model", "error"]),
+        st.recursive(
+            st.none() | st.integers() | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(
+                    st.sampled_from(["usage", "prompt_tokens", "a"]), inner, max_size=3
+                )
+            ),
+            max_leaves=8,
+        ),
+    ),
+    st.booleans(),
+    st.booleans(),
+)
+def test_the_shortcut_agrees_on_any_json_object(
+    obj: dict[str, object], ascii_only: bool, spaced: bool
+) -> None:
+    separators = (", ", ": ") if spaced else (",", ":")
+    data = json.dumps(obj, ensure_ascii=ascii_only, separators=separators).encode()
+    assert _openai.chat_usage(data, limit=None) == decoded_usage(data)
+
+
+CHUNK = (
+    b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"gpt-4.1",'
+    b'"choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,"finish_reason":null}],'
+    b'"usage":null}'
+)
+LAST = (
+    b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"gpt-4.1",'
+    b'"choices":[],"usage":{"prompt_tokens":253,"completion_tokens":3,"total_tokens":256,'
+    b'"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0}}}'
+)
+
+
+def test_real_chunks_skip_the_decode_only_when_their_usage_is_null() -> None:
+    assert _openai.usage_is_null(CHUNK) and _openai.chat_usage(CHUNK, limit=None) is None
+    assert not _openai.usage_is_null(LAST)
+    assert _openai.chat_usage(LAST, limit=None) == UsageReport(253, 3, 0)
+    # The same null chunk with an escape somewhere, or spaced: decoded, same answer.
+    escaped = CHUNK.replace(b'"Hi"', b'"\\u00e9"')
+    assert not _openai.usage_is_null(escaped) and _openai.chat_usage(escaped, limit=None) is None
+    spaced = CHUNK.replace(b'"usage":null', b'"usage": null')
+    assert not _openai.usage_is_null(spaced) and _openai.chat_usage(spaced, limit=None) is None
+    # A nested null usage beside the real one does not hide it.
+    nested = LAST[:-1] + b',"x":{"usage":null}}'
+    assert _openai.chat_usage(nested, limit=None) == UsageReport(253, 3, 0)
+    # An escaped key is a usage key too: a null spelled plainly does not hide it.
+    hidden = LAST[:-1] + b',"usage":null,"\\u0075sage":{"prompt_tokens":5}}'
+    assert _openai.chat_usage(hidden, limit=None) == decoded_usage(hidden)
