@@ -548,8 +548,12 @@ class FoldPlugin(Plugin):
         """Decline the prepare run where :meth:`prepare` does nothing (see :meth:`folds`).
 
         At fold level 0, the first send of every request, the proxy then skips
-        the run altogether when no other plugin prepares.
+        the run altogether when no other plugin prepares. A subclass that
+        overrides :meth:`prepare` is never declined (its hook may do more than
+        fold), unless it overrides this method too.
         """
+        if type(self).prepare is not FoldPlugin.prepare:
+            return True
         return self.folds(meta, fold_level)
 
     async def prepare(self, ctx: PrepareContext) -> bool:

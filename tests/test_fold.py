@@ -982,6 +982,22 @@ def test_folds_only_a_conversation_and_never_asks_for_the_whole_object(protocol:
         assert plugin.wants_prepare(_meta(protocol, message_count=1), level) is False
 
 
+class _Extended(FoldPlugin):
+    """A subclass with a prepare of its own: it may act where fold alone would not."""
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        return await super().prepare(ctx)
+
+
+def test_a_subclass_with_its_own_prepare_is_never_declined() -> None:
+    plugin = _Extended()
+    for level in range(3):
+        assert plugin.wants_prepare(_meta(Protocol.CHAT), level) is True
+        assert plugin.wants_prepare(_meta(Protocol.OPENAI, message_count=1), level) is True
+    host = PluginHost([plugin], timeout=5.0)
+    assert host.wants_body(_meta(Protocol.CHAT), 0) == [False]
+
+
 async def test_runs_under_the_plugin_host() -> None:
     host = PluginHost([FoldPlugin()], timeout=5.0)
     body = anthropic_body()
