@@ -22,7 +22,11 @@ the emulator's default 3-delta answer): the emulator **direct**, **this proxy**
   answers open at once (emulator ``hold``, after the first text delta); the
   RSS growth over the idle process divided by the stream count is the memory
   each open idle stream costs. These requests carry a ~37 KB history
-  (``build_body``'s smallest), which the naive proxy keeps per stream.
+  (``build_body``'s smallest), which the naive proxy keeps per stream. Both
+  RSS figures are sampled after ``_SETTLE_S`` seconds without a new request
+  (idle streams are idle: a real one waits seconds to minutes for its next
+  token), which lets this proxy's allocator trim after the burst
+  (proxy/_alloc.py, ``quiet_after``); both proxies get the same wait.
   Target: at most ``IDLE_STREAM_TARGET_BYTES`` (24 KiB) per stream for this proxy.
 
 Outputs in ``--out``: ``overhead.json``, ``overhead.md``.
@@ -88,6 +92,9 @@ _SMALL_BYTES: Final = 2048
 _WARMUP: Final = 20
 _TARGETS: Final = ("direct", "ours", "naive")
 _REQUEST_TIMEOUT: Final = 60.0
+#: Seconds without a new request before the idle-stream RSS samples (over the
+#: proxy's 1 s allocator quiet period, with a margin for a loaded machine).
+_SETTLE_S: Final = 2.5
 
 
 @click.command(
@@ -350,7 +357,7 @@ async def _idle_streams(
     sampler = RssSampler(svc.pid).start()
     try:
         await _one(session, svc.url, protocol, body, Timings())
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(_SETTLE_S)
         figures.idle_rss = await median_rss(sampler, 0.2)
         key = f"idle-{svc.name}"
         script = f"hold={key}; stall_after={protocol.first_delta_event}"
@@ -361,6 +368,7 @@ async def _idle_streams(
                 for call in calls:
                     await call.first_byte.wait()
             figures.opened = sum(1 for call in calls if call.outcome.received)
+            await asyncio.sleep(_SETTLE_S)
             figures.held_rss = await median_rss(sampler, 0.2)
             await control.release(key)
             outcomes = [await call.result(_REQUEST_TIMEOUT) for call in calls]

@@ -29,6 +29,14 @@ that a release of ``trim_now_bytes`` or more always trims at once: receiving,
 hashing and parsing a body that large costs more than the trim, and the memory
 it pins matters most.
 
+Releases below ``trim_min_bytes`` still leave freed heap behind, and so do the
+socket reads and parser copies of many small requests at once: after a burst
+of 500 streams opening together, ~2 KiB a stream that only a trim hands back.
+So once releases stop for ``quiet_after`` seconds (the burst is over: the
+streams are idle), one trim runs, whatever the byte counters say: at most one
+per quiet period, and none while the process stays idle (only a release arms
+the timer; it costs one counter per release).
+
 On a C library without these functions (musl, macOS, Windows) every method is
 a no-op that returns ``False``.
 """
@@ -94,6 +102,8 @@ class Allocator:
         trim_now_bytes: bytes released at which a trim runs at once, whatever
             the interval (default 8 MiB).
         min_interval: seconds between two trims below ``trim_now_bytes`` (default 1.0).
+        quiet_after: seconds without a release after which the heap is trimmed once
+            (default 1.0).
         clock: monotonic clock in seconds (injectable for tests).
 
     Counters: ``trims`` (``malloc_trim`` calls made), ``pending`` (bytes released
@@ -104,9 +114,13 @@ class Allocator:
         "_clock",
         "_last",
         "_libc",
+        "_quiet",
+        "_quiet_mark",
+        "_releases",
         "_scheduled",
         "min_interval",
         "pending",
+        "quiet_after",
         "trim_min_bytes",
         "trim_now_bytes",
         "trims",
@@ -119,15 +133,21 @@ class Allocator:
         trim_min_bytes: int = 1 << 20,
         trim_now_bytes: int = 8 << 20,
         min_interval: float = 1.0,
+        quiet_after: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._libc = libc
         self.trim_min_bytes = trim_min_bytes
         self.trim_now_bytes = trim_now_bytes
         self.min_interval = min_interval
+        self.quiet_after = quiet_after
         self._clock = clock
         self._last = -float("inf")
         self._scheduled: asyncio.TimerHandle | None = None
+        # The quiet timer: releases counted, and their count when it was armed.
+        self._quiet: asyncio.TimerHandle | None = None
+        self._releases = 0
+        self._quiet_mark = 0
         self.pending = 0
         self.trims = 0
 
@@ -158,11 +178,15 @@ class Allocator:
         Trims now when ``trim_now_bytes`` were released since the last trim, or
         ``trim_min_bytes`` and the last trim is ``min_interval`` old; otherwise,
         with ``trim_min_bytes`` released, schedules one trim for when the interval
-        ends (on the running event loop, if any). Returns whether it trimmed now.
+        ends (on the running event loop, if any). Either way it arms the quiet
+        timer (see the module docstring). Returns whether it trimmed now.
         """
         if self._libc is None or nbytes <= 0:
             return False
         self.pending += nbytes
+        self._releases += 1
+        if self._quiet is None:
+            self._arm_quiet()
         if self.pending < self.trim_min_bytes:
             return False
         wait = self._last + self.min_interval - self._clock()
@@ -176,6 +200,23 @@ class Allocator:
                 return False
             self._scheduled = loop.call_later(wait, self._deferred)
         return False
+
+    def _arm_quiet(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._quiet_mark = self._releases
+        self._quiet = loop.call_later(self.quiet_after, self._on_quiet)
+
+    def _on_quiet(self) -> None:
+        # Re-armed lazily (one timer however many releases): a release since it was
+        # armed means the burst goes on.
+        self._quiet = None
+        if self._releases != self._quiet_mark:
+            self._arm_quiet()
+        else:
+            self.trim()
 
     def _deferred(self) -> None:
         self._scheduled = None
@@ -196,7 +237,10 @@ class Allocator:
         return bool(libc.malloc_trim(0))
 
     def close(self) -> None:
-        """Cancel a scheduled trim (at shutdown; the loop is about to close)."""
+        """Cancel a scheduled trim and the quiet timer (at shutdown; the loop is about to close)."""
         if self._scheduled is not None:
             self._scheduled.cancel()
             self._scheduled = None
+        if self._quiet is not None:
+            self._quiet.cancel()
+            self._quiet = None

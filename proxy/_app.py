@@ -38,7 +38,7 @@ from ._headers import forward_headers
 from ._plugins import PluginHost, load_plugins
 from ._protocols import Protocol
 from ._relay import ClientGone, Upstream, error_response, relay
-from ._server import ProxyRunner
+from ._server import ProxyRunner, forget_read_queue
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
 from ._state import STATE, AppState
@@ -325,6 +325,8 @@ async def _run_exchange(
         finally:
             account.settle()
             ex.end_reading()
+        # The body stream stays with the request for the whole answer: not its queue.
+        forget_read_queue(request.content)
         try:
             meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
         except wire.WireError:

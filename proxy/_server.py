@@ -33,6 +33,13 @@ aiohttp's own answer is text quoting the parser's message, i.e. request bytes
 ``Content-Length``). Ours is a JSON error in the OpenAI shape, the one the
 proxy uses when no route is known (nothing of the request is parsed yet), in
 our own words.
+
+Two per-connection queues of aiohttp's are made smaller, because an open stream
+keeps them for as long as it lasts (docs/design.md §2, "streaming"): the
+protocol's queue of parsed requests (:class:`_MessageQueue`) and, once a
+request body has been read to its end, that body stream's empty read queue
+(:func:`forget_read_queue`). A ``collections.deque`` allocates its first block
+with it: ~760 bytes each, where a list takes 56 and an empty tuple nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import hdrs, http_exceptions, web
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
 from ._protocols import Protocol, error_body
@@ -49,7 +57,7 @@ from ._protocols import Protocol, error_body
 ExpectRefusal = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 """Builds the answer to a request whose ``Expect`` is not ``100-continue`` (e.g. a 417)."""
 
-__all__ = ["ExpectRefusal", "HeaderDeadlineHandler", "ProxyRunner"]
+__all__ = ["ExpectRefusal", "HeaderDeadlineHandler", "ProxyRunner", "forget_read_queue"]
 
 # What a client is told about a request that could not be parsed, by the parser's
 # exception class (most specific first); never the parser's message, which quotes bytes.
@@ -59,6 +67,36 @@ _MALFORMED: Final[tuple[tuple[type[Exception], str], ...]] = (
     (http_exceptions.BadStatusLine, "malformed request line"),
     (http_exceptions.InvalidURLError, "malformed request target"),
 )
+
+
+class _MessageQueue(list[Any]):
+    """The connection's parsed requests awaiting the handler, oldest first
+    (built from aiohttp's queue, empty at the protocol's construction).
+
+    Replaces aiohttp's ``deque``, which the protocol uses through ``append``,
+    ``popleft``, ``len`` and truth only. Requests are handled one at a time and
+    aiohttp bounds the pipelined ones (``max_msg_queue_size``), so popping the
+    head of a list of a few entries is as cheap, and it costs 56 bytes empty.
+    """
+
+    __slots__ = ()
+
+    def popleft(self) -> Any:
+        """Remove and return the oldest message (``IndexError`` when empty)."""
+        return self.pop(0)
+
+
+def forget_read_queue(payload: StreamReader) -> None:
+    """Let go of ``payload``'s read queue once the body is read to its end.
+
+    aiohttp keeps a request's body stream (and its empty ``deque``) with the
+    request and the connection's handler frame until the answer ends, a whole
+    stream long. At its end (EOF seen, nothing buffered) nothing is appended to
+    the queue any more and every read finds it empty, so an empty tuple serves.
+    A stream not at its end is left alone.
+    """
+    if payload.at_eof():
+        payload._buffer = ()  # type: ignore[assignment]  # read-only from here on
 
 
 class HeaderDeadlineHandler(RequestHandler):
@@ -74,6 +112,7 @@ class HeaderDeadlineHandler(RequestHandler):
 
     def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._messages = _MessageQueue(self._messages)  # type: ignore[assignment]
         self._header_timeout = header_timeout
         # Loop time by which the current request's headers must be complete; 0 = none pending.
         self._header_deadline = 0.0

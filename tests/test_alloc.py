@@ -96,6 +96,35 @@ async def test_close_cancels_a_deferred_trim() -> None:
     assert libc.trims == 2
 
 
+async def test_releases_that_stop_are_trimmed_once_after_the_quiet_period() -> None:
+    """Small releases never reach trim_min_bytes; once they stop for quiet_after
+    seconds (the burst is over), one trim hands the freed heap back, and an idle
+    process is not trimmed again."""
+    libc = FakeLibC()
+    loop = asyncio.get_running_loop()
+    alloc = Allocator(libc, trim_min_bytes=MiB, quiet_after=0.2)
+    for _ in range(3):
+        assert alloc.released(40_000) is False
+        last = loop.time()
+        await asyncio.sleep(0.01)
+    async with asyncio.timeout(5):
+        await libc.trimmed.wait()
+    assert loop.time() - last >= 0.2  # not before the releases had stopped that long
+    assert (libc.trims, alloc.pending) == (1, 0)
+    await asyncio.sleep(0.5)
+    assert libc.trims == 1
+    alloc.close()
+
+
+async def test_close_cancels_the_quiet_trim() -> None:
+    libc = FakeLibC()
+    alloc = Allocator(libc, quiet_after=0.05)
+    alloc.released(1000)
+    alloc.close()
+    await asyncio.sleep(0.2)
+    assert libc.trims == 0
+
+
 def test_without_a_c_library_everything_is_a_no_op() -> None:
     alloc = Allocator(None)
     assert not alloc.available
