@@ -24,10 +24,11 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
 
 from . import _logs as logs
 from ._plugins import ExchangeRecord
+from ._tally import CounterTally, TallyCollector
 
 __all__ = ["CommitTracker"]
 
@@ -73,12 +74,12 @@ class CommitTracker:
         self.timeout = timeout if timeout > 0 else math.inf
         self._pending: set[asyncio.Task[None]] = set()
         self._by_session: dict[str, set[asyncio.Task[None]]] = {}
-        counter = Counter(
+        counter = CounterTally(
             "context_proxy_commits",
             "Exchange commits (the plugins' commit hooks), by event",
             ["event"],
-            registry=registry,
         )
+        registry.register(TallyCollector([counter]))
         events = ("started", "finished", "failed", "timed_out")
         self._counters: Final = {event: counter.labels(event) for event in events}
         self._tally: Final = dict.fromkeys(events, 0)

@@ -3,8 +3,10 @@
 Each app has its own ``CollectorRegistry`` so several proxies (tests, embedded
 use) can live in one process. Gauges that describe live state (bytes held by
 phase, sessions, tombstones) are computed at scrape time from the app state
-rather than kept up to date on every change. Every series is listed in the
-README's metrics table.
+rather than kept up to date on every change. The series a finished exchange
+updates are lock-free tallies (:mod:`proxy._tally`) rendered at scrape time in
+prometheus-client's own text format. Every series is listed in the README's
+metrics table.
 
 Names follow the Prometheus conventions (https://prometheus.io/docs/practices/naming/):
 base units (seconds, bytes), ``_total`` on counters, ``code`` for an HTTP
@@ -27,9 +29,7 @@ from prometheus_client import (
     PLATFORM_COLLECTOR,
     PROCESS_COLLECTOR,
     CollectorRegistry,
-    Counter,
     Gauge,
-    Histogram,
     disable_created_metrics,
     generate_latest,
 )
@@ -39,6 +39,7 @@ from prometheus_client.registry import Collector
 from ._exchange import Phase
 from ._fdlimit import EXHAUSTED_MESSAGE
 from ._protocols import Protocol as ApiProtocol
+from ._tally import CounterTally, GaugeTally, HistogramSeries, HistogramTally, Tally, TallyCollector
 
 if TYPE_CHECKING:
     from ._exchange import Exchange
@@ -185,74 +186,88 @@ class Metrics:
         build.labels(_version("context-proxy"), platform.python_version(), aiohttp.__version__).set(
             1
         )
-        self.requests = Counter(
+        # The per-request series are plain numbers (proxy/_tally.py): a finished
+        # exchange updates a dozen of them, and prometheus-client's types lock each time.
+        self.requests = CounterTally(
             "context_proxy_requests",
             "Finished requests, by protocol, HTTP status code and outcome",
             ["protocol", "code", "outcome"],
-            registry=r,
         )
-        # Labelled children by (protocol, status, outcome) as the exchange holds them:
-        # labels() validates and locks on every call; a finished exchange needs one.
-        self._requests_by_key: dict[tuple[object, object, str], Counter] = {}
-        self.ttfb = Histogram(
+        # Labelled children by (protocol, status, outcome) as the exchange holds them,
+        # so a finished exchange needs no label strings.
+        self._requests_by_key: dict[tuple[object, object, str], Tally] = {}
+        self.ttfb = HistogramTally(
             "context_proxy_time_to_first_byte_seconds",
             "Seconds from the request's arrival to the first response byte sent to the client",
             ["protocol"],
             buckets=TIME_BUCKETS,
-            registry=r,
         )
-        self.duration = Histogram(
+        self.duration = HistogramTally(
             "context_proxy_exchange_duration_seconds",
             "Seconds from the request's arrival to the end of its exchange",
             ["protocol"],
             buckets=TIME_BUCKETS,
-            registry=r,
         )
-        self.body_size = Histogram(
+        self.body_size = HistogramTally(
             "context_proxy_request_body_bytes",
             "Request body size in bytes (decoded), per exchange with a body",
             buckets=BODY_BUCKETS,
-            registry=r,
         )
-        self._timing_by_protocol: dict[object, tuple[Histogram, Histogram]] = {}
-        self.fd_exhausted = Counter(
+        self._timing_by_protocol: dict[object, tuple[HistogramSeries, HistogramSeries]] = {}
+        self.fd_exhausted = CounterTally(
             "context_proxy_fd_exhausted",
             "Requests answered 503 because the process ran out of file descriptors",
-            registry=r,
         )
-        self.in_flight = Gauge("context_proxy_in_flight", "In-flight exchanges", registry=r)
-        self.releases = Counter(
-            "context_proxy_releases", "Exchanges whose buffers were released", registry=r
+        self.in_flight = GaugeTally("context_proxy_in_flight", "In-flight exchanges")
+        self.releases = CounterTally(
+            "context_proxy_releases", "Exchanges whose buffers were released"
         )
-        self.refolds = Counter("context_proxy_refolds", "Overflow refolds", registry=r)
-        self.retries = Counter("context_proxy_retries", "Fake-completion resends", registry=r)
-        self.disconnects = Counter(
+        self.refolds = CounterTally("context_proxy_refolds", "Overflow refolds")
+        self.retries = CounterTally("context_proxy_retries", "Fake-completion resends")
+        self.disconnects = CounterTally(
             "context_proxy_client_disconnects",
             "Clients gone before the end, by phase",
             ["phase"],
-            registry=r,
         )
-        self.internal_errors = Counter(
+        self.internal_errors = CounterTally(
             "context_proxy_internal_errors",
             "Unexpected exceptions in the proxy's own request handling (answered 500)",
             ["protocol"],
-            registry=r,
         )
         # Small, known label sets: every child exists (at 0) from the start.
         for phase in LIVE_PHASES:
             self.disconnects.labels(phase)
         for protocol in ApiProtocol:
             self.internal_errors.labels(str(protocol))
-        self.bodies_read = Counter(
+        self.bodies_read = CounterTally(
             "context_proxy_exchanges_read",
             "Exchanges whose request body was read; each one is committed exactly once",
-            registry=r,
         )
-        self.request_bytes = Counter(
-            "context_proxy_request_bytes", "Request body bytes received (decoded)", registry=r
+        self.request_bytes = CounterTally(
+            "context_proxy_request_bytes", "Request body bytes received (decoded)"
         )
-        self.response_bytes = Counter(
-            "context_proxy_response_bytes", "Response bytes relayed to clients", registry=r
+        self.response_bytes = CounterTally(
+            "context_proxy_response_bytes", "Response bytes relayed to clients"
+        )
+        r.register(
+            TallyCollector(
+                [
+                    self.requests,
+                    self.ttfb,
+                    self.duration,
+                    self.body_size,
+                    self.fd_exhausted,
+                    self.in_flight,
+                    self.releases,
+                    self.refolds,
+                    self.retries,
+                    self.disconnects,
+                    self.internal_errors,
+                    self.bodies_read,
+                    self.request_bytes,
+                    self.response_bytes,
+                ]
+            )
         )
         r.register(_LiveCollector(state))
         for plugin in state.host.plugins:
