@@ -154,16 +154,17 @@ class SSEFramer:
         # Line-ending state.
         self._skip_lf = False  # previous chunk ended on a CR ending a non-blank line
         self._cr_held = False  # previous chunk ended on a CR ending a blank line
-        # Current line.
+        # Current line. An empty buffer is the shared b"", so a framer waiting between
+        # events (an idle stream's) holds no buffer object of its own.
         self._state = _START
-        self._name = bytearray()
+        self._name = b""
         self._name_overflow = False
         self._field = _IGNORE
-        self._value = bytearray()
-        # Current block.
+        self._value = b""
+        # Current block: _data is a bytearray only while the block has data bytes.
         self._event: bytes | None = None
         self._has_data = False
-        self._data = bytearray()
+        self._data: bytes | bytearray = b""
         self._data_size = 0
         self._truncated = False
 
@@ -255,9 +256,7 @@ class SSEFramer:
             self._blank_line(self._offset, events)
         self._offset += len(self._head)
         self._head = b""
-        self._data = bytearray()
-        self._value = bytearray()
-        self._name = bytearray()
+        self._data = self._value = self._name = b""
         return events
 
     # -- internals ----------------------------------------------------------
@@ -401,7 +400,7 @@ class SSEFramer:
             self._has_data = True
         elif name == b"event":
             self._field = _EVENT
-            self._value.clear()
+            self._value = b""
         else:
             self._field = _IGNORE  # id, retry and unknown fields
 
@@ -413,10 +412,10 @@ class SSEFramer:
         if state == _NAME:
             self._begin_field()  # a line without a colon: the value is empty
         if self._field == _EVENT:
-            self._event = bytes(self._value)
-            self._value.clear()
+            self._event = self._value
+            self._value = b""
         self._state = _START
-        self._name.clear()
+        self._name = b""
         self._name_overflow = False
         self._field = _IGNORE
         return False
@@ -427,7 +426,7 @@ class SSEFramer:
             if len(self._data) + 1 > self._max_data:
                 self._truncate()
             else:
-                self._data.append(_LF)
+                self._append_data(b"\n")
 
     def _add_data(self, buf: bytes, a: int, b: int) -> None:
         size = b - a
@@ -437,11 +436,17 @@ class SSEFramer:
         if len(self._data) + size > self._max_data:
             self._truncate()
         else:
-            self._data += memoryview(buf)[a:b]
+            self._append_data(memoryview(buf)[a:b])
+
+    def _append_data(self, piece: bytes | memoryview) -> None:
+        if self._data:
+            self._data += piece
+        else:
+            self._data = bytearray(piece)  # the block's first data bytes
 
     def _truncate(self) -> None:
         self._truncated = True
-        self._data = bytearray()  # drop the buffer itself, not just its length
+        self._data = b""  # drop the buffer itself, not just its length
 
     def _dispatch_line(self, data: bytes, end: int, events: list[SSEEvent]) -> None:
         """A block whose one data line was ``data``, ended by a blank line at ``end``.
@@ -479,10 +484,7 @@ class SSEFramer:
                     end=end,
                 )
             )
-            if len(self._data) > 4096:
-                self._data = bytearray()  # don't keep a large capacity between events
-            else:
-                self._data.clear()
+            self._data = b""  # no buffer (nor its capacity) kept between events
             self._data_size = 0
             self._truncated = False
             self._has_data = False
