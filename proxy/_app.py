@@ -327,6 +327,8 @@ async def _run_exchange(
             ex.end_reading()
         # The body stream stays with the request for the whole answer: not its queue.
         forget_read_queue(request.content)
+        # Every body byte went through a read piece that is freed heap now (proxy/_alloc.py).
+        state.allocator.released(result.wire_bytes)
         try:
             meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
         except wire.WireError:
@@ -547,6 +549,8 @@ def make_runner(app: web.Application) -> web.AppRunner:
         app,
         header_timeout=app[STATE].settings.header_timeout,
         expect_refusal=_refuse_expectation,
+        # Trims the heap once no answer has ended for a while (proxy/_alloc.py).
+        on_request_done=app[STATE].allocator.idle,
         handler_cancellation=True,
         auto_decompress=False,
         access_log=None,
@@ -593,6 +597,7 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)
     async with running(app, settings.host, settings.port) as port:
+        state.allocator.idle()  # start-up's freed heap goes back once it is quiet
         plugins = ", ".join(p.name or type(p).__name__ for p in state.host.plugins)
         log.info("plugins enabled: %s", plugins or "none")
         log.info("event loop: %s", type(loop).__module__.split(".")[0])

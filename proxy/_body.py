@@ -230,8 +230,9 @@ async def read_body(
             bay is cut here. Both clocks share one timer.
         chunk_bytes: bytes asked of the payload per read (64-256 KiB is right);
             also roughly the largest decoded piece a decoder produces at once.
-            An uncoded body with a declared length is read in pieces of at
-            most 1/16 of it (never under 16 KiB, never over ``chunk_bytes``).
+            An uncoded body with a declared length is read in pieces of about
+            1/64 of it (:func:`proxy._coding.io_piece_bytes`: never under
+            16 KiB, never over ``chunk_bytes``).
         on_growth: called with the number of bytes the decoded buffer grew by,
             after each chunk that grew it (resident memory follows these, see
             :class:`proxy._coding.BodySink`); a :class:`BodyError` it raises ends
@@ -266,6 +267,8 @@ async def read_body(
     sink = BodySink(limit, None if codings else content_length)
     if content_length is not None and not codings:
         # Only ever smaller than asked: the transient piece scales with the body.
+        # The same size the server reads this body's socket in (proxy/_server.py),
+        # so a read takes one queued part whole instead of joining several.
         chunk_bytes = io_piece_bytes(content_length, chunk_bytes)
     decoder: ContentDecoder | None = None
     if codings:

@@ -59,24 +59,29 @@ ZSTD_BLOCK_MAX_BYTES: Final = 128 * 1024
 """Most bytes one zstd block regenerates, whatever its type (RFC 8878 section 3.1.1.2.4:
 Block_Maximum_Size is min(Window_Size, 128 KB)); the smallest useful decoder piece."""
 
-PIECES_PER_BODY: Final = 16
-"""A body moves through I/O in pieces of at most 1/16 of its size (:func:`io_piece_bytes`)."""
+PIECES_PER_BODY: Final = 64
+"""A body moves through I/O in pieces of about 1/64 of its size (:func:`io_piece_bytes`)."""
 
 MIN_PIECE_BYTES: Final = 16 * 1024
 """The smallest I/O piece: below this the per-call cost outweighs the memory saved."""
 
 
 def io_piece_bytes(body_bytes: int, most: int) -> int:
-    """Bytes per I/O piece (a read from the client, a slice sent upstream) for a body.
+    """Bytes per I/O piece (a socket read from the client, a slice sent upstream) for a body.
 
-    Each piece is a transient beside the body's one buffer (a copy read off the
-    payload, a slice the socket transport could not send at once and copied), so
-    a fixed piece size is a fixed cost that a small body pays as a large share:
-    a 256 KiB piece is a quarter of a 1 MiB body (issue 11 item 4). The piece is
-    1/:data:`PIECES_PER_BODY` of ``body_bytes``, never under :data:`MIN_PIECE_BYTES`
-    and never over ``most`` (the caller's cap, e.g. 256 KiB, which keeps large
-    bodies to few calls). A ``most`` under the floor wins (the caller asked for
-    less). Both sizes in bytes; returns at least 1.
+    Each piece costs several transients beside the body's one buffer: a read,
+    the transport's receive buffer, the HTTP parser's copy of the body part in
+    it, what waits in the payload queue and the piece being copied into the
+    body's buffer; a send, the transport's copy of a slice it could not send at
+    once. They are freed heap that stays resident until the next
+    ``malloc_trim``, so a fixed piece size is a fixed cost that a small body
+    pays as a large share: at 256 KiB (asyncio's own read size) the pieces of a
+    1 MiB body cost 0.6 of it, at 1/16 of the body still 0.25. At
+    1/:data:`PIECES_PER_BODY` they stay within about 0.07 of it (issue 11 item
+    4), never under :data:`MIN_PIECE_BYTES` and never over ``most`` (the
+    caller's cap, e.g. 256 KiB, which keeps large bodies to as few calls as
+    before). A ``most`` under the floor wins (the caller asked for less). Both
+    sizes in bytes; returns at least 1.
     """
     return max(1, min(most, max(MIN_PIECE_BYTES, body_bytes // PIECES_PER_BODY)))
 

@@ -27,6 +27,20 @@ The same edge answers an ``Expect`` other than ``100-continue`` for every route,
 matched or not, through one callback: aiohttp's own answer echoes the value
 into its 417 and fails with a 500 when the value is not valid UTF-8.
 
+It also sizes the connection's socket reads (issue 11 item 4). asyncio's
+socket transport receives up to 256 KiB per read (``max_size``, a CPython
+class attribute with no public setter), and every read costs about four times
+its size in transients (the receive buffer, the parser's copy of the body
+part, the payload queue, the piece being copied into the body's buffer): a
+quarter of a 1 MiB body and more, as freed heap that stays resident. So
+between bodies a connection reads :data:`HEAD_READ_BYTES` (a head and a
+small body whole), and while a body with a declared length arrives it
+reads :func:`proxy._coding.io_piece_bytes` of that length (1/64 of it within
+16-256 KiB; the body reader asks the payload for the same size). The size is
+set only on a transport whose class has an integer ``max_size`` (CPython's
+selector transports); on any other (uvloop's, which reads into one buffer per
+loop) reads are left as they are.
+
 And it answers a request aiohttp cannot parse (:meth:`HeaderDeadlineHandler.handle_error`):
 aiohttp's own answer is text quoting the parser's message, i.e. request bytes
 (a header line with its API key, the tail of a body past a short
@@ -52,12 +66,31 @@ from aiohttp import hdrs, http_exceptions, web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestHandler
 
+from ._coding import MIN_PIECE_BYTES, io_piece_bytes
 from ._protocols import Protocol, error_body
 
 ExpectRefusal = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 """Builds the answer to a request whose ``Expect`` is not ``100-continue`` (e.g. a 417)."""
 
-__all__ = ["ExpectRefusal", "HeaderDeadlineHandler", "ProxyRunner", "forget_read_queue"]
+__all__ = [
+    "HEAD_READ_BYTES",
+    "MAX_READ_BYTES",
+    "ExpectRefusal",
+    "HeaderDeadlineHandler",
+    "ProxyRunner",
+    "forget_read_queue",
+]
+
+HEAD_READ_BYTES: Final = MIN_PIECE_BYTES
+"""Bytes per socket read while no body with a declared length is arriving (16 KiB).
+
+A head and a small body fit whole. It is also the first read of a large body
+(the head does not say its size before it is read): a larger first read would
+leave its own transients in the heap, which the body's later, smaller reads
+reuse but never exceed (64 KiB cost a 1 MiB body 0.06 of it at the peak)."""
+
+MAX_READ_BYTES: Final = 256 * 1024
+"""Largest socket read, for the largest bodies (asyncio's own default)."""
 
 # What a client is told about a request that could not be parsed, by the parser's
 # exception class (most specific first); never the parser's message, which quotes bytes.
@@ -105,21 +138,51 @@ class HeaderDeadlineHandler(RequestHandler):
     Args:
         header_timeout: seconds from the first incomplete piece of a request's
             headers to their end; past it the transport is closed without an answer.
+        on_request_done: called (no arguments) after every answer is finished,
+            whatever its route (the app's idle trim, proxy/_alloc.py).
         Everything else is passed to ``RequestHandler``.
     """
 
-    __slots__ = ("_header_deadline", "_header_handle", "_header_timeout")
+    __slots__ = (
+        "_body_arriving",
+        "_header_deadline",
+        "_header_handle",
+        "_header_timeout",
+        "_on_request_done",
+        "_sized_transport",
+    )
 
-    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        header_timeout: float,
+        on_request_done: Callable[[], object] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._messages = _MessageQueue(self._messages)  # type: ignore[assignment]
         self._header_timeout = header_timeout
+        self._on_request_done = on_request_done
         # Loop time by which the current request's headers must be complete; 0 = none pending.
         self._header_deadline = 0.0
         self._header_handle: asyncio.TimerHandle | None = None
+        # The transport whose read size this connection sets (None: not settable).
+        self._sized_transport: asyncio.Transport | None = None
+        # The payload of a declared body still arriving, read in pieces sized for it.
+        self._body_arriving: StreamReader | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Set up as aiohttp does; reads start at :data:`HEAD_READ_BYTES` where settable."""
+        super().connection_made(transport)
+        # Only where max_size is the CPython class attribute the read loop uses:
+        # an instance attribute then overrides it for this connection alone.
+        if isinstance(getattr(type(transport), "max_size", None), int):
+            assert isinstance(transport, asyncio.Transport)
+            self._sized_transport = transport
+            transport.max_size = HEAD_READ_BYTES  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
-        """Parse ``data`` as aiohttp does, then start or stop the header clock."""
+        """Parse ``data`` as aiohttp does, then start or stop the header clock and size reads."""
         requests = self._request_count
         super().data_received(data)
         if self._request_count != requests:
@@ -127,8 +190,32 @@ class HeaderDeadlineHandler(RequestHandler):
             # pipelined behind it that is still incomplete is timed from the
             # next segment that leaves it so.
             self._header_deadline = 0.0
+            if self._sized_transport is not None and self._messages:
+                self._size_reads_for(*self._messages[-1])
         elif not self._header_deadline and self._waiting_for_headers():
             self._start_header_clock()
+        arriving = self._body_arriving
+        if arriving is not None and arriving.is_eof():
+            # That body is complete: back to head-sized reads for the next request.
+            self._body_arriving = None
+            self._set_read_size(HEAD_READ_BYTES)
+
+    def _size_reads_for(self, message: Any, payload: Any) -> None:
+        """Read the body of ``message`` (just parsed; ``payload`` is its stream) in pieces
+        sized for its declared length; a body without one keeps head-sized reads."""
+        if not isinstance(payload, StreamReader) or payload.is_eof():
+            return
+        headers = getattr(message, "headers", None)
+        declared = headers.get(hdrs.CONTENT_LENGTH) if headers is not None else None
+        if declared is None or not declared.isdigit():
+            return
+        self._body_arriving = payload
+        self._set_read_size(io_piece_bytes(int(declared), MAX_READ_BYTES))
+
+    def _set_read_size(self, nbytes: int) -> None:
+        transport = self._sized_transport
+        if transport is not None:
+            transport.max_size = nbytes  # type: ignore[attr-defined]
 
     def _waiting_for_headers(self) -> bool:
         """No request is queued or being handled: bytes now are the next request's headers."""
@@ -158,6 +245,16 @@ class HeaderDeadlineHandler(RequestHandler):
         if self._waiting_for_headers():
             self.log_debug("request headers not complete within %gs: closing", self._header_timeout)
             self.force_close()
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        """Finish the answer as aiohttp does, then call ``on_request_done`` (if any)."""
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            if self._on_request_done is not None:
+                self._on_request_done()
 
     def handle_error(
         self,
@@ -203,6 +300,8 @@ class HeaderDeadlineHandler(RequestHandler):
             self._header_handle.cancel()
             self._header_handle = None
         self._header_deadline = 0.0
+        self._sized_transport = None
+        self._body_arriving = None
         super().connection_lost(exc)
 
 
@@ -220,6 +319,7 @@ class _Server(web.Server):
         *args: Any,
         header_timeout: float,
         expect_refusal: ExpectRefusal | None,
+        on_request_done: Callable[[], object] | None = None,
         **kwargs: Any,
     ) -> None:
         def guarded(request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
@@ -233,10 +333,15 @@ class _Server(web.Server):
 
         super().__init__(handler if expect_refusal is None else guarded, *args, **kwargs)
         self._header_timeout = header_timeout
+        self._on_request_done = on_request_done
 
     def __call__(self) -> RequestHandler:
         return HeaderDeadlineHandler(
-            self, loop=self._loop, header_timeout=self._header_timeout, **self._kwargs
+            self,
+            loop=self._loop,
+            header_timeout=self._header_timeout,
+            on_request_done=self._on_request_done,
+            **self._kwargs,
         )
 
 
@@ -244,13 +349,14 @@ class ProxyRunner(web.AppRunner):
     """``web.AppRunner`` whose server enforces ``header_timeout`` (seconds) on every request.
 
     ``expect_refusal`` (optional) answers every request whose ``Expect`` is not
-    ``100-continue``, before routing. Other keyword arguments are ``web.AppRunner``'s.
+    ``100-continue``, before routing. ``on_request_done`` (optional) is called
+    after every answer is finished. Other keyword arguments are ``web.AppRunner``'s.
 
     Raises:
         ValueError: ``header_timeout`` is not positive.
     """
 
-    __slots__ = ("_expect_refusal", "_header_timeout")
+    __slots__ = ("_expect_refusal", "_header_timeout", "_on_request_done")
 
     def __init__(
         self,
@@ -258,6 +364,7 @@ class ProxyRunner(web.AppRunner):
         *,
         header_timeout: float,
         expect_refusal: ExpectRefusal | None = None,
+        on_request_done: Callable[[], object] | None = None,
         **kwargs: Any,
     ) -> None:
         if header_timeout <= 0:
@@ -265,6 +372,7 @@ class ProxyRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         self._header_timeout = header_timeout
         self._expect_refusal = expect_refusal
+        self._on_request_done = on_request_done
 
     async def _make_server(self) -> web.Server:
         # AppRunner builds the app's server (start-up signals, frozen router);
@@ -276,5 +384,6 @@ class ProxyRunner(web.AppRunner):
             handler_cancellation=base.handler_cancellation,
             header_timeout=self._header_timeout,
             expect_refusal=self._expect_refusal,
+            on_request_done=self._on_request_done,
             **base._kwargs,
         )

@@ -14,12 +14,15 @@ MiB = 1 << 20
 
 
 class FakeLibC:
-    """Records calls; ``trimmed`` is set on every ``malloc_trim``."""
+    """Records calls; ``trimmed`` is set on every ``malloc_trim``, which advances
+    ``clock`` (if given) by ``trim_seconds`` (what a trim costs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock | None = None, trim_seconds: float = 0.0) -> None:
         self.mallopt_calls: list[tuple[int, int]] = []
         self.trims = 0
         self.trimmed = asyncio.Event()
+        self.clock = clock
+        self.trim_seconds = trim_seconds
 
     def mallopt(self, param: int, value: int, /) -> int:
         self.mallopt_calls.append((param, value))
@@ -29,6 +32,8 @@ class FakeLibC:
         assert pad == 0
         self.trims += 1
         self.trimmed.set()
+        if self.clock is not None:
+            self.clock.now += self.trim_seconds
         return 1
 
 
@@ -59,7 +64,9 @@ def test_small_releases_do_not_trim_until_they_add_up() -> None:
 def test_trims_are_rate_limited_unless_the_release_is_large() -> None:
     libc = FakeLibC()
     clock = Clock()
-    alloc = Allocator(libc, trim_min_bytes=MiB, trim_now_bytes=8 * MiB, clock=clock)
+    alloc = Allocator(
+        libc, trim_min_bytes=MiB, trim_now_bytes=8 * MiB, min_interval=1.0, clock=clock
+    )
     assert alloc.released(2 * MiB) is True
     clock.now += 0.5
     # Within the interval and no loop to defer to: kept pending, not trimmed.
@@ -125,11 +132,66 @@ async def test_close_cancels_the_quiet_trim() -> None:
     assert libc.trims == 0
 
 
+def test_trims_take_at_most_their_share_of_the_time() -> None:
+    clock = Clock()
+    # A trim that takes 2 ms: at a 1 % share the next release trim waits 200 ms.
+    libc = FakeLibC(clock, trim_seconds=0.002)
+    alloc = Allocator(
+        libc, trim_min_bytes=MiB, trim_now_bytes=64 * MiB, max_share=0.01, clock=clock
+    )
+    assert alloc.released(MiB) is True
+    clock.now += 0.150
+    assert alloc.released(MiB) is False  # no loop to defer to: kept pending
+    assert (libc.trims, alloc.pending) == (1, MiB)
+    clock.now += 0.060
+    assert alloc.released(MiB) is True
+    assert (libc.trims, alloc.pending) == (2, 0)
+
+
+def test_a_body_under_the_mmap_threshold_trims_when_released() -> None:
+    # A 600 KB body lives on the heap (below glibc's 1 MiB mmap threshold): by
+    # default its release trims, or it would stay resident while its answer streams.
+    libc = FakeLibC()
+    alloc = Allocator(libc, clock=Clock())
+    assert alloc.released(600_000) is True
+    assert libc.trims == 1
+
+
+async def test_idle_trims_once_nothing_ended_for_idle_after() -> None:
+    libc = FakeLibC()
+    alloc = Allocator(libc, idle_after=0.05)
+    loop = asyncio.get_running_loop()
+    alloc.idle()
+    started = loop.time()
+    # Answers keep ending for 150 ms: each pushes the trim back, none trims.
+    while loop.time() - started < 0.15:
+        await asyncio.sleep(0.01)
+        alloc.idle()
+        assert libc.trims == 0
+    async with asyncio.timeout(5):
+        await libc.trimmed.wait()
+    assert loop.time() - started >= 0.15 + 0.05 - 0.005  # the loop's clock granularity
+    assert libc.trims == 1
+    await asyncio.sleep(0.1)
+    assert libc.trims == 1  # one trim per quiet period, not a periodic timer
+    alloc.close()
+
+
+async def test_close_cancels_the_idle_trim() -> None:
+    libc = FakeLibC()
+    alloc = Allocator(libc, idle_after=0.01)
+    alloc.idle()
+    alloc.close()
+    await asyncio.sleep(0.05)
+    assert libc.trims == 0
+
+
 def test_without_a_c_library_everything_is_a_no_op() -> None:
     alloc = Allocator(None)
     assert not alloc.available
     assert alloc.tune() is False
     assert alloc.released(64 * MiB) is False
+    alloc.idle()
     assert alloc.trim() is False
     assert alloc.trims == 0
 
