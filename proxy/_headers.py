@@ -31,6 +31,8 @@ HOP_BY_HOP: Final = frozenset(
 )
 # Recomputed by us: the body was decoded and is re-framed on each side.
 _REQUEST_DROP: Final = HOP_BY_HOP | {
+    # Answered by the proxy itself (proxy/_app.py) before it read the body.
+    "expect",
     "host",
     "content-length",
     "content-encoding",

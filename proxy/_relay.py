@@ -46,6 +46,8 @@ from ._stream import (
 )
 from ._upstream import (
     BadResponseHead,
+    PoolBusy,
+    PoolClosed,
     UpstreamAnswer,
     UpstreamError,
     UpstreamPool,
@@ -82,11 +84,14 @@ class _UpstreamFailure(Exception):
 
 
 def _read_failure(exc: BaseException) -> str:
-    """Plain words for a body read that failed (what follows "upstream stream failed: ")."""
-    if isinstance(exc, TimeoutError):
-        # IdleReadTimeout: the idle-read bound.
-        return "upstream sent nothing for too long mid-answer"
-    return "upstream closed the connection mid-answer"
+    """Plain words for a body read that failed (what follows "upstream stream failed: ").
+
+    The client's own words (a close, broken framing, the idle-read bound), or the
+    grace after the terminal event running out (a plain ``TimeoutError``).
+    """
+    if isinstance(exc, UpstreamError):
+        return str(exc)
+    return "upstream sent nothing for too long mid-answer"
 
 
 class Upstream:
@@ -296,20 +301,24 @@ class _Relay:
         ex.mark_sent()
         where, path = self.target
         try:
-            async with asyncio.timeout(self.upstream.header_timeout):
-                return await self.upstream.pool.request(
-                    where,
-                    ex.method,
-                    path,
-                    headers,
-                    ex.outbound_chunks() if has_body else None,
-                    ex.outbound_size if has_body else 0,
-                )
-        except TimeoutError:
-            # The connect's own bound (ConnectTimeout) is a TimeoutError too.
-            raise _UpstreamFailure(
-                504, Outcome.UPSTREAM_TIMEOUT, "upstream sent no response headers in time"
-            ) from None
+            return await self.upstream.pool.request(
+                where,
+                ex.method,
+                path,
+                headers,
+                ex.outbound_chunks if has_body else None,
+                ex.outbound_size if has_body else 0,
+                head_timeout=self.upstream.header_timeout,
+            )
+        except PoolClosed as exc:
+            raise _UpstreamFailure(503, Outcome.CANCELLED, str(exc)) from None
+        except PoolBusy as exc:
+            # The proxy's own limit (upstream_max_connections): the upstream never saw it.
+            log.warning("%s %s: %s", ex.id, ex.protocol, exc)
+            raise _UpstreamFailure(503, Outcome.REJECTED, str(exc)) from None
+        except TimeoutError as exc:
+            # No head in time (HeadTimeout), or no connection in time (ConnectTimeout).
+            raise _UpstreamFailure(504, Outcome.UPSTREAM_TIMEOUT, str(exc)) from None
         except BadResponseHead as exc:
             # Our own words (the head's bytes may hold a header value).
             raise _UpstreamFailure(502, Outcome.UPSTREAM_ERROR, str(exc)) from None

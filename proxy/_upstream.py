@@ -28,11 +28,12 @@ the upstream's bytes (a header value may hold a secret).
 from __future__ import annotations
 
 import asyncio
+import collections
 import socket
 import ssl
 import typing
 import urllib.parse
-from collections.abc import AsyncIterable, Coroutine, Mapping
+from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
 from typing import Any, Final
 
 import httptools
@@ -43,7 +44,10 @@ __all__ = [
     "BadResponseHead",
     "ConnectFailed",
     "ConnectTimeout",
+    "HeadTimeout",
     "IdleReadTimeout",
+    "PoolBusy",
+    "PoolClosed",
     "ResponseFraming",
     "ServerDisconnected",
     "UpstreamAnswer",
@@ -85,6 +89,12 @@ class ConnectFailed(UpstreamError):
         where = f"{host}:{port}"
         if isinstance(os_error, ConnectionRefusedError):
             words = f"upstream refused the connection at {where}"
+        elif isinstance(os_error, ssl.SSLCertVerificationError):
+            # OpenSSL's reason ("self-signed certificate", "hostname mismatch"): no secret.
+            reason = os_error.verify_message or "not trusted"
+            words = f"upstream's TLS certificate could not be verified at {where}: {reason}"
+        elif isinstance(os_error, ssl.SSLError):
+            words = f"TLS handshake with the upstream at {where} failed"
         elif isinstance(os_error, socket.gaierror):
             words = f"upstream host name did not resolve ({where})"
         else:
@@ -110,6 +120,19 @@ class BadResponseHead(UpstreamError):
 
 class AnswerCut(UpstreamError):
     """The answer's body did not end as its framing says (closed early, bad chunking)."""
+
+
+class PoolClosed(UpstreamError):
+    """The pool was closed (the proxy shuts down): no request goes out any more."""
+
+
+class PoolBusy(UpstreamError):
+    """Every connection the pool may open (``max_connections``) stayed in use: the
+    proxy's own limit, not the upstream's fault."""
+
+
+class HeadTimeout(UpstreamError, TimeoutError):
+    """The answer's head did not come in time."""
 
 
 class IdleReadTimeout(UpstreamError, TimeoutError):
@@ -141,6 +164,7 @@ class ResponseFraming:
         "_head_bytes",
         "_head_only",
         "_parser",
+        "_since_field",
         "body",
         "body_bytes",
         "closed",
@@ -149,6 +173,7 @@ class ResponseFraming:
         "fields",
         "head_done",
         "keep_alive",
+        "keep_alive_s",
         "status",
         "until_close",
     )
@@ -161,6 +186,7 @@ class ResponseFraming:
         """Start over for the answer to the next request (``head_only``: a HEAD request)."""
         self._head_only = head_only
         self._head_bytes = 0
+        self._since_field = 0
         self.status = 0
         self.fields: list[tuple[str, str]] = []
         self.head_done = False
@@ -168,6 +194,9 @@ class ResponseFraming:
         self.body_bytes = 0
         self.complete = False
         self.keep_alive = False
+        #: Seconds the connection may idle before its next request (the upstream's
+        #: ``Keep-Alive: timeout=N`` less a second, at most :data:`KEEPALIVE_SECONDS`).
+        self.keep_alive_s = KEEPALIVE_SECONDS
         self.until_close = False
         #: The peer closed the connection (:meth:`eof`).
         self.closed = False
@@ -182,6 +211,7 @@ class ResponseFraming:
             return
         if not self.head_done:
             self._head_bytes += len(data)
+            self._since_field += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -198,7 +228,15 @@ class ResponseFraming:
                     self.error = "upstream body framing is broken"
                 else:
                     self.error = "upstream sent a response head that could not be parsed"
-        if self.error is None and not self.head_done and self._head_bytes > MAX_HEAD_BYTES:
+        if self.error is not None or self.head_done:
+            return
+        if self._since_field > 2 * MAX_FIELD_LINE_BYTES:
+            # One line still growing (llhttp gathers it whole before calling back).
+            self.error = (
+                "upstream response headers over the parser's limit "
+                f"({MAX_FIELD_LINE_BYTES} bytes a line)"
+            )
+        elif self._head_bytes > MAX_HEAD_BYTES:
             self.error = (
                 f"upstream response headers over the parser's limit ({MAX_HEAD_BYTES} bytes in all)"
             )
@@ -216,6 +254,11 @@ class ResponseFraming:
             if not self.head_done
             else "upstream closed the connection mid-answer"
         )
+
+    @property
+    def received_nothing(self) -> bool:
+        """Whether not one byte of an answer to this request came (the request may be resent)."""
+        return self._head_bytes == 0 and not self.head_done
 
     def take(self) -> bytes:
         """The body bytes parsed so far (joined if several pieces), and forget them."""
@@ -236,11 +279,16 @@ class ResponseFraming:
                 f"({MAX_FIELD_LINE_BYTES} bytes a line)"
             )
             raise _Stop
+        self._since_field = 0
         fields = self.fields
         if len(fields) >= MAX_FIELDS:
             self.error = "upstream response headers over the parser's limit (too many fields)"
             raise _Stop
-        fields.append((name.decode("latin-1"), value.decode("latin-1")))
+        # As aiohttp's parser decodes them: the client's response head encodes them
+        # back to the same bytes (UTF-8 text stays UTF-8, other bytes survive too).
+        fields.append(
+            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
+        )
 
     def on_headers_complete(self) -> None:
         parser = self._parser
@@ -255,22 +303,23 @@ class ResponseFraming:
         self.status = status
         self.head_done = True
         self.keep_alive = parser.should_keep_alive()
+        chunked = content_length = False
+        for name, value in self.fields:
+            lowered = name.lower()
+            if lowered == "transfer-encoding":
+                # Chunked framing only when chunked is the last coding (RFC 9112 section 6.3).
+                chunked = value.rsplit(",", 1)[-1].strip().lower() == "chunked"
+            elif lowered == "content-length":
+                content_length = True
+            elif lowered == "keep-alive":
+                self.keep_alive_s = _keep_alive_timeout(value)
         if self._head_only:
             # No body follows, whatever Content-Length says; llhttp would wait for one,
             # so the connection is not reused.
             self.complete = True
             self.keep_alive = False
-            return
-        if status in (204, 304):
-            return
-        chunked = content_length = False
-        for name, value in self.fields:
-            lowered = name.lower()
-            if lowered == "transfer-encoding":
-                chunked = chunked or "chunked" in value.lower()
-            elif lowered == "content-length":
-                content_length = True
-        self.until_close = not (chunked or content_length)
+        elif status not in (204, 304):
+            self.until_close = not (chunked or content_length)
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -279,6 +328,24 @@ class ResponseFraming:
     def on_message_complete(self) -> None:
         if self.head_done:
             self.complete = True
+
+
+def _keep_alive_timeout(value: str) -> float:
+    """Seconds to keep an idle connection, from a ``Keep-Alive`` field's ``timeout=N``.
+
+    One second less than the upstream says (its timer and ours start apart), within
+    [0, :data:`KEEPALIVE_SECONDS`]; :data:`KEEPALIVE_SECONDS` when it says nothing
+    usable. RFC 2068 section 19.7.1.1 defines the field (Node sends ``timeout=5``).
+    """
+    for part in value.split(","):
+        name, _, number = part.partition("=")
+        if name.strip().lower() == "timeout":
+            try:
+                seconds = float(number.strip())
+            except ValueError:
+                return KEEPALIVE_SECONDS
+            return max(0.0, min(KEEPALIVE_SECONDS, seconds - 1.0))
+    return KEEPALIVE_SECONDS
 
 
 class _Stop(Exception):
@@ -407,6 +474,7 @@ class _Connection(asyncio.Protocol):
         "key",
         "lost",
         "pool",
+        "reused",
         "transport",
     )
 
@@ -417,6 +485,8 @@ class _Connection(asyncio.Protocol):
         self.framing = ResponseFraming(head_only=head_only)
         self.in_use = True
         self.lost = False
+        #: Whether it carried an earlier request (an upstream may close such one any time).
+        self.reused = False
         self._head: asyncio.Future[None] | None = None
         self._reader: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
@@ -528,8 +598,12 @@ class _Connection(asyncio.Protocol):
     ) -> None:
         """Write the head and the body's slices, waiting while the socket is full.
 
-        An answer that comes before the body is sent ends the upload; the
-        connection is not reused then (the upstream did not read it all).
+        A final answer that is not a success (a 413, a 401, a redirect) before
+        the body is sent ends the upload, and the connection is not reused (the
+        upstream did not read it all): RFC 9112 section 9.3 lets a client stop
+        sending on a response that says the body is not wanted. A 2xx head
+        (a server streaming before it reads) does not: the upload goes on. A
+        lost connection ends it too (no write goes to a closed transport).
         """
         framing = self.framing
         pieces = aiter(body)
@@ -544,13 +618,13 @@ class _Connection(asyncio.Protocol):
                 return
             transport.write(head)
             async for piece in pieces:
-                while self._write_paused and not (self.lost or framing.head_done):
+                while self._write_paused and not self._upload_over(transport):
                     self._drain = asyncio.get_running_loop().create_future()
                     try:
                         await self._drain
                     finally:
                         self._drain = None
-                if self.lost or framing.head_done or framing.error is not None:
+                if self._upload_over(transport):
                     framing.keep_alive = False
                     return
                 transport.write(piece)
@@ -559,6 +633,16 @@ class _Connection(asyncio.Protocol):
             close = getattr(pieces, "aclose", None)
             if close is not None:
                 await close()
+
+    def _upload_over(self, transport: asyncio.Transport) -> bool:
+        """Whether the rest of the body must not be sent (see :meth:`_upload`)."""
+        framing = self.framing
+        return (
+            self.lost
+            or transport.is_closing()
+            or framing.error is not None
+            or (framing.head_done and framing.status >= 300)
+        )
 
     async def read_body(self) -> bytes:
         framing = self.framing
@@ -570,10 +654,11 @@ class _Connection(asyncio.Protocol):
                     assert self.transport is not None
                     self.transport.resume_reading()
                 return data
+            if framing.complete:
+                # Ended; bytes after the end (an error) only make the connection unusable.
+                return b""
             if framing.error is not None:
                 raise AnswerCut(framing.error)
-            if framing.complete:
-                return b""
             loop = asyncio.get_running_loop()
             waiter = self._reader = loop.create_future()
             timer = loop.call_later(self.pool.idle_read, _time_out, waiter)
@@ -591,6 +676,7 @@ class _Connection(asyncio.Protocol):
             and framing.keep_alive
             and framing.error is None
             and not framing.body
+            and framing.keep_alive_s > 0
             and not self.lost
         ):
             self.pool._put_back(self)
@@ -617,12 +703,13 @@ class _Connection(asyncio.Protocol):
             self._idle.cancel()
             self._idle = None
         self.in_use = True
+        self.reused = True
         self.framing.expect(head_only=head_only)
 
     def park(self, loop: asyncio.AbstractEventLoop) -> None:
         """Put in the pool: closed if no request takes it within the keep-alive time."""
         self.in_use = False
-        self._idle = loop.call_later(KEEPALIVE_SECONDS, self.abort)
+        self._idle = loop.call_later(self.framing.keep_alive_s, self.abort)
 
 
 async def _nothing() -> bytes:
@@ -654,6 +741,7 @@ class UpstreamPool:
         "_closed",
         "_idle",
         "_in_use",
+        "_reserved",
         "_ssl",
         "_waiters",
         "connect_timeout",
@@ -667,7 +755,10 @@ class UpstreamPool:
         self.max_connections = max_connections
         self._idle: dict[tuple[bool, str, int], list[_Connection]] = {}
         self._in_use: set[_Connection] = set()
-        self._waiters: list[asyncio.Future[None]] = []
+        # Requests waiting for a place (``max_connections``), first come first served,
+        # and places handed to woken waiters that have not taken them yet.
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._reserved = 0
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
@@ -687,45 +778,98 @@ class UpstreamPool:
         method: str,
         path: str,
         fields: Mapping[str, str],
-        body: AsyncIterable[memoryview] | None = None,
+        body: Callable[[], AsyncIterable[memoryview]] | None = None,
         body_bytes: int = 0,
+        *,
+        head_timeout: float | None = None,
     ) -> UpstreamAnswer:
         """Send one request, return the answer once its head is here.
 
         ``path`` is the request target (path and query); ``fields`` are sent as
         given, with ``Host``, ``Accept-Encoding`` (what the proxy decodes) and,
-        when absent, ``Accept`` and ``User-Agent`` added; ``body`` is iterated
-        once (``body_bytes`` bytes; its ``Content-Length`` is the caller's field).
+        when absent, ``Accept`` and ``User-Agent`` added; ``body()`` gives the
+        body's slices, a fresh pass each call (``body_bytes`` bytes; its
+        ``Content-Length`` is the caller's field). ``head_timeout`` bounds it
+        all, from the wait for a free connection to the answer's head (seconds;
+        ``None``: no bound).
+
+        A kept connection the upstream closed before a byte of answer came (its
+        keep-alive timer crossed this request on the wire: uvicorn's is 5 s), or
+        on which the answer is a ``408`` (what Node, nginx and Apache send on a
+        connection they time out as idle), is replaced by a new one and the
+        request sent once more, as Go's client does: the upstream did not act on
+        it. A new connection failing that way is the error or answer it is.
 
         Raises:
+            PoolBusy: no connection came free (``max_connections``) in ``head_timeout``.
+            HeadTimeout: the answer's head did not come in ``head_timeout``.
             ConnectFailed: the connect failed (refused, name not resolved, other).
             ConnectTimeout: the connect took over ``connect_timeout``.
             ServerDisconnected: the upstream closed before a complete head.
             BadResponseHead: the head could not be parsed or is over a limit.
             ValueError: a field name or value holds a line break.
-            RuntimeError: the pool is closed.
+            PoolClosed: the pool is closed (the proxy shuts down).
         """
         head = _request_head(target, method, path, fields)
-        conn = await self._acquire(target, head_only=method == "HEAD")
+        waiting = [True]  # whether the bound ran out in the wait for a free connection
         try:
-            return await conn.send(head, body, body_bytes)
+            async with asyncio.timeout(head_timeout):
+                return await self._exchange(
+                    target, head, method == "HEAD", body, body_bytes, waiting
+                )
+        except ConnectTimeout:
+            raise
+        except TimeoutError:
+            if waiting[0]:
+                raise PoolBusy(
+                    f"all {self.max_connections} upstream connections are in use "
+                    "(upstream_max_connections); retry later"
+                ) from None
+            raise HeadTimeout("upstream sent no response headers in time") from None
+
+    async def _exchange(
+        self,
+        target: UpstreamTarget,
+        head: bytes,
+        head_only: bool,
+        body: Callable[[], AsyncIterable[memoryview]] | None,
+        body_bytes: int,
+        waiting: list[bool],
+    ) -> UpstreamAnswer:
+        """:meth:`request`'s attempts: a kept connection, then maybe a new one."""
+        conn = await self._acquire(target, head_only=head_only)
+        waiting[0] = False
+        try:
+            answer = await conn.send(head, body() if body is not None else None, body_bytes)
+        except ServerDisconnected:
+            conn.abort()
+            if not (conn.reused and conn.framing.received_nothing):
+                raise
+        except BaseException:
+            conn.abort()
+            raise
+        else:
+            if not (conn.reused and answer.status == 408):
+                return answer
+            answer.close()
+        conn = await self._acquire(target, head_only=head_only, fresh=True)
+        try:
+            return await conn.send(head, body() if body is not None else None, body_bytes)
         except BaseException:
             conn.abort()
             raise
 
-    async def _acquire(self, target: UpstreamTarget, *, head_only: bool) -> _Connection:
+    async def _acquire(
+        self, target: UpstreamTarget, *, head_only: bool, fresh: bool = False
+    ) -> _Connection:
+        """A connection for one request (``fresh``: a new one, not a kept one)."""
         if self._closed:
-            raise RuntimeError("the upstream pool is closed")
+            raise PoolClosed("proxy is shutting down")
         limit = self.max_connections
-        while limit and len(self._in_use) >= limit:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        idle = self._idle.get(target.key)
+        if limit and (self._waiters or len(self._in_use) + self._reserved >= limit):
+            await self._wait_for_place()
+        # No await from here to the connection's entry in _in_use: the place is taken.
+        idle = None if fresh else self._idle.get(target.key)
         while idle:
             conn = idle.pop()  # the most recent: least likely closed by the upstream
             if conn.lost or conn.transport is None or conn.transport.is_closing():
@@ -757,11 +901,47 @@ class UpstreamPool:
                     target.port,
                     ssl=context,
                     server_hostname=target.host if context is not None else None,
+                    **_happy_eyeballs(loop),
                 )
         except TimeoutError:
-            raise ConnectTimeout("upstream did not answer in time") from None
+            raise ConnectTimeout(
+                f"could not connect to the upstream at {target.host}:{target.port} in time"
+            ) from None
         except OSError as exc:
             raise ConnectFailed(target.host, target.port, exc) from exc
+
+    async def _wait_for_place(self) -> None:
+        """Queue for a place under ``max_connections``; return holding it (FIFO).
+
+        A newcomer queues behind the waiters (it does not take a place freed for
+        them), and a place is handed to the first waiter directly, so a waiter
+        is never overtaken. A waiter cancelled once woken passes its place on.
+
+        Raises:
+            PoolClosed: the pool closed while this request waited.
+        """
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self._reserved -= 1  # woken in the same turn: the place is the next's
+                self._hand_on()
+            else:
+                self._waiters.remove(waiter)
+            raise
+        self._reserved -= 1
+
+    def _hand_on(self) -> None:
+        """Places came free: hand them to the first waiters."""
+        waiters = self._waiters
+        limit = self.max_connections
+        while waiters and len(self._in_use) + self._reserved < limit:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                self._reserved += 1
+                waiter.set_result(None)
 
     def _put_back(self, conn: _Connection) -> None:
         self._in_use.discard(conn)
@@ -770,13 +950,13 @@ class UpstreamPool:
             return
         conn.park(asyncio.get_running_loop())
         self._idle.setdefault(conn.key, []).append(conn)
-        self._wake_one()
+        self._hand_on()
 
     def _done(self, conn: _Connection) -> None:
         """``conn`` closed while in use: its place is free."""
         if conn in self._in_use:
             self._in_use.discard(conn)
-            self._wake_one()
+            self._hand_on()
 
     def _forget(self, conn: _Connection) -> None:
         """``conn`` closed while idle in the pool."""
@@ -786,15 +966,14 @@ class UpstreamPool:
             if not idle:
                 del self._idle[conn.key]
 
-    def _wake_one(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-
     async def close(self) -> None:
-        """Close every connection (in use ones too) and refuse new requests; idempotent."""
+        """Close every connection (in use ones too), refuse new requests and the
+        waiting ones (:class:`PoolClosed`); idempotent."""
         self._closed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(PoolClosed("proxy is shutting down"))
         for conns in list(self._idle.values()):
             for conn in list(conns):
                 conn.abort()
@@ -803,6 +982,14 @@ class UpstreamPool:
             conn.abort()
         # Let the transports run their connection_lost callbacks.
         await asyncio.sleep(0)
+
+
+def _happy_eyeballs(loop: asyncio.AbstractEventLoop) -> dict[str, Any]:
+    """A host with a dead first address (IPv6 routed nowhere) is raced with the next one
+    after 250 ms (RFC 8305), as aiohttp does; uvloop's loop has no such option."""
+    if isinstance(loop, asyncio.BaseEventLoop):
+        return {"happy_eyeballs_delay": 0.25, "interleave": 1}
+    return {}
 
 
 def _request_head(

@@ -1,38 +1,139 @@
 """Small raw-socket upstreams of our own, for faults the emulator cannot produce; no tests here.
 
-:class:`RawUpstream` answers each request with canned bytes and closes;
-:class:`HoldingUpstream` sends one chunk of an event stream and keeps the
-connection open. Both read the request the same way (:func:`read_request`) and
-listen on an ephemeral port of 127.0.0.1. :func:`proxy_for` is a plugin-less
-proxy in front of one of them. Used by ``test_adversarial.py`` and
-``test_stream_end.py``.
+:class:`Scripted` runs a test's own coroutine for each connection (what to read,
+what to write, when to close); :class:`RawUpstream` answers each request with
+canned bytes and closes; :class:`HoldingUpstream` sends one chunk of an event
+stream and keeps the connection open. All listen on an ephemeral port of
+127.0.0.1 and read a request the same way (:func:`read_request`).
+:func:`black_hole` is a loopback address that drops connects, as an address
+routed nowhere does.
+
+Canned answers: :func:`json_answer` (by default :data:`CHAT_JSON`, a chat
+completion), :func:`chat_sse_events` (its streamed form), :data:`SSE_HEAD` and
+the chunked coding (:func:`chunk`, :func:`chunked`).
+
+:func:`proxy_app` is a plugin-less proxy in front of an upstream, yielding its
+URL and app (:func:`pool_of` is the app's upstream pool); :func:`proxy_for`
+yields the URL alone. Used by ``test_adversarial.py``, ``test_stream_end.py``
+and ``test_upstream_*.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+import json
+import socket
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, Final
+
+import pytest
+from aiohttp import web
 
 from proxy._app import build_app, running
 from proxy._config import load_settings
+from proxy._state import STATE
+from proxy._upstream import UpstreamPool
 
-__all__ = ["SSE_HEAD", "HoldingUpstream", "RawUpstream", "chunked", "proxy_for", "read_request"]
+__all__ = [
+    "CHAT_JSON",
+    "SSE_HEAD",
+    "HoldingUpstream",
+    "RawUpstream",
+    "Script",
+    "Scripted",
+    "black_hole",
+    "chat_sse_events",
+    "chunk",
+    "chunked",
+    "content_length",
+    "json_answer",
+    "pool_of",
+    "proxy_app",
+    "proxy_for",
+    "read_request",
+]
 
 SSE_HEAD: Final = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 )
 
+CHAT_JSON: Final = json.dumps(
+    {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
+).encode()
+"""A complete non-streamed chat completion whose text is ``"hi"`` (UTF-8 JSON)."""
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+"""What a :class:`Scripted` upstream does on connection ``n`` (counted from 0)."""
+
+
+def chunk(piece: bytes) -> bytes:
+    """``piece`` as one chunk of the chunked transfer coding (RFC 9112 section 7.1)."""
+    return b"%x\r\n%s\r\n" % (len(piece), piece)
+
 
 def chunked(*pieces: bytes) -> bytes:
     """``pieces`` in chunked transfer coding, ended by the last-chunk."""
-    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    return b"".join(chunk(p) for p in pieces) + b"0\r\n\r\n"
+
+
+def json_answer(body: bytes = CHAT_JSON, status: str = "200 OK", extra: bytes = b"") -> bytes:
+    """A whole HTTP/1.1 answer: ``status`` (``"200 OK"``), a JSON ``body`` with its
+    ``Content-Length``, and ``extra`` header lines (each ending in CRLF) before the
+    blank line."""
+    return b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        status.encode(),
+        len(body),
+        extra,
+        body,
+    )
+
+
+def chat_sse_events(text: str = "hi") -> list[bytes]:
+    """A streamed chat completion of ``text`` as three SSE events (bytes each): the
+    delta, the ``finish_reason: "stop"`` chunk and ``data: [DONE]``."""
+    first = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"role": "assistant", "content": text}}],
+    }
+    last = {
+        "id": "c1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+    }
+    return [
+        b"data: " + json.dumps(first).encode() + b"\n\n",
+        b"data: " + json.dumps(last).encode() + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
 
 
 @contextlib.asynccontextmanager
-async def proxy_for(upstream_url: str, **overrides: Any) -> AsyncIterator[str]:
-    """A proxy (no plugins) in front of ``upstream_url`` on 127.0.0.1; yields its base URL."""
+async def proxy_app(
+    upstream_url: str, **overrides: Any
+) -> AsyncIterator[tuple[str, web.Application]]:
+    """A proxy (no plugins) in front of ``upstream_url`` on 127.0.0.1, both protocols'
+    upstreams; ``overrides`` are settings. Yields ``(base URL, app)``, the app for a
+    look at its state (:func:`pool_of`)."""
     settings = load_settings(
         None,
         environ={},
@@ -46,19 +147,104 @@ async def proxy_for(upstream_url: str, **overrides: Any) -> AsyncIterator[str]:
     )
     app = build_app(settings)
     async with running(app, "127.0.0.1", 0) as port:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app
+
+
+@contextlib.asynccontextmanager
+async def proxy_for(upstream_url: str, **overrides: Any) -> AsyncIterator[str]:
+    """:func:`proxy_app`, yielding its base URL alone."""
+    async with proxy_app(upstream_url, **overrides) as (url, _app):
+        yield url
+
+
+def pool_of(app: web.Application) -> UpstreamPool:
+    """The connection pool of a running proxy ``app``."""
+    upstream = app[STATE].upstream
+    assert upstream is not None
+    return upstream.pool
+
+
+@contextlib.contextmanager
+def black_hole(port: int = 0) -> Iterator[int]:
+    """A listener on 127.0.0.2 whose accept queue is full, so the kernel drops further
+    SYNs: a connect to it neither succeeds nor fails, like one to an address routed
+    nowhere. Yields its port (``port``, or an ephemeral one for 0); skips the test
+    if 127.0.0.2 cannot be bound."""
+    hole = socket.socket()
+    filler = socket.socket()
+    try:
+        try:
+            hole.bind(("127.0.0.2", port))
+        except OSError:
+            pytest.skip("127.0.0.2 is not usable here")
+        hole.listen(0)
+        bound: int = hole.getsockname()[1]
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.2", bound))  # takes the one place in the accept queue
+        yield bound
+    finally:
+        filler.close()
+        hole.close()
+
+
+def content_length(head: bytes) -> int:
+    """The ``Content-Length`` of a request ``head`` (bytes; 0 without one)."""
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return length
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     """One HTTP/1.1 request with a ``Content-Length`` body: ``(head, body)``, the head
     with its blank line. Raises ``IncompleteReadError`` if the peer closes first."""
     head = await reader.readuntil(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    return head, await reader.readexactly(length)
+    return head, await reader.readexactly(content_length(head))
+
+
+class Scripted:
+    """A loopback upstream running ``script(reader, writer, n)`` for its connection n
+    (from 0), then closing the connection; the peer hanging up, a cancel or a
+    timeout ends a script quietly.
+
+    ``tls`` (a server context) makes it an https upstream. Used as ``async with
+    Scripted(script) as upstream``; ``url`` is its base URL, ``port`` its port and
+    ``connections`` the number of connections accepted so far.
+    """
+
+    def __init__(self, script: Script, *, tls: ssl.SSLContext | None = None) -> None:
+        self._script = script
+        self._tls = tls
+        self._server: asyncio.Server | None = None
+        self.connections = 0
+        self.url = ""
+        self.port = 0
+
+    async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = self.connections
+        self.connections += 1
+        try:
+            await self._script(reader, writer, n)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, TimeoutError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> Scripted:
+        self._server = await asyncio.start_server(self._run, "127.0.0.1", 0, ssl=self._tls)
+        self.port = self._server.sockets[0].getsockname()[1]
+        scheme = "http" if self._tls is None else "https"
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(3):  # bounded: a script may still hold a connection
+                await self._server.wait_closed()
 
 
 class RawUpstream:
@@ -110,7 +296,7 @@ class HoldingUpstream(RawUpstream):
     most ``hold_s`` seconds."""
 
     def __init__(self, body: bytes, *, hold_s: float) -> None:
-        super().__init__(lambda target: SSE_HEAD + b"%x\r\n%s\r\n" % (len(body), body))
+        super().__init__(lambda target: SSE_HEAD + chunk(body))
         self._release = asyncio.Event()
         self._hold_s = hold_s
 
