@@ -125,6 +125,10 @@ class Phase(enum.Enum):
     COMMITTED = "committed"
     CLOSED = "closed"
 
+    # Members are singletons compared by identity: object's hash (C) instead of
+    # Enum's (a Python call), as every phase move looks the table up.
+    __hash__ = object.__hash__
+
 
 _EARLY_END: Final = frozenset({Phase.COMMITTED, Phase.CLOSED})
 

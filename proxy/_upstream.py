@@ -463,11 +463,14 @@ class _Connection(asyncio.Protocol):
     """One upstream connection: the driver around a :class:`ResponseFraming`."""
 
     __slots__ = (
+        "__weakref__",  # tests prove a closed connection is freed
         "_drain",
         "_head",
         "_idle",
         "_read_paused",
+        "_read_timer",
         "_reader",
+        "_waiting_since",
         "_write_paused",
         "framing",
         "in_use",
@@ -492,6 +495,8 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._read_paused = False
+        self._read_timer: asyncio.TimerHandle | None = None
+        self._waiting_since = 0.0
         self._write_paused = False
 
     # asyncio.Protocol
@@ -661,12 +666,33 @@ class _Connection(asyncio.Protocol):
                 raise AnswerCut(framing.error)
             loop = asyncio.get_running_loop()
             waiter = self._reader = loop.create_future()
-            timer = loop.call_later(self.pool.idle_read, _time_out, waiter)
+            self._waiting_since = now = loop.time()
+            if self._read_timer is None:
+                # One timer per idle_read seconds, re-armed when it fires early, instead
+                # of one made and cancelled per read (a stream reads once per event).
+                self._read_timer = loop.call_at(now + self.pool.idle_read, self._idle_check)
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._reader = None
+
+    def _idle_check(self) -> None:
+        """The read timer fired: time out a read that waited ``idle_read`` seconds."""
+        self._read_timer = None
+        waiter = self._reader
+        if waiter is None or waiter.done():
+            return  # no read waits: the next one arms the timer again
+        loop = asyncio.get_running_loop()
+        due = self._waiting_since + self.pool.idle_read
+        if loop.time() < due:
+            self._read_timer = loop.call_at(due, self._idle_check)
+            return
+        waiter.set_exception(IdleReadTimeout("upstream sent nothing for too long mid-answer"))
+
+    def _stop_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
 
     def finish(self) -> None:
         """The relay is done with the answer: pool the connection if it can be reused."""
@@ -687,6 +713,7 @@ class _Connection(asyncio.Protocol):
         """Close the connection now (unread bytes are dropped); idempotent."""
         was_in_use = self.in_use
         self.in_use = False
+        self._stop_read_timer()  # it holds this connection for up to idle_read seconds
         if self._idle is not None:
             self._idle.cancel()
             self._idle = None
@@ -709,6 +736,7 @@ class _Connection(asyncio.Protocol):
     def park(self, loop: asyncio.AbstractEventLoop) -> None:
         """Put in the pool: closed if no request takes it within the keep-alive time."""
         self.in_use = False
+        self._stop_read_timer()
         self._idle = loop.call_later(self.framing.keep_alive_s, self.abort)
 
 
@@ -719,11 +747,6 @@ async def _nothing() -> bytes:
 def _wake(waiter: asyncio.Future[None] | None) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
-
-
-def _time_out(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(IdleReadTimeout("upstream sent nothing for too long mid-answer"))
 
 
 class UpstreamPool:

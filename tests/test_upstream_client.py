@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ssl
 import subprocess
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -656,3 +657,50 @@ async def test_a_connection_the_upstream_keeps_a_second_or_less_is_not_kept() ->
         assert pool.idle_connections == 0
         assert await _post(pool, upstream.port, b"2") == b"2"
         assert upstream.connections == 2
+
+
+async def test_an_answer_with_gaps_under_the_idle_bound_never_times_out() -> None:
+    """The bound is the silence between two reads, not the time since the first:
+    pieces every 0.15 s for over a second pass an idle bound of 0.4 s."""
+
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.15)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with Upstream(trickle) as upstream, _pool(idle_read=0.4) as pool:
+        assert await asyncio.wait_for(_post(pool, upstream.port, b"{}"), 10) == b"x" * 8
+
+
+async def test_a_closed_connection_is_not_kept_alive_by_its_read_timer() -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(3)
+
+    freed: list[str] = []
+    async with Upstream(stall) as upstream, _pool(idle_read=60) as pool:
+        target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}")
+        answer = await pool.request(target, "GET", "/", {})
+        read = asyncio.create_task(answer.read())
+        await asyncio.sleep(0.05)  # the read waits: its timer is armed
+        conn = answer._conn
+        assert conn is not None
+        weakref.finalize(conn, freed.append, "connection")
+        del conn
+        read.cancel()
+        answer.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await read
+        del read, answer
+        for _ in range(100):  # bounded: the transport lets go on its next loop turn
+            if freed:
+                break
+            await asyncio.sleep(0.01)
+    assert freed == ["connection"]
