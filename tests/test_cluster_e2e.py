@@ -200,12 +200,15 @@ def _told_closed(cluster: Cluster, node: ProxyNode) -> list[str]:
 
 
 async def test_only_the_nodes_that_served_a_session_get_session_closed(
-    cluster: Cluster,
+    cluster: Cluster, rdb: redis.Redis
 ) -> None:
     a, b, c = cluster.nodes
     async with aiohttp.ClientSession() as http:
         assert (await _post(http, a.url, "served-on-a"))[0] == 200
         assert (await _post(http, c.url, "served-on-c"))[0] == 200
+    # The client has the last byte before the node's handler ends and leaves the
+    # in-flight set: the close below must find nothing in flight.
+    await _until(lambda: not _in_flight_keys(rdb), "both exchanges out of the in-flight sets")
 
     # Closed on B, which never served it: A's plugins are told, B's are not (B
     # answers after its own local close, plugins included).
