@@ -36,7 +36,9 @@ quarter of a 1 MiB body and more, as freed heap that stays resident. So
 between bodies a connection reads :data:`HEAD_READ_BYTES` (a head and a
 small body whole), and while a body with a declared length arrives it
 reads :func:`proxy._coding.io_piece_bytes` of that length (1/64 of it within
-16-256 KiB; the body reader asks the payload for the same size). The size is
+16-256 KiB; the body reader asks the payload for the same size), except that a
+body under :data:`SMALL_BODY_BYTES` is read as asyncio would (CPU matters more
+there than a few hundred KiB). The size is
 set only on a transport whose class has an integer ``max_size`` (CPython's
 selector transports); on any other (uvloop's, which reads into one buffer per
 loop) reads are left as they are.
@@ -75,6 +77,7 @@ ExpectRefusal = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 __all__ = [
     "HEAD_READ_BYTES",
     "MAX_READ_BYTES",
+    "SMALL_BODY_BYTES",
     "ExpectRefusal",
     "HeaderDeadlineHandler",
     "ProxyRunner",
@@ -91,6 +94,12 @@ reuse but never exceed (64 KiB cost a 1 MiB body 0.06 of it at the peak)."""
 
 MAX_READ_BYTES: Final = 256 * 1024
 """Largest socket read, for the largest bodies (asyncio's own default)."""
+
+SMALL_BODY_BYTES: Final = 256 * 1024
+"""A declared body under this many bytes is read in reads of up to :data:`MAX_READ_BYTES`
+(its rest in one read, usually): its transients are small in bytes whatever their
+share of it, and reading a 100 KB body 16 KiB at a time cost ~30 % more CPU per
+request (seven read cycles instead of two)."""
 
 # What a client is told about a request that could not be parsed, by the parser's
 # exception class (most specific first); never the parser's message, which quotes bytes.
@@ -210,7 +219,10 @@ class HeaderDeadlineHandler(RequestHandler):
         if declared is None or not declared.isdigit():
             return
         self._body_arriving = payload
-        self._set_read_size(io_piece_bytes(int(declared), MAX_READ_BYTES))
+        size = int(declared)
+        self._set_read_size(
+            MAX_READ_BYTES if size < SMALL_BODY_BYTES else io_piece_bytes(size, MAX_READ_BYTES)
+        )
 
     def _set_read_size(self, nbytes: int) -> None:
         transport = self._sized_transport
