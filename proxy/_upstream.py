@@ -37,6 +37,7 @@ import urllib.parse
 from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
 from typing import Any, Final
 
+import cachetools
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -73,6 +74,10 @@ KEEPALIVE_SECONDS: Final = 15.0
 #: 408) counts as the upstream's idle close crossing it: it arrives within a round
 #: trip. Later, the upstream may have acted on the request: it is not sent again.
 RESEND_WINDOW_S: Final = 0.5
+#: Seconds before the next address of a host name is tried beside a slow one (RFC 8305).
+HAPPY_EYEBALLS_DELAY_S: Final = 0.25
+#: Seconds a host name's addresses are kept (aiohttp's default DNS cache time).
+DNS_TTL_S: Final = 10.0
 #: What the proxy accepts from upstreams (it decodes answers itself, piece by piece).
 ACCEPT_ENCODING: Final = "gzip, deflate, br"
 #: The ``User-Agent`` sent when the client sent none.
@@ -778,6 +783,7 @@ class UpstreamPool:
 
     __slots__ = (
         "_closed",
+        "_dns",
         "_idle",
         "_in_use",
         "_reserved",
@@ -800,6 +806,9 @@ class UpstreamPool:
         self._reserved = 0
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
+        self._dns: cachetools.TTLCache[tuple[str, int], list[_Address]] = cachetools.TTLCache(
+            maxsize=64, ttl=DNS_TTL_S
+        )
 
     @property
     def idle_connections(self) -> int:
@@ -948,20 +957,92 @@ class UpstreamPool:
             context = self._ssl
         try:
             async with asyncio.timeout(self.connect_timeout):
-                await loop.create_connection(
-                    lambda: conn,  # this connection's protocol object, made before
-                    target.host,
-                    target.port,
-                    ssl=context,
-                    server_hostname=target.host if context is not None else None,
-                    **_happy_eyeballs(loop, target),
-                )
+                # A host name's addresses are raced here (asyncio's own race, its
+                # happy_eyeballs_delay, costs ~8 KiB of RSS per connection under a
+                # burst of connects, and uvloop has none); an IP address is direct.
+                hostname = target.host if context is not None else None
+                if target.literal:
+                    await loop.create_connection(
+                        lambda: conn,  # this connection's protocol object, made before
+                        target.host,
+                        target.port,
+                        ssl=context,
+                        server_hostname=hostname,
+                    )
+                else:
+                    sock = await self._race(loop, target)
+                    await loop.create_connection(
+                        lambda: conn, sock=sock, ssl=context, server_hostname=hostname
+                    )
         except TimeoutError:
             raise ConnectTimeout(
                 f"could not connect to the upstream at {target.host}:{target.port} in time"
             ) from None
         except OSError as exc:
             raise ConnectFailed(target.host, target.port, exc) from exc
+
+    async def _addresses(
+        self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget
+    ) -> list[_Address]:
+        """``target``'s addresses, families interleaved (RFC 8305 section 4), kept
+        :data:`DNS_TTL_S` seconds (a resolution is a round trip through a thread).
+
+        Raises:
+            OSError: the name did not resolve (``socket.gaierror``).
+        """
+        key = (target.host, target.port)
+        found = self._dns.get(key)
+        if found is None:
+            infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+            found = _interleave([(f, t, p, addr) for f, t, p, _name, addr in infos])
+            if not found:
+                raise socket.gaierror(socket.EAI_NONAME, "no address")
+            self._dns[key] = found
+        return found
+
+    async def _race(self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget) -> socket.socket:
+        """A connected socket to one of ``target``'s addresses (RFC 8305 section 5).
+
+        The first address is tried alone; each :data:`HAPPY_EYEBALLS_DELAY_S` without a
+        connection (or at once when an attempt fails) the next one starts beside it;
+        the first to connect wins and the others are cancelled and closed. A name with
+        one address costs no task.
+
+        Raises:
+            OSError: every address failed (the first address's error).
+        """
+        addresses = await self._addresses(loop, target)
+        if len(addresses) == 1:
+            return await _connect_to(loop, addresses[0])
+        waiting = list(addresses)
+        attempts: set[asyncio.Task[socket.socket]] = set()
+        errors: list[OSError] = []
+        try:
+            for _ in range(2 * len(addresses)):  # bounded: each turn starts or ends one
+                if waiting:
+                    task = loop.create_task(_connect_to(loop, waiting.pop(0)))
+                    task.add_done_callback(_retrieve)
+                    attempts.add(task)
+                if not attempts:
+                    break
+                done, _ = await asyncio.wait(
+                    attempts,
+                    timeout=HAPPY_EYEBALLS_DELAY_S if waiting else None,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                for task in done:
+                    attempts.discard(task)
+                    failure = task.exception()
+                    if failure is None:
+                        return task.result()
+                    errors.append(typing.cast(OSError, failure))
+            raise errors[0]
+        finally:
+            for task in attempts:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    task.result().close()  # connected too, but second
+                else:
+                    task.cancel()
 
     async def _wait_for_place(self) -> None:
         """Queue for a place under ``max_connections``; return holding it (FIFO).
@@ -1037,14 +1118,43 @@ class UpstreamPool:
         await asyncio.sleep(0)
 
 
-def _happy_eyeballs(loop: asyncio.AbstractEventLoop, target: UpstreamTarget) -> dict[str, Any]:
-    """A host name with a dead first address (IPv6 routed nowhere) is raced with the next
-    one after 250 ms (RFC 8305), as aiohttp does. Not for an IP address (there is no
-    other to race; asyncio's race costs ~10 KiB of RSS per connection, measured with
-    500 open streams), nor on uvloop, whose loop has no such option."""
-    if target.literal or not isinstance(loop, asyncio.BaseEventLoop):
-        return {}
-    return {"happy_eyeballs_delay": 0.25, "interleave": 1}
+#: One address to connect to: family, socket type, protocol, socket address.
+_Address = tuple[int, int, int, Any]
+
+
+def _interleave(addresses: list[_Address]) -> list[_Address]:
+    """Alternate the address families, the first family first (RFC 8305 section 4)."""
+    by_family: dict[int, list[_Address]] = {}
+    for address in addresses:
+        by_family.setdefault(address[0], []).append(address)
+    queues = list(by_family.values())
+    out: list[_Address] = []
+    for index in range(max(len(q) for q in queues) if queues else 0):
+        out.extend(q[index] for q in queues if index < len(q))
+    return out
+
+
+async def _connect_to(loop: asyncio.AbstractEventLoop, address: _Address) -> socket.socket:
+    """A non-blocking socket connected to ``address`` (closed if that fails or is cancelled).
+
+    Raises:
+        OSError: the connect failed.
+    """
+    family, type_, proto, sockaddr = address
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, sockaddr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _retrieve(task: asyncio.Task[socket.socket]) -> None:
+    """Mark an attempt's failure as seen (a loser's error is no news)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _is_ip(host: str) -> bool:

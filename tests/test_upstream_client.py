@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 import subprocess
 import weakref
@@ -704,3 +705,36 @@ async def test_a_closed_connection_is_not_kept_alive_by_its_read_timer() -> None
                 break
             await asyncio.sleep(0.01)
     assert freed == ["connection"]
+
+
+def test_address_families_alternate_the_first_family_first() -> None:
+    v6 = [(socket.AF_INET6, 1, 6, (f"::{n}", 1, 0, 0)) for n in (1, 2)]
+    v4 = [(socket.AF_INET, 1, 6, (f"10.0.0.{n}", 1)) for n in (1, 2, 3)]
+    order = [a[3][0] for a in _upstream._interleave([*v6, *v4])]
+    assert order == ["::1", "10.0.0.1", "::2", "10.0.0.2", "10.0.0.3"]
+
+
+async def test_a_host_name_is_resolved_once_per_ttl_and_every_address_failing_says_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two addresses, both refusing: the error is the first address's (refused, in our
+    words, naming the host); a second connect within the TTL asks no resolver."""
+    async with Upstream(_keep_alive_ok) as upstream:
+        port = upstream.port  # closed on leaving: both addresses refuse
+    loop = asyncio.get_running_loop()
+    asked: list[str] = []
+
+    async def resolve(host: str, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        return [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+        ]
+
+    monkeypatch.setattr(loop, "getaddrinfo", resolve)
+    async with _pool() as pool:
+        for _ in range(2):
+            with pytest.raises(ConnectFailed) as raised:
+                await _post(pool, port, b"{}", host="upstream.test")
+            assert str(raised.value) == f"upstream refused the connection at upstream.test:{port}"
+    assert asked == ["upstream.test"]
