@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import socket
 import ssl
-import subprocess
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -35,7 +34,7 @@ from proxy._upstream import (
     UpstreamPool,
     UpstreamTarget,
 )
-from tests.upstream_support import chunked, read_request
+from tests.upstream_support import chunked, read_request, self_signed
 
 # ------------------------------------------------------------------ framing (sans-I/O)
 
@@ -454,23 +453,8 @@ async def test_the_request_head_carries_the_fields_and_what_the_proxy_adds() -> 
     assert b"User-Agent: context-proxy" in lines
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    cert, key = tmp / "cert.pem", tmp / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-            "-keyout", str(key), "-out", str(cert),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
-    return cert, key
-
-
 async def test_https_upstreams_are_verified_and_kept_alive(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(cert, key)
     async with Upstream(_keep_alive_ok, context=server) as upstream:

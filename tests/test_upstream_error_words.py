@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import ssl
-import subprocess
 from pathlib import Path
 
 import anthropic
@@ -29,6 +28,7 @@ from tests.upstream_support import (
     chunk,
     proxy_app,
     read_request,
+    self_signed,
 )
 
 SECRET = "sk-ant-words-SECRET-5c1e"
@@ -76,29 +76,13 @@ async def test_broken_chunk_framing_mid_stream_is_called_framing_not_a_close() -
     assert "framing" in message, message
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    """A one-day self-signed certificate for ``localhost`` and its key: ``(cert, key)``."""
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
-            "-keyout", str(key), "-out", str(cert),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )  # fmt: skip
-    return cert, key
-
-
 async def test_a_self_signed_upstream_is_a_clean_502_that_names_the_certificate(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An https upstream whose certificate does not verify: a 502 in the client's
     protocol shape (anthropic SDK) whose message or log line says "certificate"
     (the cause is no secret), while the log holds neither the key nor the prompt."""
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert, key)
 

@@ -25,7 +25,9 @@ import contextlib
 import json
 import socket
 import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, Final
 
 import pytest
@@ -53,6 +55,7 @@ __all__ = [
     "proxy_app",
     "proxy_for",
     "read_request",
+    "self_signed",
 ]
 
 SSE_HEAD: Final = (
@@ -312,3 +315,20 @@ class HoldingUpstream(RawUpstream):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self._hold_s):  # bounded even if never released
                 await self._release.wait()
+
+
+def self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A one-day self-signed certificate for ``localhost`` and its key: ``(cert, key)``
+    (made by ``openssl``, in ``tmp_path``)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost",
+            "-keyout", str(key), "-out", str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    return cert, key
