@@ -554,22 +554,25 @@ class Exchange:
     def _reserialize(self, parsed: ParsedHolder) -> None:
         """A plugin changed the whole parsed object: it becomes the outbound body.
 
-        The raw buffer (or the last outbound body) is dropped once the new body
-        is serialized: an object a plugin left unserializable must not cost the
-        body as before the run. The parsed object stays for refolds.
+        When :func:`wire.encodes_plainly` vouches for the object, the raw buffer
+        (or the last outbound body) is dropped before the new body is serialized:
+        the peak is parsed + new outbound, not raw + parsed + new outbound (~1 B
+        less). Otherwise it is serialized first, so that an object a plugin left
+        unserializable costs nothing: the body as before the run is still there.
+        The parsed object stays for refolds.
 
         Raises:
             TypeError, ValueError, RecursionError, OverflowError: the object cannot
                 be serialized (nothing was changed).
         """
-        # Serialized before anything is dropped: when it fails, the body before
-        # this run (raw, or the last outbound body) is still there to send.
-        data = wire.encode_body(parsed.body)
+        data = None if wire.encodes_plainly(parsed.body) else wire.encode_body(parsed.body)
         before = self._held_total()
         self._parsed = parsed
         self._drop_raw()
         self._outbound = None
         self._freed(before)
+        if data is None:
+            data = wire.encode_body(parsed.body)
         self._outbound = BodyHolder(data)
         self.outbound_size = len(data)
         self.outbound_digest = xxhash.xxh3_128_hexdigest(data)

@@ -216,6 +216,43 @@ async def test_changed_body_replaces_the_raw_buffer_and_is_serialized_once(
     assert counted == {"parse": 1, "encode": 1}
 
 
+async def test_a_plain_whole_object_edit_drops_raw_before_the_new_body_is_serialized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Peak of a whole-object edit: parsed + new outbound (~2 B), not raw + parsed +
+    outbound (~3 B). Raw is kept through the encode only for an object
+    ``wire.encodes_plainly`` cannot vouch for (see test_plugin_edit_failures)."""
+    tracemalloc.start()
+    try:
+        body = big_chat_body(16 * MIB)
+        size = len(body)
+        ex = exchange_for(body, [Mutator()])
+        del body
+        raw = ex.raw_holder
+        assert raw is not None
+        fired: list[str] = []
+        weakref.finalize(raw, fired.append, "raw")
+        del raw
+        raw_gone_at_encode: list[bool] = []
+        encode_body = wire.encode_body
+
+        def spy(obj: dict[str, Any]) -> bytes:
+            raw_gone_at_encode.append(fired == ["raw"])
+            return encode_body(obj)
+
+        monkeypatch.setattr(wire, "encode_body", spy)
+        tracemalloc.reset_peak()
+        await ex.prepare()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert raw_gone_at_encode == [True]
+    # raw (1 B, traced before the reset) + the parsed tree (~1 B) + outbound (1 B)
+    # would be ~3 B; without raw it is ~2 B.
+    assert peak < 2.5 * size, f"peak {peak / size:.2f} B"
+    assert ex.outbound_holder is not None and ex.outbound_size > size
+
+
 class ViewEditor(Plugin):
     """Edits the last user message through the structural view, never the whole object."""
 

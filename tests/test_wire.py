@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy import _wire as wire
 from proxy._protocols import Protocol
@@ -1149,3 +1151,33 @@ def test_utf8_check_of_a_1mib_body_costs_a_small_share_of_it() -> None:
         tracemalloc.stop()
     assert meta.byte_length == len(body) and meta.comparable is True
     assert peak < len(body) // 20, f"peak {peak} bytes for a {len(body)}-byte body"
+
+
+_PLAIN_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda children: st.lists(children) | st.dictionaries(st.text(), children),
+    max_leaves=40,
+)
+
+
+@given(st.dictionaries(st.text(), _PLAIN_JSON))
+def test_encodes_plainly_is_never_wrong_about_the_encoder(obj: dict[str, Any]) -> None:
+    """When it vouches for an object, encode_body succeeds on it (raw is dropped first)."""
+    try:
+        wire.encode_body(obj)
+        encodes = True
+    except (TypeError, ValueError, RecursionError, OverflowError):
+        encodes = False
+    if wire.encodes_plainly(obj):
+        assert encodes
+
+
+def test_encodes_plainly_declines_what_the_encoder_refuses() -> None:
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    deep: list[Any] = []
+    for _ in range(300):
+        deep = [deep]
+    for bad in ("x\ud800", {"k\udc00": 1}, {"k": object()}, {"k": {1, 2}}, cycle, deep):
+        assert wire.encodes_plainly({"messages": [{"content": bad}]}) is False
+    assert wire.encodes_plainly({"messages": [{"role": "user", "content": "h\u00e9 \U0001f600"}]})
