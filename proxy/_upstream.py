@@ -1036,7 +1036,8 @@ class UpstreamPool:
                     if failure is None:
                         return task.result()
                     errors.append(typing.cast(OSError, failure))
-            raise errors[0]
+            # Every attempt ended (the loop's bound allows each to start and to end).
+            raise errors[0] if errors else OSError("no address of the upstream connected")
         finally:
             for task in attempts:
                 if task.done() and not task.cancelled() and task.exception() is None:
