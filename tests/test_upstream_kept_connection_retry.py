@@ -16,7 +16,27 @@ import asyncio
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.upstream_support import Scripted, json_answer, proxy_for, read_request
+from tests.upstream_support import Script, Scripted, json_answer, proxy_for, read_request
+
+
+async def _fifty_chats(serve: Script) -> list[str]:
+    """50 back-to-back chat requests from one SDK client through a proxy in front of
+    ``serve``; the failures as ``"status: message"``."""
+    failures: list[str] = []
+    async with (
+        Scripted(serve) as upstream,
+        proxy_for(upstream.url) as url,
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-x", max_retries=0) as sdk,
+    ):
+        for _ in range(50):  # bounded
+            try:
+                await sdk.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": "hello"}],
+                )
+            except openai.APIStatusError as exc:
+                failures.append(f"{exc.status_code}: {exc.message}")
+    return failures
 
 
 async def test_a_kept_connection_the_upstream_closes_unanswered_is_replaced() -> None:
@@ -69,20 +89,7 @@ async def test_an_upstream_closing_each_connection_soon_after_its_answer_costs_n
         await writer.drain()
         await asyncio.sleep(0.002)
 
-    async with (
-        Scripted(serve) as upstream,
-        proxy_for(upstream.url) as url,
-        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-x", max_retries=0) as sdk,
-    ):
-        failures: list[str] = []
-        for _ in range(50):  # bounded
-            try:
-                await sdk.chat.completions.create(
-                    model="m",
-                    messages=[{"role": "user", "content": "hello"}],
-                )
-            except openai.APIStatusError as exc:
-                failures.append(f"{exc.status_code}: {exc.message}")
+    failures = await _fifty_chats(serve)
     assert failures == [], f"{len(failures)} of 50 requests failed, first: {failures[0]}"
 
 
@@ -102,20 +109,7 @@ async def test_a_408_sent_on_an_idle_kept_connection_is_not_taken_as_the_next_an
         )
         await writer.drain()
 
-    async with (
-        Scripted(serve) as upstream,
-        proxy_for(upstream.url) as url,
-        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-x", max_retries=0) as sdk,
-    ):
-        failures: list[str] = []
-        for _ in range(50):  # bounded
-            try:
-                await sdk.chat.completions.create(
-                    model="m",
-                    messages=[{"role": "user", "content": "hello"}],
-                )
-            except openai.APIStatusError as exc:
-                failures.append(f"{exc.status_code}: {exc.message}")
+    failures = await _fifty_chats(serve)
     assert failures == [], f"{len(failures)} of 50 requests failed, first: {failures[0]}"
 
 
