@@ -313,8 +313,8 @@ class _Relay:
         except PoolClosed as exc:
             raise _UpstreamFailure(503, Outcome.CANCELLED, str(exc)) from None
         except PoolBusy as exc:
-            # The proxy's own limit (upstream_max_connections): the upstream never saw it.
-            log.warning("%s %s: %s", ex.id, ex.protocol, exc)
+            # The proxy's own limit (upstream_max_connections): the upstream never saw
+            # it. Logged once, with every failure, by run().
             raise _UpstreamFailure(503, Outcome.REJECTED, str(exc)) from None
         except TimeoutError as exc:
             # No head in time (HeadTimeout), or no connection in time (ConnectTimeout).
