@@ -19,7 +19,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Iterator, Sequence
-from typing import Final
+from typing import ClassVar, Final
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -68,6 +68,9 @@ class _Family:
 
     __slots__ = ("_children", "documentation", "labelnames", "name")
 
+    #: The prometheus-client family the exposition is built with (per subclass).
+    _rendered_as: ClassVar[type[CounterMetricFamily] | type[GaugeMetricFamily]]
+
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = ()) -> None:
         self.name: Final = name
         self.documentation: Final = documentation
@@ -102,18 +105,20 @@ class _Family:
         child = self._children.get(values)
         return 0.0 if child is None else child.value
 
+    def metric(self) -> Metric:
+        """The family as prometheus-client renders the type it stands for."""
+        family = self._rendered_as(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self._children.items():
+            family.add_metric(list(values), child.value)
+        return family
+
 
 class CounterTally(_Family):
     """A counter family (exposed as ``<name>_total``)."""
 
     __slots__ = ()
 
-    def metric(self) -> Metric:
-        """The family as prometheus-client renders a ``Counter``."""
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self._children.items():
-            family.add_metric(list(values), child.value)
-        return family
+    _rendered_as = CounterMetricFamily
 
 
 class GaugeTally(_Family):
@@ -121,12 +126,7 @@ class GaugeTally(_Family):
 
     __slots__ = ()
 
-    def metric(self) -> Metric:
-        """The family as prometheus-client renders a ``Gauge``."""
-        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in self._children.items():
-            family.add_metric(list(values), child.value)
-        return family
+    _rendered_as = GaugeMetricFamily
 
 
 class HistogramSeries:
