@@ -6,12 +6,13 @@ view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
 :class:`WireError`), the ledger's hash gate shared by a cluster's nodes
 (:class:`LedgerGate`, :class:`GateVerdict`, :class:`ClusterUnavailable`,
 :func:`open_ledger_gate`), settings (:class:`Settings`,
-:func:`load_settings`) and the application (:func:`build_app` to embed the proxy
-in an aiohttp server, :func:`serve` to run it until SIGTERM). Test helpers live in
+:func:`load_settings`) and the application (:func:`build_app` and
+:func:`running` to embed the proxy in a program of your own, :func:`serve` to
+run it until SIGTERM). Test helpers live in
 :mod:`proxy.testing`; everything else is internal.
 """
 
-from ._app import build_app, serve
+from ._app import ProxyApp, build_app, running, serve
 from ._config import ConfigError, Settings, load_settings
 from ._plugins import (
     BodyUnavailable,
@@ -41,6 +42,7 @@ __all__ = [
     "Plugin",
     "PrepareContext",
     "Protocol",
+    "ProxyApp",
     "Scalar",
     "Settings",
     "WireError",
@@ -48,6 +50,7 @@ __all__ = [
     "build_app",
     "load_settings",
     "open_ledger_gate",
+    "running",
     "serve",
 ]
 

@@ -16,21 +16,21 @@ import asyncio
 import hmac
 import ipaddress
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
+from ._front import Request
 from ._sessions import SessionCloseError, SessionInfo
-from ._state import STATE, AppState
+from ._state import AppState
 
 log = logging.getLogger("context_proxy.admin")
 
-__all__ = ["add_admin_routes"]
+__all__ = ["AdminHandler", "admin_guard", "admin_routes"]
 
 
-def _allowed(request: web.Request, state: AppState) -> bool:
+def _allowed(request: Request, state: AppState) -> bool:
     settings = state.settings
     token = settings.admin_token
     if token:
@@ -59,30 +59,17 @@ def _canonical(address: str) -> str:
     return str(ip)
 
 
-@web.middleware
-def _admin_guard(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
-    """403 for ``/admin/`` unless the peer or the token is allowed; anything else passes.
-
-    Returns the handler's coroutine rather than awaiting it: no frame of the
-    guard is held while a request (a stream) runs.
-    """
-    if request.path.startswith("/admin/") and not _allowed(request, request.app[STATE]):
-        return _forbidden()
-    return handler(request)
-
-
-async def _forbidden() -> web.Response:
+def _forbidden() -> web.Response:
     return web.json_response({"error": "forbidden"}, status=403)
 
 
-async def healthz(request: web.Request) -> web.Response:
+async def healthz(request: Request, state: AppState) -> web.Response:
     """Alive: 200 as long as the event loop answers."""
     return web.json_response({"status": "ok"})
 
 
-async def readyz(request: web.Request) -> web.Response:
+async def readyz(request: Request, state: AppState) -> web.Response:
     """Ready: 200, or 503 from the moment shutdown begins (also in degraded cluster mode)."""
-    state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     if state.cluster is not None:
@@ -93,9 +80,9 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics(request: Request, state: AppState) -> web.Response:
     """Prometheus text exposition (version 0.0.4)."""
-    body = request.app[STATE].metrics.render()
+    body = state.metrics.render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
@@ -146,7 +133,7 @@ async def _tombstone_left(state: AppState, sid: str) -> float | None:
 STATUS_READ_TIMEOUT = 2.0
 
 
-async def list_sessions(request: web.Request) -> web.Response:
+async def list_sessions(request: Request, state: AppState) -> web.Response:
     """Every live session: in-flight count, pinned, last activity, tombstoned.
 
     With ``?tombstoned=true``: only the tombstoned ones instead, those still
@@ -154,7 +141,6 @@ async def list_sessions(request: web.Request) -> web.Response:
     alive), each with ``tombstone_ttl_s``; at most ``tombstone_cap`` closed
     ones plus the closes in progress, from this node's view.
     """
-    state = request.app[STATE]
     registry = state.registry
     if request.query.get("tombstoned", "").lower() not in ("true", "1", "yes"):
         views = [
@@ -169,7 +155,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     return web.json_response({"sessions": out})
 
 
-async def get_session(request: web.Request) -> web.Response:
+async def get_session(request: Request, state: AppState, sid: str) -> web.Response:
     """One session, with each plugin's scalar state for it.
 
     The read is taken under the session's lock (between two commits) when it
@@ -178,8 +164,6 @@ async def get_session(request: web.Request) -> web.Response:
     dropped, tombstone alive) answers 200 with ``tombstoned: true`` and
     ``tombstone_ttl_s``; 404 only when neither state nor tombstone exists.
     """
-    state = request.app[STATE]
-    sid = request.match_info["sid"]
     view: dict[str, Any]
     try:
         async with asyncio.timeout(STATUS_READ_TIMEOUT):
@@ -208,7 +192,7 @@ async def _closed_or_missing(state: AppState, sid: str) -> web.Response:
 _WAIT_VALUES: Final = {"true": True, "1": True, "false": False, "0": False}
 
 
-async def delete_session(request: web.Request) -> web.Response:
+async def delete_session(request: Request, state: AppState, sid: str) -> web.Response:
     """``shutdown_session``: tombstone, wait up to the timeout, cancel stragglers, drop.
 
     By default the answer comes once the close is done (it can take up to
@@ -219,8 +203,6 @@ async def delete_session(request: web.Request) -> web.Response:
     (:meth:`ClusterNode.close_session`) and the answer adds ``expired``,
     ``remaining`` and ``degraded``.
     """
-    state = request.app[STATE]
-    sid = request.match_info["sid"]
     grace = state.settings.session_shutdown_timeout
     wait = _WAIT_VALUES.get(request.query.get("wait", "true").strip().lower())
     if wait is None:
@@ -229,7 +211,7 @@ async def delete_session(request: web.Request) -> web.Response:
         if state.cluster is not None:
             task = asyncio.create_task(state.cluster.close_session(sid, grace))
             # Referenced until done (the loop keeps only weak references to tasks).
-            closing = request.app[_BACKGROUND_CLOSES]
+            closing = state.background_closes
             closing.add(task)
             task.add_done_callback(closing.discard)
             task.add_done_callback(lambda done: _log_failure(sid, done))
@@ -277,13 +259,8 @@ def _log_failure(sid: str, done: asyncio.Future[Any]) -> None:
         log.error("closing session %s in the background failed: %s", sid, exc)
 
 
-#: Cluster-mode closes answered with 202 and still running (``?wait=false``).
-_BACKGROUND_CLOSES: Final = web.AppKey("context_proxy_background_closes", set[asyncio.Task[Any]])
-
-
-async def list_exchanges(request: web.Request) -> web.Response:
+async def list_exchanges(request: Request, state: AppState) -> web.Response:
     """Each in-flight exchange: session, protocol, phase, bytes held by kind, age."""
-    state = request.app[STATE]
     out = []
     for ex in list(state.exchanges.values()):
         held = ex.held_bytes()
@@ -309,23 +286,55 @@ async def list_exchanges(request: web.Request) -> web.Response:
     return web.json_response({"exchanges": out})
 
 
-async def shutdown(request: web.Request) -> web.Response:
+async def shutdown(request: Request, state: AppState) -> web.Response:
     """Begin graceful shutdown (as SIGTERM does); answers 202 at once."""
-    state = request.app[STATE]
     state.draining = True
     state.stop.set()
     return web.json_response({"status": "draining"}, status=202)
 
 
-def add_admin_routes(app: web.Application) -> None:
-    """Register the health, metrics and admin routes and the admin guard."""
-    app.middlewares.append(_admin_guard)
-    app[_BACKGROUND_CLOSES] = set()
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/admin/sessions", list_sessions)
-    app.router.add_get("/admin/sessions/{sid}", get_session)
-    app.router.add_delete("/admin/sessions/{sid}", delete_session)
-    app.router.add_get("/admin/exchanges", list_exchanges)
-    app.router.add_post("/admin/shutdown", shutdown)
+AdminHandler = Callable[[Request, AppState], Awaitable[web.Response]]
+"""A health, metrics or admin route's handler."""
+
+_PLAIN_ROUTES: Final[dict[str, dict[str, AdminHandler]]] = {
+    "/healthz": {"GET": healthz},
+    "/readyz": {"GET": readyz},
+    "/metrics": {"GET": metrics},
+    "/admin/sessions": {"GET": list_sessions},
+    "/admin/exchanges": {"GET": list_exchanges},
+    "/admin/shutdown": {"POST": shutdown},
+}
+_SESSION_PREFIX: Final = "/admin/sessions/"
+
+
+def _session_routes(sid: str) -> dict[str, AdminHandler]:
+    async def get(request: Request, state: AppState) -> web.Response:
+        return await get_session(request, state, sid)
+
+    async def delete(request: Request, state: AppState) -> web.Response:
+        return await delete_session(request, state, sid)
+
+    return {"GET": get, "DELETE": delete}
+
+
+def admin_routes(path: str) -> dict[str, AdminHandler] | None:
+    """The handlers of ``path`` (percent-decoded) by method, or None when it is no admin route.
+
+    A ``GET`` route answers ``HEAD`` too (the caller sends no body for it).
+    ``/admin/sessions/{id}``: the id is one path segment (no ``/``), decoded.
+    """
+    routes = _PLAIN_ROUTES.get(path)
+    if routes is not None:
+        return routes
+    if path.startswith(_SESSION_PREFIX):
+        sid = path[len(_SESSION_PREFIX) :]
+        if sid and "/" not in sid:
+            return _session_routes(sid)
+    return None
+
+
+def admin_guard(request: Request, state: AppState) -> web.Response | None:
+    """403 for a path under ``/admin/`` unless the peer or the token is allowed; else None."""
+    if request.path.startswith("/admin/") and not _allowed(request, state):
+        return _forbidden()
+    return None

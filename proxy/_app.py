@@ -1,12 +1,11 @@
-"""The aiohttp application: routes, admission, the exchange handler, drain, shutdown.
+"""The application: routes, admission, the exchange handler, drain, shutdown.
 
-``build_app(settings)`` returns an :class:`aiohttp.web.Application`;
-:func:`serve` runs it until SIGTERM/SIGINT or ``POST /admin/shutdown`` and then
-drains (docs/design.md §6, "Process shutdown"). The server must run with
-``handler_cancellation=True`` (a client that hangs up cancels its handler,
-which aborts the upstream request) and ``auto_decompress=False`` (request
-bodies are decoded by :mod:`proxy._body` under the size limit), which
-:func:`make_runner` sets.
+``build_app(settings)`` returns a :class:`ProxyApp`; :func:`running` serves it
+on the proxy's own HTTP/1.1 server edge (:mod:`proxy._front`: a client that
+hangs up cancels its handler, which aborts the upstream request; bodies are
+decoded by :mod:`proxy._body` under the size limit) and :func:`serve` runs it
+until SIGTERM/SIGINT or ``POST /admin/shutdown`` and then drains
+(docs/design.md §6, "Process shutdown").
 """
 
 from __future__ import annotations
@@ -22,57 +21,30 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.typedefs import Handler
 
 from . import _fdlimit as fdlimit
 from . import _logs as logs
 from . import _protocols as protocols
 from . import _wire as wire
-from ._admin import add_admin_routes
+from ._admin import admin_guard, admin_routes
 from ._body import BodyBusy, BodyError, check_content_length, read_body
 from ._cancel import orderly_cancel_reason
 from ._config import Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
+from ._front import Answer, FrontServer, Request, StreamAnswer
 from ._headers import forward_headers
 from ._plugins import PluginHost, load_plugins
 from ._protocols import Protocol
 from ._relay import ClientGone, Upstream, error_response, relay
-from ._server import ProxyRunner, forget_read_queue
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
-from ._state import STATE, AppState
+from ._state import AppState
 
-__all__ = ["STATE", "AppState", "build_app", "make_runner", "serve"]
+__all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 
 log = logging.getLogger("context_proxy")
 
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
-
-
-class _NoRequestBytes(logging.Filter):
-    """Keeps request bytes out of the server's log of requests it could not parse.
-
-    aiohttp logs such a request with the parser's exception, whose text quotes
-    the offending bytes: the rest of a body sent past a too-small
-    ``Content-Length``, or a malformed header line with its value (an API key).
-    The record keeps the peer and the error class, never the bytes, and is at
-    most a warning: the client sent garbage, the server did not fail.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
-            record.msg = f"{record.getMessage()}: malformed request ({type(exc).__name__})"
-            record.args = ()
-            record.exc_info = record.exc_text = None
-            if record.levelno > logging.WARNING:
-                record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
-
-
-_server_log: Final = logging.getLogger("context_proxy.server")
-_server_log.addFilter(_NoRequestBytes())
 
 
 def _reject(
@@ -98,9 +70,8 @@ def _reject(
     return resp
 
 
-async def handle_exchange(request: web.Request) -> web.StreamResponse:
+async def handle_exchange(request: Request, state: AppState) -> Answer:
     """Proxy one request: admit, read the body, prepare, relay, commit."""
-    state = request.app[STATE]
     settings = state.settings
     route = protocols.route(request.method, request.path, request.headers)
     if route is None:
@@ -197,8 +168,8 @@ async def handle_exchange(request: web.Request) -> web.StreamResponse:
 
 
 def _internal_error(
-    request: web.Request, state: AppState, ex: Exchange, exc: Exception
-) -> web.StreamResponse:
+    request: Request, state: AppState, ex: Exchange, exc: Exception
+) -> web.Response:
     """A bug or an unforeseen failure in the proxy's own code: 500, never a traceback page.
 
     Logged once with the exception's class, the exchange id and the code location
@@ -293,12 +264,12 @@ class _ReadingAccount:
 
 
 async def _run_exchange(
-    request: web.Request,
+    request: Request,
     state: AppState,
     ex: Exchange,
     upstream_name: str,
     task: asyncio.Task[object],
-) -> web.StreamResponse:
+) -> Answer:
     settings = state.settings
     body_hint: str | None = None
     opaque = False
@@ -325,8 +296,6 @@ async def _run_exchange(
         finally:
             account.settle()
             ex.end_reading()
-        # The body stream stays with the request for the whole answer: not its queue.
-        forget_read_queue(request.content)
         # Every body byte went through a read piece that is freed heap now (proxy/_alloc.py).
         state.allocator.released(result.wire_bytes)
         try:
@@ -382,13 +351,11 @@ async def _run_exchange(
             state.upstream,
             # The target as the client sent it: decoding would turn %3F into a query,
             # %2F into a path separator, %0D%0A into nothing.
-            target=state.upstream.target(
-                upstream_name, request.rel_url.raw_path, request.rel_url.raw_query_string
-            ),
+            target=state.upstream.target(upstream_name, request.raw_path, request.query_string),
             headers=forward_headers(request.headers),
             settings=settings,
         )
-        if response.prepared:
+        if isinstance(response, StreamAnswer):
             # Every byte of the answer is with the connection: a hang-up from now on
             # (an SDK closing at the last byte) does not make it a failed exchange.
             ex.response_complete()
@@ -399,7 +366,7 @@ async def _run_exchange(
         return response
 
 
-async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
+async def _expect_continue(request: Request, state: AppState) -> web.Response | None:
     """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse or go on.
 
     RFC 9110 section 10.1.1: a server that answers without reading the content
@@ -409,7 +376,6 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     the upload; anything else gets 100 (Continue). An expectation other than
     ``100-continue`` never gets here (:func:`_refuse_expectation`).
     """
-    state = request.app[STATE]
     route = protocols.route(request.method, request.path, request.headers)
     if route is None:
         return None  # the handler answers 404 without reading the body
@@ -432,61 +398,113 @@ async def _expect_continue(request: web.Request) -> web.StreamResponse | None:
     if refusal is not None:
         refusal.force_close()  # the body was never read
         return refusal
-    if request.version >= (1, 1):
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        # Interim bytes are not part of the response aiohttp is about to write.
-        request.writer.output_size = 0
+    await request.send_continue()
     return None
 
 
-@web.middleware
-def _json_errors(request: web.Request, handler: Handler) -> Awaitable[web.StreamResponse]:
-    """The router's own 404/405 as JSON too (OpenAI shape; Anthropic under /v1/messages).
+async def _continue_then_exchange(request: Request, state: AppState) -> Answer:
+    """An exchange whose client waits for ``100 Continue`` before its upload."""
+    refusal = await _expect_continue(request, state)
+    if refusal is not None:
+        return refusal
+    return await handle_exchange(request, state)
 
-    An exchange goes straight to its handler (it answers errors itself and raises
-    no ``HTTPException``): this returns the handler's coroutine rather than
-    awaiting it, so no frame of the middleware is held while a stream runs.
+
+def _refuse_expectation(request: Request) -> web.Response:
+    """417 for an ``Expect`` other than ``100-continue``, on any path, before routing.
+
+    JSON in the path's protocol shape (Anthropic under ``/v1/messages``, else
+    OpenAI); the value is never echoed. The body was not read: the connection closes.
     """
-    if request.match_info.handler is handle_exchange:
-        return handler(request)
-    return _router_errors_as_json(request, handler)
+    protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+    resp = error_response(protocol, 417, "only Expect: 100-continue is supported")
+    resp.force_close()
+    return resp
 
 
-async def _router_errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status not in (404, 405):
-            raise
-        protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
-        allow = exc.headers.get("Allow")
-        return error_response(
-            protocol,
-            exc.status,
-            f"{exc.reason}: {request.method} {request.path}",
-            headers={"Allow": allow} if allow else None,
-        )
+def _route_error(request: Request, status: int, allow: str | None = None) -> web.Response:
+    """404 or 405 for a path or method no route serves: JSON (OpenAI shape, or
+    Anthropic's under ``/v1/messages``), ``Allow`` listing the methods on a 405."""
+    protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+    reason = "Not Found" if status == 404 else "Method Not Allowed"
+    return error_response(
+        protocol,
+        status,
+        f"{reason}: {request.method} {request.path}",
+        headers={"Allow": allow} if allow else None,
+    )
 
 
-async def handle_root(request: web.Request) -> web.Response:
+async def _answer(answer: web.Response) -> web.Response:
+    return answer
+
+
+def _root(request: Request) -> web.Response:
     """``HEAD /`` and ``GET /``: answer at once (Claude Code preconnects with HEAD)."""
+    if request.method not in ("GET", "HEAD"):
+        return _route_error(request, 405, "GET,HEAD")
     return web.Response(text="context-proxy\n")
 
 
-async def _on_startup(app: web.Application) -> None:
-    state = app[STATE]
-    # Plugins first: when one refuses to start, aiohttp runs no cleanup, so an
-    # upstream client session opened before it would be left unclosed.
-    await state.host.startup()
-    state.upstream = Upstream(state.settings)
-    if state.cluster is not None:
-        await state.cluster.start()
+class ProxyApp:
+    """The proxy application: its :class:`AppState` and the dispatch of every request.
 
+    Routes: ``/v1/...`` (any method) is an exchange or a passthrough
+    (:func:`handle_exchange`); ``GET|HEAD /``; the health, metrics and admin
+    routes (:mod:`proxy._admin`); anything else 404, a known path with another
+    method 405, both as JSON errors.
+    """
 
-async def _on_cleanup(app: web.Application) -> None:
-    state = app[STATE]
-    if state.upstream is not None:
-        await state.upstream.close()
+    __slots__ = ("state",)
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+
+    def dispatch(self, request: Request) -> Awaitable[Answer]:
+        """The answer to ``request`` (awaitable: the handler's coroutine, not a frame
+        of its own, which an open stream would hold for as long as it lasts)."""
+        state = self.state
+        expect = request.headers.get("Expect")
+        path = request.path
+        if expect is not None and expect.strip().lower() != "100-continue":
+            return _answer(_refuse_expectation(request))
+        if path.startswith("/v1/"):
+            if expect is not None:
+                return _continue_then_exchange(request, state)
+            return handle_exchange(request, state)
+        if path == "/":
+            return _answer(_root(request))
+        refusal = admin_guard(request, state)
+        if refusal is not None:
+            return _answer(refusal)
+        routes = admin_routes(path)
+        if routes is None:
+            return _answer(_route_error(request, 404))
+        method = "GET" if request.method == "HEAD" else request.method
+        handler = routes.get(method)
+        if handler is None:
+            allow = ",".join(sorted({*routes, *(("HEAD",) if "GET" in routes else ())}))
+            return _answer(_route_error(request, 405, allow))
+        return handler(request, state)
+
+    async def startup(self) -> None:
+        """Start the plugins, open the upstream pool, join the cluster (in that order).
+
+        Plugins first: when one refuses to start, nothing else is left open.
+
+        Raises:
+            Exception: a plugin's ``startup`` failed, or the cluster cannot start.
+        """
+        state = self.state
+        await state.host.startup()
+        state.upstream = Upstream(state.settings)
+        if state.cluster is not None:
+            await state.cluster.start()
+
+    async def cleanup(self) -> None:
+        """Close the upstream pool (after the drain)."""
+        if self.state.upstream is not None:
+            await self.state.upstream.close()
 
 
 def build_app(
@@ -494,7 +512,7 @@ def build_app(
     *,
     host: PluginHost | None = None,
     clock: Callable[[], float] = time.monotonic,
-) -> web.Application:
+) -> ProxyApp:
     """Build the proxy application.
 
     ``host`` overrides the plugins named in ``settings`` (tests pass their own);
@@ -512,84 +530,47 @@ def build_app(
             # Cluster mode: a plugin taking redis_url (the ledger) shares the proxy's Redis.
             shared={"redis_url": settings.redis_url} if settings.redis_url else None,
         )
-    app = web.Application(client_max_size=settings.max_body_bytes)
-    state = AppState(settings, host, clock=clock)
-    app[STATE] = state
-
-    add_admin_routes(app)
-    # add_get also answers HEAD (add_route("GET") would not).
-    app.middlewares.append(_json_errors)
-    app.router.add_get("/", handle_root)
-    app.router.add_route("*", "/v1/{tail:.*}", handle_exchange, expect_handler=_expect_continue)
-    app.on_startup.append(_on_startup)
-    app.on_cleanup.append(_on_cleanup)
-    return app
-
-
-async def _refuse_expectation(request: web.BaseRequest) -> web.StreamResponse:
-    """417 for an ``Expect`` other than ``100-continue``, on any path, before routing.
-
-    JSON in the path's protocol shape (Anthropic under ``/v1/messages``, else
-    OpenAI); the value is never echoed. The body was not read: the connection closes.
-    """
-    protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
-    resp = error_response(protocol, 417, "only Expect: 100-continue is supported")
-    resp.force_close()
-    return resp
-
-
-def make_runner(app: web.Application) -> web.AppRunner:
-    """An ``AppRunner`` with the server options the proxy relies on.
-
-    Its connections close when request headers miss ``header_timeout``, and an
-    ``Expect`` other than ``100-continue`` gets 417 on every route
-    (:class:`proxy._server.ProxyRunner`).
-    """
-    return ProxyRunner(
-        app,
-        header_timeout=app[STATE].settings.header_timeout,
-        expect_refusal=_refuse_expectation,
-        # Trims the heap once no answer has ended for a while (proxy/_alloc.py).
-        on_request_done=app[STATE].allocator.idle,
-        handler_cancellation=True,
-        auto_decompress=False,
-        access_log=None,
-        shutdown_timeout=1.0,
-        logger=_server_log,
-    )
+    return ProxyApp(AppState(settings, host, clock=clock))
 
 
 @contextlib.asynccontextmanager
-async def running(app: web.Application, host: str, port: int) -> AsyncIterator[int]:
+async def running(app: ProxyApp, host: str, port: int) -> AsyncIterator[int]:
     """Serve ``app`` on ``host:port`` (0 = ephemeral) and yield the bound port.
 
-    On exit the app drains (grace from settings) and shuts down.
+    On exit the app drains (grace from settings) and shuts down: in-flight
+    exchanges get the grace, then the listener and every connection close.
+
+    Raises:
+        OSError: the address cannot be bound (start-up is undone first).
     """
-    runner = make_runner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    state = app.state
+    await app.startup()
+    server = FrontServer(
+        app.dispatch,
+        header_timeout=state.settings.header_timeout,
+        # Trims the heap once no answer has ended for a while (proxy/_alloc.py).
+        on_request_done=state.allocator.idle,
+        draining=lambda: state.draining,
+    )
     try:
-        await site.start()
+        bound = await server.start(host, port)
     except BaseException:
         # Start-up already ran (plugins, the upstream pool): undo it before reporting.
-        await app[STATE].drain(0)
-        await runner.cleanup()
+        await state.drain(0)
+        await app.cleanup()
         raise
-    bound = port
-    for address in runner.addresses:
-        bound = int(address[1])
-        break
     try:
         yield bound
     finally:
-        await app[STATE].drain(app[STATE].settings.shutdown_grace)
-        await runner.cleanup()
+        await state.drain(state.settings.shutdown_grace)
+        await server.shutdown(grace=1.0)
+        await app.cleanup()
 
 
 async def serve(settings: Settings) -> None:
     """Run the proxy until SIGTERM/SIGINT or ``POST /admin/shutdown``, then drain and exit."""
     app = build_app(settings)
-    state = app[STATE]
+    state = app.state
     # Process-wide, so only here (not in build_app: tests embed apps in their runner).
     state.allocator.tune()
     before, limit = fdlimit.raise_nofile_limit()

@@ -1,7 +1,8 @@
 """Request body reader: size limit, content decoding, disconnects, idle timeout (I/O edge).
 
-docs/design.md §3 is the spec. :func:`read_body` turns an aiohttp request payload
-into exactly one ``bytearray`` holding the decoded body, plus the xxh3_128 digest
+docs/design.md §3 is the spec. :func:`read_body` turns a request body stream
+(:class:`proxy._front.BodyStream`, or an aiohttp payload) into exactly one
+``bytearray`` holding the decoded body, plus the xxh3_128 digest
 of those bytes and the number of bytes that crossed the wire. Every way a read
 can end is one of two things:
 
@@ -10,8 +11,8 @@ can end is one of two things:
   metrics and a message that is safe to show the client; by the time it is
   raised the reader has dropped every buffer, decoder and timer it made.
 
-Cancellation (the app runs with ``handler_cancellation=True``, so a client that
-hangs up cancels the handler task) propagates unchanged after the same cleanup.
+Cancellation (a client that hangs up cancels the handler task, proxy/_front.py)
+propagates unchanged after the same cleanup.
 
 This module is the driver: it reads chunks, keeps the clock and hands the bytes
 to the pure parts in :mod:`proxy._coding` (the decoder chain and the body sink),
@@ -24,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Final
+from typing import Final, Protocol
 
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
@@ -44,6 +45,7 @@ from ._coding import (
     io_piece_bytes,
     parse_content_encoding,
 )
+from ._front import ClientBodyError
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -185,10 +187,21 @@ class ReadResult:
     wire_bytes: int
 
 
-# What aiohttp puts into a request payload when the client goes away or breaks the
-# framing: the protocol's ConnectionResetError("Connection lost"), the parser's
-# ContentLengthError / TransferEncodingError (HttpProcessingError), client errors.
+class BodySource(Protocol):
+    """Where a body is read from: :class:`proxy._front.BodyStream` (or an aiohttp payload)."""
+
+    def is_eof(self) -> bool:
+        """Every byte has arrived (reads no longer wait)."""
+
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes; ``b""`` at the end."""
+
+
+# What a body stream raises when the client goes away or breaks the framing: ours
+# (ClientBodyError); aiohttp's ConnectionResetError("Connection lost"), parser
+# errors (HttpProcessingError), client errors.
 _PAYLOAD_ERRORS: Final = (
+    ClientBodyError,
     HttpProcessingError,
     aiohttp.ClientError,
     OSError,
@@ -198,7 +211,7 @@ _PAYLOAD_ERRORS: Final = (
 
 
 async def read_body(
-    content: aiohttp.StreamReader,
+    content: BodySource,
     *,
     content_length: int | None,
     content_encoding: str | None,
@@ -210,14 +223,13 @@ async def read_body(
 ) -> ReadResult:
     """Read and decode a request body within ``limit`` bytes (docs/design.md §3).
 
-    The server MUST run with ``auto_decompress=False`` (e.g.
-    ``web.AppRunner(app, auto_decompress=False, handler_cancellation=True)``):
+    An aiohttp server feeding it MUST run with ``auto_decompress=False``:
     otherwise aiohttp inflates the body itself, with no limit, before this
     function sees a byte, and the decoding done here would be applied twice.
 
     Args:
-        content: ``request.content``; nothing else may read it concurrently. Never
-            use aiohttp's ``Request.read()``: it caches a second copy on the request.
+        content: ``request.content``; nothing else may read it concurrently. (With
+            aiohttp, never ``Request.read()``: it caches a second copy on the request.)
         content_length: ``request.content_length`` (bytes) or None for chunked.
         content_encoding: the ``Content-Encoding`` value or None; see
             :func:`parse_content_encoding` for the accepted codings.
@@ -267,7 +279,7 @@ async def read_body(
     sink = BodySink(limit, None if codings else content_length)
     if content_length is not None and not codings:
         # Only ever smaller than asked: the transient piece scales with the body.
-        # The same size the server reads this body's socket in (proxy/_server.py),
+        # The same size the server reads this body's socket in (proxy/_front.py),
         # so a read takes one queued part whole instead of joining several.
         chunk_bytes = io_piece_bytes(content_length, chunk_bytes)
     decoder: ContentDecoder | None = None
@@ -308,7 +320,7 @@ async def read_body(
 
 
 async def _pump(
-    content: aiohttp.StreamReader,
+    content: BodySource,
     sink: BodySink,
     decoder: ContentDecoder | None,
     *,

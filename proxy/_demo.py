@@ -9,7 +9,7 @@ import sys
 
 import aiohttp
 
-from ._app import STATE, build_app, running
+from ._app import build_app, running
 from ._config import load_settings
 from ._emulator import start_emulator
 from ._sse import SSEFramer
@@ -74,7 +74,7 @@ async def run_demo(port: int, *, once: bool = False) -> None:
                 f"\nServing. Try: ANTHROPIC_BASE_URL={base} or OPENAI_BASE_URL={base}/v1 "
                 "with any api key. Ctrl-C stops."
             )
-            stop = app[STATE].stop
+            stop = app.state.stop
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)

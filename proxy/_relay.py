@@ -27,6 +27,7 @@ from ._coding import BodyError, ContentDecoder, parse_content_encoding
 from ._config import Settings
 from ._exchange import Exchange, Outcome
 from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
+from ._front import Answer, Request, StreamAnswer
 from ._headers import response_headers
 from ._protocols import Protocol
 from ._stream import (
@@ -211,21 +212,6 @@ class _Decoder:
         self._pieces = None
 
 
-class _ClientStream(web.StreamResponse):
-    """The relayed answer to the client: its head waits for the first body bytes.
-
-    aiohttp's ``Response`` buffers its head the same way; here it saves a
-    write (a syscall) per answer: the head leaves with the first bytes, and a
-    whole answer that arrived in one piece leaves in one write with its end.
-    The relay sends a head still waiting at the end of each batch of actions
-    (:meth:`_Relay._send_head`) unless the next batch is already here (body
-    bytes that came with the upstream's head), so a client never waits for
-    headers on the upstream.
-    """
-
-    _send_headers_immediately = False
-
-
 def _finishes(actions: list[Action], start: int) -> bool:
     """Whether ``actions[start:]`` ends the answer (``Finish``) with nothing to write before.
 
@@ -234,11 +220,6 @@ def _finishes(actions: list[Action], start: int) -> bool:
     if start >= len(actions) or not isinstance(actions[-1], Finish):
         return False
     return all(isinstance(a, (Usage, Linger)) for a in actions[start:-1])
-
-
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
 
 
 _Verdict = str  # "done" | "refold" | "retry"
@@ -265,7 +246,7 @@ class _Relay:
 
     def __init__(
         self,
-        request: web.Request,
+        request: Request,
         ex: Exchange,
         upstream: Upstream,
         target: tuple[UpstreamTarget, str],
@@ -281,7 +262,7 @@ class _Relay:
         self.max_refolds = settings.max_refolds
         self.max_retries = settings.fake_completion_retries
         self.retry_after = settings.retry_after
-        self.client: web.StreamResponse | None = None
+        self.client: StreamAnswer | None = None
         self.gate: StreamGate | None = None
         self.rejection: web.Response | None = None
         # Loop time by which the upstream must end its body after the terminal event.
@@ -337,14 +318,14 @@ class _Relay:
 
     # ---------------------------------------------------------------- main loop
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self) -> Answer:
         """The attempts, then the answer (or an error response to return)."""
         ex = self.ex
         # The loop and its cancel handling in one coroutine: each frame of the
         # await chain lives as long as the stream, idle or not.
         try:
             while True:
-                if _client_gone(self.request):
+                if self.request.client_gone():
                     raise ClientGone
                 if not self._can_refold():
                     # The release boundary comes before the last send: the parsed
@@ -388,7 +369,7 @@ class _Relay:
                 raise
             return await self._orderly_stop(reason.message, reason.code)
 
-    async def _orderly_stop(self, message: str, code: str) -> web.StreamResponse:
+    async def _orderly_stop(self, message: str, code: str) -> Answer:
         """An orderly stop (session shutdown, process drain), not a client gone:
         the client still gets a well-formed end in its own protocol."""
         task = asyncio.current_task()
@@ -572,7 +553,7 @@ class _Relay:
             elif isinstance(action, Refold):
                 return await self._refold(action, resp)
             elif isinstance(action, Resend):
-                if _client_gone(self.request):
+                if self.request.client_gone():
                     raise ClientGone
                 log.info("%s: empty completion; resending (retry %d)", ex.id, ex.retries + 1)
                 return "retry"
@@ -591,7 +572,7 @@ class _Relay:
         only when the body shrank; else the gate relays the upstream's answer.
         """
         ex = self.ex
-        if _client_gone(self.request):
+        if self.request.client_gone():
             raise ClientGone
         if await ex.refold():
             log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
@@ -612,7 +593,12 @@ class _Relay:
                 transport.close()
 
     async def _start_client(self, resp: UpstreamAnswer) -> None:
-        client = _ClientStream(status=resp.status, headers=response_headers(resp.headers))
+        # The head waits for the first body bytes: it leaves with them, one write (a
+        # syscall) per answer; a whole answer that arrived in one piece leaves in one
+        # write with its end. The relay sends a head still waiting at the end of each
+        # batch of actions (_send_head) unless the next batch is already here (body
+        # bytes that came with the upstream's head): a client never waits on the upstream.
+        client = StreamAnswer(resp.status, response_headers(resp.headers))
         # The upstream's head is in the client's now: the exchange lets it go.
         self.ex.mark_streaming(upstream_head=resp)
         self.client = client
@@ -624,13 +610,13 @@ class _Relay:
     def _send_head(self) -> None:
         """Send the client's response head if it still waits for body bytes."""
         client = self.client
-        if client is not None and client.prepared and not _client_gone(self.request):
-            self.request.writer.send_headers()
+        if client is not None and client.prepared and not self.request.client_gone():
+            client.send_head()
 
     async def _write_last(self, data: bytes) -> None:
         """Write the answer's last bytes and its end at once (one write with a waiting head)."""
         assert self.client is not None
-        if _client_gone(self.request):
+        if self.request.client_gone():
             raise ClientGone
         # Handed to the connection below: a hang-up from now on is no failure (as
         # the handler's own end of the answer, proxy/_app.py).
@@ -649,14 +635,14 @@ class _Relay:
 
 
 def relay(
-    request: web.Request,
+    request: Request,
     ex: Exchange,
     upstream: Upstream,
     *,
     target: tuple[UpstreamTarget, str],
     headers: CIMultiDict[str],
     settings: Settings,
-) -> Coroutine[Any, Any, web.StreamResponse]:
+) -> Coroutine[Any, Any, Answer]:
     """Send ``ex`` to ``target`` and relay the answer to ``request``'s client (awaitable).
 
     The header fields go to ``ex`` (:meth:`Exchange.attach_headers`), which

@@ -1,7 +1,7 @@
 """The state one proxy instance owns, and its drain at shutdown.
 
-Stored on the aiohttp application under :data:`STATE`; the handlers in
-:mod:`proxy._app` and the routes in :mod:`proxy._admin` read it from there.
+Held by the application (:class:`proxy._app.ProxyApp`); the handlers in
+:mod:`proxy._app` and the routes in :mod:`proxy._admin` are given it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
-
-from aiohttp import web
 
 from ._alloc import Allocator
 from ._cancel import SHUTDOWN_CANCEL
@@ -30,13 +28,13 @@ from ._sessions import SessionRegistry, Tracking
 if TYPE_CHECKING:
     from ._cluster import ClusterNode
 
-__all__ = ["STATE", "AppState"]
+__all__ = ["AppState"]
 
 log = logging.getLogger("context_proxy")
 
 
 class AppState:
-    """Everything one proxy instance owns; stored on the app under :data:`STATE`.
+    """Everything one proxy instance owns (:attr:`proxy._app.ProxyApp.state`).
 
     Exchanges are listed in ``exchanges`` only while their handler runs (the
     handler removes them in ``finally``), so nothing here outlives a request.
@@ -50,6 +48,7 @@ class AppState:
 
     __slots__ = (
         "allocator",
+        "background_closes",
         "cluster",
         "commits",
         "draining",
@@ -90,6 +89,9 @@ class AppState:
         #: Declared Content-Length of the bodies being read right now, bytes.
         self.reading_bytes = 0
         self.stop = asyncio.Event()
+        #: Cluster-mode session closes answered with 202 and still running (``?wait=false``),
+        #: referenced until done (the loop keeps only weak references to tasks).
+        self.background_closes: set[asyncio.Task[Any]] = set()
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
         self.metrics: Final = Metrics(self)  # it reads the state when registering
@@ -251,5 +253,3 @@ def _cluster_node(settings: Settings, registry: SessionRegistry) -> ClusterNode 
         tombstone_ttl=settings.tombstone_ttl,
     )
 
-
-STATE: Final = web.AppKey("context_proxy_state", AppState)

@@ -42,9 +42,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any, Final
 
 import aiohttp
-from aiohttp import web
 
-from ._app import STATE, AppState, build_app, running
+from ._app import AppState, ProxyApp, build_app, running
 from ._config import Settings, load_settings
 from ._emulator import EmulatorServer, start_emulator
 from ._plugins import ExchangeRecord, Outcome, Plugin, PluginHost, Scalar, load_plugins
@@ -75,7 +74,7 @@ class Harness:
 
     url: str
     emulator: EmulatorServer
-    app: web.Application
+    app: ProxyApp
     settings: Settings
     _stack: contextlib.AsyncExitStack = dataclasses.field(
         default_factory=contextlib.AsyncExitStack, repr=False, compare=False, kw_only=True
@@ -89,7 +88,7 @@ class Harness:
     @property
     def state(self) -> AppState:
         """The proxy's live state (exchanges, sessions, metrics, plugins)."""
-        return self.app[STATE]
+        return self.app.state
 
     async def settle(self, within: float = 5.0) -> None:
         """Wait until every exchange the proxy has started is finished, commit hooks included.

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from proxy._server import HeaderDeadlineHandler
+from proxy._front import _Connection
 from proxy.testing import proxy_with_emulator
 
 from .test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RawClient, exact_body, wait_until
@@ -142,13 +142,13 @@ def test_deadlines_are_settings_with_documented_defaults(name: str) -> None:
 
 async def test_headers_that_arrive_whole_start_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[float] = []
-    start_clock = HeaderDeadlineHandler._start_header_clock
+    start_clock = _Connection._start_header_clock
 
-    def counting(handler: HeaderDeadlineHandler) -> None:
+    def counting(handler: _Connection) -> None:
         started.append(time.monotonic())
         start_clock(handler)
 
-    monkeypatch.setattr(HeaderDeadlineHandler, "_start_header_clock", counting)
+    monkeypatch.setattr(_Connection, "_start_header_clock", counting)
     async with proxy_with_emulator(header_timeout=HEADER_TIMEOUT) as h:
         body = exact_body(CHAT_PATH, 2_000)
         client = await RawClient.connect(h.url)

@@ -4,10 +4,7 @@ While an answer streams, nothing the request needed to be *sent* may stay: the
 header fields built for the upstream request (kept until then for a resend)
 and the upstream answer's head, once the client's response head has been
 built from it (the upstream answer would keep its parsed fields for as long
-as the body streams). Nor may the server side keep queues it no longer uses:
-the connection's queue of parsed requests is a list, not aiohttp's ``deque``
-(~760 B each with its first block), and the body stream's read queue goes once
-the body is read to its end.
+as the body streams).
 
 Proved the two ways the guide asks for: a ``weakref.finalize`` on each holder
 (with the cyclic GC off, so reference counting alone must free them), and
@@ -24,17 +21,12 @@ import re
 import sys
 import tracemalloc
 import weakref
-from collections import deque
 from collections.abc import AsyncIterator, Iterator, MutableMapping
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web_protocol
-from aiohttp.streams import StreamReader
 
-from proxy import _app as app_module
-from proxy import _server as server_module
 from proxy._exchange import Exchange
 from proxy._sse import SSEFramer
 from proxy._upstream import UpstreamAnswer
@@ -42,13 +34,6 @@ from tests.test_lifetime_support import CHAT, SubprocessEmulator, proxy_at
 
 #: Streams held open at once for the tracemalloc figure.
 STREAMS = 8
-#: Streams held open at once for the queues' tracemalloc figure: CPython keeps up to
-#: 16 freed deque blocks (~530 B each) for reuse, which a few streams would not exceed.
-QUEUE_STREAMS = 32
-#: Bytes of traced memory an open stream keeps less than in the control where both
-#: queues are aiohttp's deques (2 x ~760 B - 56 B, less the freelist's share of
-#: 16 blocks over QUEUE_STREAMS; 1,400-1,550 B measured).
-MIN_QUEUES_SAVED_PER_STREAM = 1000
 #: Bytes the step into streaming frees per stream beyond the control: the upstream
 #: head's fields and their strings, and the forwarded fields (the emulator's head is
 #: small; a real upstream's few dozen fields free more).
@@ -245,7 +230,7 @@ async def test_an_open_stream_waits_through_no_pass_through_frames(
     emulator: SubprocessEmulator, http: aiohttp.ClientSession
 ) -> None:
     """Every coroutine frame an idle stream is suspended in is held per open stream:
-    the middlewares, the Expect guard, ``relay()`` and the admission hand over their
+    the dispatch, ``relay()`` and the admission hand over their
     callee's coroutine (or are plain objects) instead of awaiting it in a frame of their own."""
     key = "frames"
     await emulator.reset(http)
@@ -259,99 +244,8 @@ async def test_an_open_stream_waits_through_no_pass_through_frames(
             await resp.read()
             resp.release()
     assert chain[-2:] == ["_answer", "read_body"], chain
-    passing = {"guarded", "_json_errors", "_admin_guard", "relay", "_run", "_next", "admitted"}
+    passing = {"dispatch", "_continue_then_exchange", "relay", "_run", "_next", "admitted"}
     assert not passing & set(chain), chain
-
-
-class QueueWatch:
-    """Finalizers on the server's per-connection queues: the deque aiohttp's protocol
-    builds for its parsed requests, and a request body stream's read queue."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, drops: bool) -> None:
-        self.fired: list[str] = []
-        forget = app_module.forget_read_queue
-
-        def tracked_deque(*args: Any) -> deque[Any]:
-            queue: deque[Any] = deque(*args)
-            weakref.finalize(queue, self.fired.append, "message queue")
-            return queue
-
-        def watched(payload: StreamReader) -> None:
-            weakref.finalize(payload._buffer, self.fired.append, "body read queue")
-            if drops:
-                forget(payload)
-
-        monkeypatch.setattr(web_protocol, "deque", tracked_deque)
-        # raising=False: on a proxy without the function the finalizers show what stays.
-        monkeypatch.setattr(app_module, "forget_read_queue", watched, raising=False)
-        if not drops:
-            _keep_aiohttps_queues(monkeypatch)
-
-
-def _keep_aiohttps_queues(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The negative control: aiohttp's deques stay, as aiohttp builds them."""
-    monkeypatch.setattr(server_module, "_MessageQueue", lambda queue: queue, raising=False)
-    monkeypatch.setattr(app_module, "forget_read_queue", lambda payload: None, raising=False)
-
-
-@pytest.mark.parametrize("drops", [True, False], ids=["drops", "negative-control"])
-async def test_an_open_stream_keeps_neither_deque_of_the_server_connection(
-    drops: bool,
-    emulator: SubprocessEmulator,
-    http: aiohttp.ClientSession,
-    monkeypatch: pytest.MonkeyPatch,
-    no_gc: None,
-) -> None:
-    watch = QueueWatch(monkeypatch, drops=drops)
-    key = f"queues-{drops}"
-    await emulator.reset(http)
-    async with proxy_at(emulator.url, []) as proxy:
-        resp, first = await _open_held(http, proxy.url, key)
-        try:
-            assert len(proxy.state.exchanges) == 1
-            fired_while_open = sorted(watch.fired)
-        finally:
-            await emulator.release(http, key)
-            rest = await resp.read()
-            resp.release()
-    assert b"[DONE]" in first + rest
-    if drops:
-        assert fired_while_open == ["body read queue", "message queue"]
-    else:
-        assert fired_while_open == [], "the control shows both queues still alive"
-
-
-async def test_an_open_stream_keeps_less_without_the_deques_by_tracemalloc(
-    emulator: SubprocessEmulator, http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Traced bytes held per open stream (proxy and this test's client alike, the
-    same in both runs), against the control that keeps aiohttp's deques."""
-
-    async def held_per_stream(key: str) -> float:
-        await emulator.reset(http)
-        async with proxy_at(emulator.url, []) as proxy:
-            gc.collect()
-            tracemalloc.start(1)
-            try:
-                before = tracemalloc.get_traced_memory()[0]
-                opened = [await _open_held(http, proxy.url, key) for _ in range(QUEUE_STREAMS)]
-                gc.collect()
-                held = tracemalloc.get_traced_memory()[0] - before
-            finally:
-                tracemalloc.stop()
-                await emulator.release(http, key)
-            for resp, _ in opened:
-                await resp.read()
-                resp.release()
-        return held / QUEUE_STREAMS
-
-    # A first pass grows what stays grown (the loop's selector map, the client's pool):
-    # the run measured after it would look cheaper.
-    await held_per_stream("held-warm")
-    ours = await held_per_stream("held-lean")
-    _keep_aiohttps_queues(monkeypatch)
-    control = await held_per_stream("held-control")
-    assert control - ours >= MIN_QUEUES_SAVED_PER_STREAM, (ours, control)
 
 
 #: Bytes beyond its own size an idle stream's framer may hold between events: its

@@ -53,7 +53,7 @@ IO_MODULES = frozenset(
         "proxy._demo",
         "proxy._emulator",
         "proxy._relay",
-        "proxy._server",
+        "proxy._front",
         "proxy._state",
     }
 )

@@ -37,8 +37,8 @@ import xxhash
 from aiohttp import web
 
 from proxy import _coding as coding_module
+from proxy import _front as front_module
 from proxy import _loops as loops
-from proxy import _server as server_module
 from proxy import _wire as wire
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy._exchange import (
@@ -656,7 +656,7 @@ async def test_1mib_request_reads_within_1_1x_body_and_holds_nothing_mid_stream(
     if not sized:
         # The control: asyncio's fixed 256 KiB reads and pieces, as before the fix.
         # The measurement must see them.
-        monkeypatch.setattr(server_module, "HEAD_READ_BYTES", 256 * 1024)
+        monkeypatch.setattr(front_module, "HEAD_READ_BYTES", 256 * 1024)
         monkeypatch.setattr(coding_module, "PIECES_PER_BODY", 1)
     body = big_chat_body(int(1.1 * MIB), message_bytes=64 * 1024)
     size = len(body)
@@ -710,17 +710,17 @@ async def test_socket_reads_follow_the_declared_body_size(
     a 1 MiB body stay at 1/64 of it, a 4 MiB body is read in larger ones, and on the
     same keep-alive connection the next request's head is read small again."""
     parts: dict[int, list[int]] = {}
-    feed_data = aiohttp.StreamReader.feed_data
+    feed = front_module.BodyStream.feed
 
-    def recording(self: aiohttp.StreamReader, data: bytes, size: int = 0) -> bool:
+    def recording(self: front_module.BodyStream, data: bytes) -> None:
         parts.setdefault(id(self), []).append(len(data))
-        return feed_data(self, data, size)
+        feed(self, data)
 
-    monkeypatch.setattr(aiohttp.StreamReader, "feed_data", recording)
+    monkeypatch.setattr(front_module.BodyStream, "feed", recording)
     small = big_chat_body(int(1.1 * MIB), message_bytes=64 * 1024)
     large = big_chat_body(4 * MIB, message_bytes=256 * 1024)
     tiny = big_chat_body(100_000, message_bytes=16 * 1024)  # a Claude Code-sized body
-    assert len(tiny) < server_module.SMALL_BODY_BYTES
+    assert len(tiny) < front_module.SMALL_BODY_BYTES
     await subprocess_emulator.reset(http)
     async with proxy_at(subprocess_emulator.url) as proxy:
         connector = aiohttp.TCPConnector(limit=1)  # one connection: keep-alive reuse
@@ -735,17 +735,17 @@ async def test_socket_reads_follow_the_declared_body_size(
                 (sizes,) = parts_of.values()
                 parts.clear()
                 # The first part came with the head, in a head-sized read.
-                assert sizes[0] <= server_module.HEAD_READ_BYTES
+                assert sizes[0] <= front_module.HEAD_READ_BYTES
                 if body is tiny:
                     # A small body's rest comes in large reads: few read cycles
                     # (16 KiB reads would take seven).
                     assert len(sizes) <= 4, sizes
                     continue
-                piece = coding_module.io_piece_bytes(len(body), server_module.MAX_READ_BYTES)
+                piece = coding_module.io_piece_bytes(len(body), front_module.MAX_READ_BYTES)
                 assert max(sizes) <= piece, (len(body), max(sizes), piece)
                 if body is large:
                     assert piece == len(body) // 64
-                    assert max(sizes) > server_module.HEAD_READ_BYTES
+                    assert max(sizes) > front_module.HEAD_READ_BYTES
         records = await subprocess_emulator.records(http)
     assert [r["body_bytes"] for r in records] == [len(b) for b in (small, large, tiny, small)]
 

@@ -40,7 +40,7 @@ from aiohttp import web
 
 from proxy import _app as app_module
 from proxy import _wire as wire
-from proxy._app import STATE, AppState, build_app, running
+from proxy._app import AppState, build_app, running
 from proxy._config import load_settings
 from proxy._exchange import Exchange, HeldBytes, Phase
 from proxy._plugins import ExchangeRecord, Plugin, PluginHost, PrepareContext
@@ -422,7 +422,7 @@ async def proxy_at(
     resolved = load_settings(environ={}, overrides=overrides)
     app = build_app(resolved, host=PluginHost(plugins, timeout=5.0))
     async with running(app, "127.0.0.1", 0) as port:
-        yield ProxyUnderTest(f"http://127.0.0.1:{port}", app[STATE])
+        yield ProxyUnderTest(f"http://127.0.0.1:{port}", app.state)
 
 
 def closed_port_url() -> str:

@@ -31,11 +31,9 @@ from pathlib import Path
 from typing import Any, Final
 
 import pytest
-from aiohttp import web
 
-from proxy._app import build_app, running
+from proxy._app import ProxyApp, build_app, running
 from proxy._config import load_settings
-from proxy._state import STATE
 from proxy._upstream import UpstreamPool
 
 __all__ = [
@@ -133,7 +131,7 @@ def chat_sse_events(text: str = "hi") -> list[bytes]:
 @contextlib.asynccontextmanager
 async def proxy_app(
     upstream_url: str, **overrides: Any
-) -> AsyncIterator[tuple[str, web.Application]]:
+) -> AsyncIterator[tuple[str, ProxyApp]]:
     """A proxy (no plugins) in front of ``upstream_url`` on 127.0.0.1, both protocols'
     upstreams; ``overrides`` are settings. Yields ``(base URL, app)``, the app for a
     look at its state (:func:`pool_of`)."""
@@ -160,9 +158,9 @@ async def proxy_for(upstream_url: str, **overrides: Any) -> AsyncIterator[str]:
         yield url
 
 
-def pool_of(app: web.Application) -> UpstreamPool:
+def pool_of(app: ProxyApp) -> UpstreamPool:
     """The connection pool of a running proxy ``app``."""
-    upstream = app[STATE].upstream
+    upstream = app.state.upstream
     assert upstream is not None
     return upstream.pool
 

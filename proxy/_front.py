@@ -1,0 +1,1156 @@
+"""The HTTP/1.1 server edge: request framing (sans-I/O), the connection driver, the listener.
+
+Replaces aiohttp's server for the proxy (issue 11 item 3: its request
+handler, router, middlewares and response classes cost ~120 µs of CPU per
+request, more than all of this proxy's own per-request logic). Three layers,
+each usable alone:
+
+* :class:`RequestFraming`: bytes in, events out (a :class:`RequestHead`, body
+  pieces as ``bytes``, :data:`END` after each request). llhttp (``httptools``)
+  does the parsing, strictly: both ``Content-Length`` and ``Transfer-Encoding``,
+  a bad chunk size, a control character in a field are errors
+  (:class:`MalformedRequest`). Limits of our own (llhttp has none): a request
+  target or header field over :data:`MAX_LINE_BYTES`, more than
+  :data:`MAX_FIELDS` fields, a head over :data:`MAX_HEAD_BYTES`.
+* :class:`_Connection`: one client connection. One request is handled at a
+  time, in a task of its own (pipelined requests wait, in order, and reading
+  pauses behind a few); a client that hangs up cancels its handler's task.
+  One timer per connection, re-armed lazily, keeps two deadlines: request
+  headers complete within ``header_timeout`` seconds of their first piece
+  (docs/design.md §3; a slowloris client is closed without an answer) and an
+  idle keep-alive connection closed after ``keepalive_timeout`` seconds.
+* :class:`FrontServer`: the listener and its connections, with a bounded
+  shutdown (idle connections close at once, busy ones after their answer).
+
+A handler gets a :class:`Request` (head, :class:`BodyStream`, the transport)
+and returns an answer: an ``aiohttp.web.Response`` (a small, complete one; it
+is only a value here, written by :meth:`_Connection._write_response`) or a
+:class:`StreamAnswer` it has prepared and written itself.
+
+Socket reads are sized for the body (issue 11 item 4): asyncio's selector
+transport receives up to ``max_size`` bytes per read (256 KiB, a CPython class
+attribute with no public setter), and each read leaves transients of about its
+size in the heap. Between bodies a connection reads :data:`HEAD_READ_BYTES`;
+while a declared body arrives, :func:`proxy._coding.io_piece_bytes` of it
+(the body reader asks for the same size), except that a body under
+:data:`SMALL_BODY_BYTES` is read as asyncio would. Set only where the
+transport's class has an integer ``max_size`` (uvloop reads into one buffer
+per loop and has none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import http
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Final, cast
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
+
+from ._coding import MIN_PIECE_BYTES, io_piece_bytes
+from ._protocols import Protocol, error_body
+
+__all__ = [
+    "END",
+    "HEAD_READ_BYTES",
+    "KEEPALIVE_TIMEOUT",
+    "MAX_FIELDS",
+    "MAX_HEAD_BYTES",
+    "MAX_LINE_BYTES",
+    "MAX_READ_BYTES",
+    "SMALL_BODY_BYTES",
+    "Answer",
+    "BodyStream",
+    "ClientBodyError",
+    "FrontServer",
+    "Handler",
+    "MalformedRequest",
+    "Request",
+    "RequestFraming",
+    "RequestHead",
+    "StreamAnswer",
+]
+
+log = logging.getLogger("context_proxy.server")
+
+MAX_LINE_BYTES: Final = 8190
+"""Longest request target, and longest header field (name and value), in bytes (aiohttp's)."""
+
+MAX_FIELDS: Final = 128
+"""Most header fields in one request head."""
+
+MAX_HEAD_BYTES: Final = 64 * 1024
+"""Largest request head in bytes (request line, fields, line ends). llhttp buffers an
+unfinished field itself: this bounds what a never-ending line can make it hold."""
+
+HEAD_READ_BYTES: Final = MIN_PIECE_BYTES
+"""Bytes per socket read while no body with a declared length is arriving (16 KiB).
+
+A head and a small body fit whole. It is also the first read of a large body
+(the head does not say its size before it is read): a larger first read would
+leave its own transients in the heap, which the body's later, smaller reads
+reuse but never exceed (64 KiB cost a 1 MiB body 0.06 of it at the peak)."""
+
+MAX_READ_BYTES: Final = 256 * 1024
+"""Largest socket read, for the largest bodies (asyncio's own default)."""
+
+SMALL_BODY_BYTES: Final = 256 * 1024
+"""A declared body under this many bytes is read in reads of up to :data:`MAX_READ_BYTES`
+(its rest in one read, usually): reading a 100 KB body 16 KiB at a time cost ~30 % more
+CPU per request (seven read cycles instead of two)."""
+
+KEEPALIVE_TIMEOUT: Final = 75.0
+"""Seconds an idle keep-alive connection is kept (aiohttp's default, which clients know)."""
+
+_QUEUED_MAX: Final = 4
+"""Pipelined requests parsed ahead of the one being handled before reading pauses."""
+
+_BODY_HIGH_WATER: Final = 256 * 1024
+"""Unread body bytes buffered for a request before reading pauses (backpressure on the client)."""
+
+
+class MalformedRequest(Exception):
+    """The client's bytes are not an HTTP/1.1 request we accept.
+
+    ``str(exc)`` is the proxy's own words for the fault (never the parser's
+    message, which quotes request bytes: a header with its API key).
+    """
+
+
+class ClientBodyError(Exception):
+    """A request body could not be received whole: the client left, or broke its framing."""
+
+
+class RequestHead:
+    """A parsed request head.
+
+    Attributes:
+        method: ``"POST"``, as sent.
+        raw_path: the target's path as sent (percent-escapes kept); an
+            absolute-form target (``http://host/path``) is reduced to its path.
+        path: ``raw_path`` percent-decoded (what routes match on).
+        query_string: the target's query as sent, without ``?`` (``""``: none).
+        headers: the fields, names case-insensitive, values decoded as UTF-8
+            with ``surrogateescape`` (any byte survives a round trip).
+        version: ``(1, 1)`` or ``(1, 0)``.
+        keep_alive: the client allows the connection to be kept (RFC 9112 §9.3).
+        content_length: the declared ``Content-Length`` in bytes, or None.
+        chunked: the body is chunked (``Transfer-Encoding``).
+        expects_body: a body follows the head (declared or chunked, even empty).
+    """
+
+    __slots__ = (
+        "chunked",
+        "content_length",
+        "expects_body",
+        "headers",
+        "keep_alive",
+        "method",
+        "path",
+        "query_string",
+        "raw_path",
+        "version",
+    )
+
+    def __init__(
+        self,
+        method: str,
+        target: str,
+        headers: CIMultiDictProxy[str],
+        version: tuple[int, int],
+        keep_alive: bool,
+        content_length: int | None,
+        chunked: bool,
+    ) -> None:
+        self.method = method
+        if target.startswith(("http://", "https://")):
+            # Absolute form (RFC 9112 §3.2.2): the host is not ours to pick.
+            parts = urllib.parse.urlsplit(target)
+            raw_path, query = parts.path or "/", parts.query
+        else:
+            raw_path, _, query = target.partition("?")
+            raw_path, _, _ = raw_path.partition("#")
+        self.raw_path = raw_path
+        self.path = urllib.parse.unquote(raw_path) if "%" in raw_path else raw_path
+        self.query_string = query
+        self.headers = headers
+        self.version = version
+        self.keep_alive = keep_alive
+        self.content_length = content_length
+        self.chunked = chunked
+        self.expects_body = chunked or content_length is not None
+
+
+class _End:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END: Final = _End()
+"""The event after the last body piece of a request (a request without a body too)."""
+
+Event = RequestHead | bytes | _End
+
+
+def _decode(value: bytes) -> str:
+    return value.decode("utf-8", "surrogateescape")
+
+
+class RequestFraming:
+    """Sans-I/O request framing of one connection: :meth:`feed` bytes, get events.
+
+    Events, in order for each request: its :class:`RequestHead`, zero or more
+    body pieces (``bytes``, chunked framing removed; content codings left
+    alone), then :data:`END`. Pipelined requests follow each other.
+
+    Raises (from :meth:`feed`):
+        MalformedRequest: the bytes are not a request we accept (see the module
+            docstring); the connection must close after answering 400. The
+            events parsed before the fault are lost with it.
+    """
+
+    __slots__ = (
+        "_fields",
+        "_head_bytes",
+        "_parser",
+        "_url",
+        "events",
+        "in_head",
+        "upgraded",
+    )
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._fields: list[tuple[str, str]] = []
+        self._head_bytes = 0
+        self.events: list[Event] = []
+        # Between a request's first byte and the end of its head.
+        self.in_head = False
+        # The client asked for a protocol upgrade (or CONNECT): nothing after it is parsed.
+        self.upgraded = False
+
+    def feed(self, data: bytes) -> list[Event]:
+        """Parse ``data``; the events it completed (see the class docstring)."""
+        if self.upgraded:
+            return []
+        if self.in_head or not self.events:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # An Upgrade (h2c, websocket) or CONNECT: answered as a plain request,
+            # then the connection closes (the bytes after it are not HTTP/1.1).
+            self.upgraded = True
+        except httptools.HttpParserCallbackError as exc:
+            self.events = []
+            cause = exc.__context__
+            raise MalformedRequest(
+                str(cause) if isinstance(cause, MalformedRequest) else "malformed HTTP request"
+            ) from None
+        except httptools.HttpParserInvalidMethodError:
+            self.events = []
+            raise MalformedRequest("malformed request line") from None
+        except httptools.HttpParserInvalidURLError:
+            self.events = []
+            raise MalformedRequest("malformed request target") from None
+        except httptools.HttpParserError:
+            self.events = []
+            raise MalformedRequest("malformed HTTP request") from None
+        if self.in_head and self._head_bytes > MAX_HEAD_BYTES:
+            self.events = []
+            raise MalformedRequest("the request head is over the size limit")
+        events, self.events = self.events, []
+        return events
+
+    # llhttp callbacks (httptools calls them by name during feed_data)
+
+    def on_message_begin(self) -> None:
+        self.in_head = True
+        self._head_bytes = 0
+        self._url = b""
+        self._fields = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+        if len(self._url) > MAX_LINE_BYTES:
+            raise MalformedRequest("a request line or header field is over the size limit")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_LINE_BYTES:
+            raise MalformedRequest("a request line or header field is over the size limit")
+        fields = self._fields
+        if len(fields) >= MAX_FIELDS:
+            raise MalformedRequest("too many header fields")
+        fields.append((name.decode("latin-1"), _decode(value)))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        headers = CIMultiDictProxy(CIMultiDict(self._fields))
+        self._fields = []
+        declared = headers.get("Content-Length")
+        chunked = "Transfer-Encoding" in headers
+        version = parser.get_http_version()
+        self.events.append(
+            RequestHead(
+                parser.get_method().decode("ascii"),
+                _decode(self._url),
+                headers,
+                (1, 0) if version == "1.0" else (1, 1),
+                parser.should_keep_alive(),
+                # llhttp has checked it: digits only, one value, not with chunked.
+                int(declared) if declared is not None and not chunked else None,
+                chunked,
+            )
+        )
+        self._url = b""
+        self.in_head = False
+
+    def on_body(self, body: bytes) -> None:
+        self.events.append(body)
+
+    def on_message_complete(self) -> None:
+        self.events.append(END)
+
+
+class BodyStream:
+    """A request body as it arrives: read it once, in pieces (the body reader's source).
+
+    The connection feeds it (:meth:`feed`, :meth:`feed_eof`,
+    :meth:`set_exception`); the handler reads it. Unread bytes over
+    :data:`_BODY_HIGH_WATER` pause the connection's reading until they are read.
+    """
+
+    __slots__ = ("_buffered", "_conn", "_eof", "_error", "_parts", "_waiter")
+
+    def __init__(self, conn: _Connection | None) -> None:
+        self._conn = conn
+        self._parts: list[bytes] = []
+        self._buffered = 0
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def feed(self, data: bytes) -> None:
+        """Append a received piece (connection side)."""
+        self._parts.append(data)
+        self._buffered += len(data)
+        if self._buffered > _BODY_HIGH_WATER and self._conn is not None:
+            self._conn.pause_for_body()
+        self._wake()
+
+    def feed_eof(self) -> None:
+        """The body is complete (connection side)."""
+        self._eof = True
+        self._wake()
+
+    def set_exception(self, exc: BaseException) -> None:
+        """The body will not complete: a waiting or later read raises ``exc``."""
+        if not self._eof:
+            self._error = exc
+            self._wake()
+
+    def is_eof(self) -> bool:
+        """Every byte of the body has arrived (some may still be unread)."""
+        return self._eof
+
+    def at_eof(self) -> bool:
+        """Every byte of the body has arrived and been read."""
+        return self._eof and not self._parts
+
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes of the body (``b""``: its end).
+
+        Raises:
+            ClientBodyError: the client left or broke the framing mid-body.
+        """
+        while not self._parts:
+            if self._eof:
+                return b""
+            if self._error is not None:
+                raise self._error
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        parts = self._parts
+        first = parts[0]
+        if len(first) <= n:
+            del parts[0]
+        else:
+            parts[0] = first[n:]
+            first = first[:n]
+        self._buffered -= len(first)
+        if self._buffered <= _BODY_HIGH_WATER and self._conn is not None:
+            self._conn.body_drained()
+        return first
+
+    def release(self) -> None:
+        """Drop what is buffered and unread (the answer is out; nobody will read it)."""
+        self._parts = []
+        self._buffered = 0
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class Request:
+    """One client request as a handler sees it: its head, its body, its connection.
+
+    Attributes (from the head, see :class:`RequestHead`): ``method``, ``path``,
+    ``raw_path``, ``query_string``, ``headers``, ``version``,
+    ``content_length``; ``content`` is the :class:`BodyStream`.
+    """
+
+    __slots__ = ("_conn", "_query", "answer", "content", "head")
+
+    def __init__(self, head: RequestHead, conn: _Connection | None) -> None:
+        self.head = head
+        self._conn = conn
+        self.content = BodyStream(conn)
+        if not head.expects_body:
+            self.content.feed_eof()
+        self._query: MultiDictProxy[str] | None = None
+        # The streamed answer in progress, once a handler prepared one.
+        self.answer: StreamAnswer | None = None
+
+    @property
+    def method(self) -> str:
+        return self.head.method
+
+    @property
+    def path(self) -> str:
+        return self.head.path
+
+    @property
+    def raw_path(self) -> str:
+        return self.head.raw_path
+
+    @property
+    def query_string(self) -> str:
+        return self.head.query_string
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        return self.head.headers
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return self.head.version
+
+    @property
+    def content_length(self) -> int | None:
+        return self.head.content_length
+
+    @property
+    def body_exists(self) -> bool:
+        """A body was framed (declared, even as 0 bytes, or chunked)."""
+        return self.head.expects_body
+
+    @property
+    def query(self) -> MultiDictProxy[str]:
+        """The query string's parameters, decoded (parsed on first use)."""
+        if self._query is None:
+            pairs = urllib.parse.parse_qsl(self.head.query_string, keep_blank_values=True)
+            self._query = MultiDictProxy(MultiDict(pairs))
+        return self._query
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        """The connection's transport; None once it is lost."""
+        conn = self._conn
+        return conn.transport if conn is not None else None
+
+    def client_gone(self) -> bool:
+        """The connection is lost or closing: nothing written now would arrive."""
+        transport = self.transport
+        return transport is None or transport.is_closing()
+
+    async def send_continue(self) -> None:
+        """Send ``100 Continue`` (RFC 9110 §10.1.1), to an HTTP/1.1 client only."""
+        conn = self._conn
+        if conn is not None and self.head.version >= (1, 1):
+            conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await conn.drain()
+
+
+# ---------------------------------------------------------------------- answers
+
+_REASONS: Final = {s.value: s.phrase for s in http.HTTPStatus}
+_date_cache: list[object] = [0, b""]
+
+
+def _date_line() -> bytes:
+    """``Date: ...\\r\\n`` (RFC 9110 §6.6.1), formatted once a second."""
+    now = int(time.time())
+    if _date_cache[0] != now:
+        _date_cache[0] = now
+        _date_cache[1] = b"Date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
+    line = _date_cache[1]
+    assert isinstance(line, bytes)
+    return line
+
+
+def _bodiless(status: int) -> bool:
+    """RFC 9110 §6.4.1: 1xx, 204 and 304 answers have no content."""
+    return status < 200 or status in (204, 304)
+
+
+def _head_bytes(
+    status: int,
+    reason: str | None,
+    headers: CIMultiDict[str] | CIMultiDictProxy[str],
+    framing: bytes,
+) -> bytes:
+    """The status line and fields of an answer; ``framing`` are its own framing lines.
+
+    Raises:
+        ValueError: a field name or value contains CR or LF (it would split the answer).
+    """
+    if reason is None:
+        reason = _REASONS.get(status, "")
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1", "replace"))]
+    has_date = False
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError("a header field contains CR or LF")
+        if not has_date and name.lower() == "date":
+            has_date = True
+        lines.append(
+            b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
+        )
+    if not has_date:
+        lines.append(_date_line())
+    lines.append(framing)
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
+class StreamAnswer:
+    """A streamed answer: a status and fields, then body bytes written as they come.
+
+    The head waits for the first body bytes (it leaves with them, one write),
+    or for :meth:`send_head`. Framing is chosen when the head leaves: the
+    whole body known then (:meth:`write_eof` with the head still waiting) →
+    ``Content-Length``; else chunked to an HTTP/1.1 client, the connection's
+    end to an HTTP/1.0 one. A ``HEAD`` request or a 1xx/204/304 status gets no body.
+
+    Args:
+        status: the HTTP status.
+        headers: end-to-end fields (no framing or hop-by-hop ones).
+    """
+
+    __slots__ = (
+        "_chunked",
+        "_conn",
+        "_ended",
+        "_head_sent",
+        "_no_body",
+        "headers",
+        "prepared",
+        "status",
+    )
+
+    def __init__(self, status: int, headers: CIMultiDict[str]) -> None:
+        self.status = status
+        self.headers = headers
+        self._conn: _Connection | None = None
+        self.prepared = False
+        self._head_sent = False
+        self._chunked = False
+        self._no_body = _bodiless(status)
+        self._ended = False
+
+    async def prepare(self, request: Request) -> None:
+        """Bind to ``request``'s connection (nothing is written yet).
+
+        Raises:
+            ConnectionResetError: the client is gone.
+        """
+        conn = request._conn
+        if conn is None or request.client_gone():
+            raise ConnectionResetError("the client closed the connection")
+        self._conn = conn
+        if request.method == "HEAD":
+            self._no_body = True
+        request.answer = self
+        self.prepared = True
+
+    def _head(self, length: int | None) -> bytes:
+        conn = self._conn
+        assert conn is not None
+        self._head_sent = True
+        if self._no_body:
+            framing = (
+                b"Content-Length: %d\r\n" % length
+                if length is not None and not _bodiless(self.status)
+                else b""
+            )
+        elif length is not None:
+            framing = b"Content-Length: %d\r\n" % length
+        elif conn.request_version >= (1, 1):
+            self._chunked = True
+            framing = b"Transfer-Encoding: chunked\r\n"
+        else:
+            conn.close_after_answer()
+            framing = b""
+        if conn.closes_after_answer():
+            framing += b"Connection: close\r\n"
+        return _head_bytes(self.status, None, self.headers, framing)
+
+    def send_head(self) -> None:
+        """Send the head now if it still waits (a client must not wait on the upstream)."""
+        conn = self._conn
+        if conn is not None and not self._head_sent and conn.transport is not None:
+            conn.write(self._head(None))
+
+    async def write(self, data: bytes) -> None:
+        """Send ``data`` as body bytes; waits while the client reads slower than we write.
+
+        Raises:
+            ConnectionResetError: the client is gone.
+        """
+        conn = self._conn
+        assert conn is not None
+        if conn.transport is None:
+            raise ConnectionResetError("the client closed the connection")
+        out = b"" if self._head_sent else self._head(None)
+        if self._no_body or not data:
+            if out:
+                conn.write(out)
+        elif self._chunked:
+            conn.write(b"%s%x\r\n%s\r\n" % (out, len(data), data))
+        elif out:
+            conn.write(out + data)
+        else:
+            conn.write(data)
+        await conn.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        """Send the last body bytes (if any) and the body's end; once only.
+
+        Raises:
+            ConnectionResetError: the client is gone.
+        """
+        if self._ended:
+            return
+        self._ended = True
+        conn = self._conn
+        assert conn is not None
+        if conn.transport is None:
+            raise ConnectionResetError("the client closed the connection")
+        if not self._head_sent:
+            out = self._head(len(data))
+            conn.write(out if self._no_body or not data else out + data)
+        elif self._no_body:
+            pass
+        elif self._chunked:
+            conn.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
+        elif data:
+            conn.write(data)
+        await conn.drain()
+
+    @property
+    def ended(self) -> bool:
+        """:meth:`write_eof` was called."""
+        return self._ended
+
+
+Answer = web.Response | StreamAnswer
+Handler = Callable[[Request], Awaitable[Answer]]
+"""A request handler: the answer to return (a small ``web.Response``, or a
+:class:`StreamAnswer` it has prepared)."""
+
+
+def _error_answer(status: int, body: bytes) -> bytes:
+    return (
+        _head_bytes(
+            status,
+            None,
+            CIMultiDict({"Content-Type": "application/json"}),
+            b"Content-Length: %d\r\nConnection: close\r\n" % len(body),
+        )
+        + body
+    )
+
+
+# ---------------------------------------------------------------------- connection
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: frames requests, runs their handlers one at a time, writes answers."""
+
+    __slots__ = (
+        "__weakref__",
+        "_body_paused",
+        "_broken",
+        "_close_after",
+        "_current",
+        "_deadline",
+        "_drain_waiter",
+        "_framing",
+        "_head_clock",
+        "_loop",
+        "_parsing",
+        "_queue",
+        "_queue_paused",
+        "_server",
+        "_sized",
+        "_task",
+        "_timer",
+        "_write_paused",
+        "request_version",
+        "transport",
+    )
+
+    def __init__(self, server: FrontServer) -> None:
+        self._server = server
+        self._loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self._framing = RequestFraming()
+        # The request whose body is being parsed; the one being handled; those waiting.
+        self._parsing: Request | None = None
+        self._current: Request | None = None
+        self._queue: list[Request] = []
+        self._task: asyncio.Task[None] | None = None
+        self._close_after = False
+        # The client's bytes stopped making sense: the words for its 400, once answered.
+        self._broken: str | None = None
+        self._write_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+        self._body_paused = False
+        self._queue_paused = False
+        # Loop time of the pending deadline (header or keep-alive); 0: none.
+        self._deadline = 0.0
+        self._head_clock = False  # the pending deadline is the header clock's
+        self._timer: asyncio.TimerHandle | None = None
+        self._sized = False
+        self.request_version = (1, 1)
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = transport = cast(asyncio.Transport, transport)
+        self._server.connections.add(self)
+        # Only where max_size is the CPython class attribute the read loop uses:
+        # an instance attribute then overrides it for this connection alone.
+        if isinstance(getattr(type(transport), "max_size", None), int):
+            self._sized = True
+            transport.max_size = HEAD_READ_BYTES  # type: ignore[attr-defined]
+        self._set_deadline(self._server.keepalive_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self._broken is not None or self.transport is None:
+            return
+        try:
+            events = self._framing.feed(data)
+        except MalformedRequest as exc:
+            self._malformed(str(exc))
+            return
+        for event in events:
+            if event.__class__ is bytes:
+                assert self._parsing is not None and isinstance(event, bytes)
+                self._parsing.content.feed(event)
+            elif event is END:
+                parsing = self._parsing
+                if parsing is not None:  # None: a request without a body (already at EOF)
+                    parsing.content.feed_eof()
+                    self._parsing = None
+                    if self._sized:
+                        self._set_read_size(HEAD_READ_BYTES)
+            else:
+                assert isinstance(event, RequestHead)
+                self._head(event)
+        if self._framing.upgraded:
+            self.close_after_answer()
+        if self._current is None and self._framing.in_head and not self._head_clock:
+            # Headers not complete in this segment: the slowloris clock runs (once per
+            # head: later pieces do not push it back).
+            self._start_header_clock()
+
+    def eof_received(self) -> bool | None:
+        # A half-close (the client is done sending): the answer may still go out.
+        parsing = self._parsing
+        if parsing is not None:
+            parsing.content.set_exception(ClientBodyError("the client closed mid-body"))
+        if self._current is None:
+            return False  # nothing to answer: close
+        self.close_after_answer()
+        return True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        self._server.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._deadline = 0.0
+        gone = ClientBodyError("the client closed the connection")
+        for request in (self._parsing, self._current, *self._queue):
+            if request is not None:
+                request.content.set_exception(gone)
+        self._queue = []
+        self._parsing = None
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("the client closed the connection"))
+        task = self._task
+        if task is not None and not task.done():
+            # The client hung up: its handler stops (the upstream request is closed on the way out).
+            task.cancel()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- writing
+
+    def write(self, data: bytes) -> None:
+        """Hand ``data`` to the transport (dropped once the connection is lost)."""
+        transport = self.transport
+        # Not after close(): asyncio would still send it (a 500 spliced into a cut answer).
+        if transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait until the client has taken what was written (backpressure).
+
+        Raises:
+            ConnectionResetError: the connection was lost meanwhile.
+        """
+        if not self._write_paused:
+            if self.transport is None:
+                raise ConnectionResetError("the client closed the connection")
+            return
+        waiter = self._drain_waiter = self._loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._drain_waiter = None
+
+    def close_after_answer(self) -> None:
+        """Close the connection once the current answer is out (no keep-alive)."""
+        self._close_after = True
+
+    def closes_after_answer(self) -> bool:
+        """Whether the connection will close after the current answer."""
+        current = self._current
+        return (
+            self._close_after
+            or self._server.draining()
+            # HTTP/1.0: every answer is the connection's last (no keep-alive dance).
+            or (
+                current is not None
+                and (not current.head.keep_alive or current.head.version < (1, 1))
+            )
+        )
+
+    # -- reading
+
+    def pause_for_body(self) -> None:
+        """Unread body bytes piled up: stop reading the socket until they are read."""
+        if not self._body_paused and self.transport is not None:
+            self._body_paused = True
+            if not self._queue_paused:
+                self.transport.pause_reading()
+
+    def body_drained(self) -> None:
+        """The handler caught up with the body: read on."""
+        if self._body_paused:
+            self._body_paused = False
+            if not self._queue_paused and self.transport is not None:
+                self.transport.resume_reading()
+
+    def _set_read_size(self, nbytes: int) -> None:
+        transport = self.transport
+        if transport is not None:
+            transport.max_size = nbytes  # type: ignore[attr-defined]
+
+    def _head(self, head: RequestHead) -> None:
+        request = Request(head, self)
+        if head.expects_body:
+            self._parsing = request
+            declared = head.content_length
+            if self._sized and declared:
+                self._set_read_size(
+                    MAX_READ_BYTES
+                    if declared < SMALL_BODY_BYTES
+                    else io_piece_bytes(declared, MAX_READ_BYTES)
+                )
+        if self._current is None:
+            self._start(request)
+        else:
+            self._queue.append(request)
+            if len(self._queue) >= _QUEUED_MAX and not self._queue_paused:
+                self._queue_paused = True
+                if not self._body_paused and self.transport is not None:
+                    self.transport.pause_reading()
+
+    def _malformed(self, words: str) -> None:
+        log.warning("%s: malformed request (%s)", self._peer(), words)
+        self._broken = words
+        parsing = self._parsing
+        if parsing is not None:
+            parsing.content.set_exception(ClientBodyError("the request's framing is broken"))
+            self._parsing = None
+        if self._current is None:
+            self._answer_broken()
+
+    def _answer_broken(self) -> None:
+        words = self._broken or "malformed HTTP request"
+        self.write(
+            _error_answer(400, error_body(Protocol.OPENAI, 400, words, code="malformed_request"))
+        )
+        self._close()
+
+    def _peer(self) -> str:
+        transport = self.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else "client"
+
+    # -- handling
+
+    def _start(self, request: Request) -> None:
+        self._current = request
+        self._deadline = 0.0
+        self._head_clock = False
+        self.request_version = request.head.version
+        self._task = self._loop.create_task(self._serve(request))
+
+    async def _serve(self, request: Request) -> None:
+        server = self._server
+        try:
+            answer = await server.handler(request)
+        except asyncio.CancelledError:
+            self._close()
+            raise
+        except Exception as exc:  # a handler's bug: a 500, never a traceback page
+            log.error(
+                "%s %s: internal error %s in the request handler",
+                request.method,
+                request.path,
+                type(exc).__name__,
+            )
+            del exc
+            if request.answer is not None:
+                self._close()  # the answer had begun: a truncated one, not a spliced one
+                return
+                self.write(
+                    _error_answer(
+                        500,
+                        error_body(
+                            Protocol.OPENAI, 500, "internal proxy error", code="internal_error"
+                        ),
+                    )
+                )
+            self._close()
+            return
+        try:
+            if request.answer is not None and answer is not request.answer:
+                # An error answer after a streamed one began: a truncated answer, not a spliced one.
+                self._close()
+            elif isinstance(answer, StreamAnswer):
+                if not answer.ended and self.transport is not None:
+                    await answer.write_eof()
+            else:
+                await self._write_response(request, answer)
+        except ConnectionError:
+            pass
+        finally:
+            del answer
+            self._finished(request)
+
+    async def _write_response(self, request: Request, resp: web.Response) -> None:
+        if resp.keep_alive is False:
+            self.close_after_answer()
+        if not request.content.is_eof():
+            # The body was not read to its end: its rest cannot be told from a next request.
+            self.close_after_answer()
+        status = resp.status
+        body = resp.body
+        assert body is None or isinstance(body, bytes)
+        framing = b"" if _bodiless(status) else b"Content-Length: %d\r\n" % len(body or b"")
+        if self.closes_after_answer():
+            framing += b"Connection: close\r\n"
+        head = _head_bytes(status, resp.reason, resp.headers, framing)
+        self.write(
+            head if request.method == "HEAD" or not body or _bodiless(status) else head + body
+        )
+        await self.drain()
+
+    def _finished(self, request: Request) -> None:
+        server = self._server
+        close = self.closes_after_answer() or not request.content.is_eof()
+        self._task = None
+        self._current = None
+        request.answer = None
+        request.content.release()
+        request._conn = None
+        if server.on_request_done is not None:
+            server.on_request_done()
+        if self.transport is None:
+            return
+        if close:
+            self._close()
+            return
+        if self._broken is not None:
+            self._answer_broken()
+            return
+        if self._queue:
+            queued = self._queue.pop(0)
+            if self._queue_paused and len(self._queue) < _QUEUED_MAX:
+                self._queue_paused = False
+                if not self._body_paused:
+                    self.transport.resume_reading()
+            self._start(queued)
+            return
+        if self._framing.in_head:
+            self._start_header_clock()
+        else:
+            self._set_deadline(server.keepalive_timeout)
+
+    def _close(self) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.close()
+
+    # -- the one timer
+
+    def _start_header_clock(self) -> None:
+        """The next request's head came in part: it must be complete within ``header_timeout``."""
+        self._head_clock = True
+        self._set_deadline(self._server.header_timeout)
+
+    def _set_deadline(self, seconds: float) -> None:
+        loop = self._loop
+        self._deadline = loop.time() + seconds
+        if self._timer is None:
+            self._timer = loop.call_at(self._deadline, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if not deadline or self._current is not None or self.transport is None:
+            return
+        if self._loop.time() < deadline:
+            # The deadline moved on since this timer was set (a later request).
+            self._timer = self._loop.call_at(deadline, self._on_timer)
+            return
+        self._deadline = 0.0
+        if self._framing.in_head:
+            log.debug("%s: request headers not complete in time: closing", self._peer())
+        self._close()
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The task handling the current request, if any."""
+        return self._task
+
+    def close_idle(self) -> bool:
+        """Close the connection if no request is being handled; whether it was."""
+        if self._current is None:
+            self._close()
+            return True
+        self.close_after_answer()
+        return False
+
+    def abort(self) -> None:
+        """Drop the connection at once (shutdown's last step)."""
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
+
+
+# ---------------------------------------------------------------------- listener
+
+
+class FrontServer:
+    """The listener and its client connections.
+
+    Args:
+        handler: answers each request (:data:`Handler`).
+        header_timeout: seconds from a request head's first incomplete piece to
+            its end; past it the connection closes without an answer.
+        keepalive_timeout: seconds an idle keep-alive connection is kept.
+        on_request_done: called (no arguments) after every answer is finished.
+        draining: whether the proxy is draining (answers then close their connection).
+
+    Raises:
+        ValueError: a timeout is not positive.
+    """
+
+    __slots__ = (
+        "_listener",
+        "connections",
+        "draining",
+        "handler",
+        "header_timeout",
+        "keepalive_timeout",
+        "loop",
+        "on_request_done",
+    )
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        header_timeout: float,
+        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
+        on_request_done: Callable[[], object] | None = None,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
+        if header_timeout <= 0 or keepalive_timeout <= 0:
+            raise ValueError("header_timeout and keepalive_timeout must be > 0 seconds")
+        self.handler = handler
+        self.header_timeout = header_timeout
+        self.keepalive_timeout = keepalive_timeout
+        self.on_request_done = on_request_done
+        self.draining = draining
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[_Connection] = set()
+        self._listener: asyncio.Server | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: an ephemeral port); the bound port.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._listener = await self.loop.create_server(
+            lambda: _Connection(self), host, port, reuse_address=True, backlog=1024
+        )
+        return int(self._listener.sockets[0].getsockname()[1])
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop listening, close idle connections, give busy ones ``grace`` seconds
+        to finish their answer, then drop every connection left."""
+        listener = self._listener
+        if listener is not None:
+            listener.close()
+        busy = [c.task for c in list(self.connections) if not c.close_idle()]
+        running = [t for t in busy if t is not None]
+        if running:
+            await asyncio.wait(running, timeout=grace)
+        # A closing transport flushes on the loop's next turns; whatever is left goes.
+        await asyncio.sleep(0)
+        for conn in list(self.connections):
+            conn.abort()
+        if listener is not None:
+            await listener.wait_closed()

@@ -1,0 +1,170 @@
+"""The server edge's request framing, without sockets (proxy/_front.py, ``RequestFraming``).
+
+Bytes in, events out: a head, body pieces, ``END``; limits of our own on top of
+llhttp's strict parsing; every fault a :class:`MalformedRequest` in our words,
+never the bytes that caused it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy._front import (
+    END,
+    MAX_FIELDS,
+    MAX_HEAD_BYTES,
+    MAX_LINE_BYTES,
+    MalformedRequest,
+    RequestFraming,
+    RequestHead,
+)
+
+SECRET = "sk-framing-secret-1234"
+
+
+def feed_all(data: bytes, *, step: int | None = None) -> list[object]:
+    """Every event of ``data`` fed whole, or ``step`` bytes at a time."""
+    framing = RequestFraming()
+    if step is None:
+        return list(framing.feed(data))
+    events: list[object] = []
+    for i in range(0, len(data), step):
+        events += framing.feed(data[i : i + step])
+    return events
+
+
+def body_of(events: list[object]) -> bytes:
+    return b"".join(e for e in events if isinstance(e, bytes))
+
+
+POST = (
+    b"POST /v1/chat/completions?beta=true HTTP/1.1\r\nHost: x\r\n"
+    b'Content-Type: application/json\r\nContent-Length: 7\r\n\r\n{"a":1}'
+)
+
+
+@pytest.mark.parametrize("step", [None, 1, 5, 64])
+def test_a_request_is_a_head_its_body_and_its_end_however_it_is_cut(step: int | None) -> None:
+    events = feed_all(POST, step=step)
+    head = events[0]
+    assert isinstance(head, RequestHead)
+    assert (head.method, head.path, head.raw_path, head.query_string) == (
+        "POST",
+        "/v1/chat/completions",
+        "/v1/chat/completions",
+        "beta=true",
+    )
+    assert head.headers["content-type"] == "application/json"
+    assert (head.content_length, head.chunked, head.expects_body) == (7, False, True)
+    assert head.keep_alive and head.version == (1, 1)
+    assert body_of(events) == b'{"a":1}'
+    assert events[-1] is END
+
+
+def test_a_chunked_body_comes_without_its_framing() -> None:
+    data = (
+        b"POST /v1/responses HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\n\r\n"
+    )
+    events = feed_all(data, step=3)
+    head = events[0]
+    assert isinstance(head, RequestHead) and head.chunked and head.content_length is None
+    assert body_of(events) == b"abcde" and events[-1] is END
+
+
+def test_pipelined_requests_follow_each_other_in_order() -> None:
+    get = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    events = feed_all(POST + get + POST)
+    heads = [e for e in events if isinstance(e, RequestHead)]
+    assert [h.path for h in heads] == ["/v1/chat/completions", "/healthz", "/v1/chat/completions"]
+    assert [e for e in events if e is END] == [END, END, END]
+    assert not heads[1].expects_body
+
+
+def test_targets_are_decoded_for_routing_and_kept_raw_for_the_upstream() -> None:
+    (head, *_) = feed_all(b"GET /v1/files/a%2Fb%3Fc?x=%20 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert isinstance(head, RequestHead)
+    assert head.path == "/v1/files/a/b?c" and head.raw_path == "/v1/files/a%2Fb%3Fc"
+    assert head.query_string == "x=%20"
+    (absolute, *_) = feed_all(b"GET http://other.example/v1/models?q=1 HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert isinstance(absolute, RequestHead)
+    assert (absolute.path, absolute.query_string) == ("/v1/models", "q=1")
+
+
+def test_http10_and_connection_close_do_not_keep_the_connection() -> None:
+    (old, *_) = feed_all(b"GET / HTTP/1.0\r\n\r\n")
+    (closing, *_) = feed_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert isinstance(old, RequestHead) and isinstance(closing, RequestHead)
+    assert old.version == (1, 0) and not old.keep_alive
+    assert not closing.keep_alive
+
+
+def test_header_values_keep_every_byte() -> None:
+    (head, *_) = feed_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Name: caf\xc3\xa9 \xff\r\n\r\n")
+    assert isinstance(head, RequestHead)
+    value = head.headers["X-Name"]
+    assert value.encode("utf-8", "surrogateescape") == b"caf\xc3\xa9 \xff"
+
+
+@pytest.mark.parametrize(
+    ("data", "words"),
+    [
+        (
+            f"GET / HTTP/1.1\r\nAuthorization: Bearer {SECRET}\x01\r\n\r\n".encode(),
+            "malformed HTTP request",
+        ),
+        (b"G@T / HTTP/1.1\r\n\r\n", "malformed"),
+        (
+            b"POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "malformed HTTP request",
+        ),
+        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", "malformed"),
+        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed"),
+        (
+            b"GET / HTTP/1.1\r\nX-Key: " + SECRET.encode() + b"A" * MAX_LINE_BYTES + b"\r\n\r\n",
+            "over the size limit",
+        ),
+        (b"GET /" + b"a" * MAX_LINE_BYTES + b" HTTP/1.1\r\n\r\n", "over the size limit"),
+        (
+            b"GET / HTTP/1.1\r\n"
+            + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_FIELDS + 1))
+            + b"\r\n",
+            "too many header fields",
+        ),
+    ],
+    ids=[
+        "control-char",
+        "bad-method",
+        "length-and-chunked",
+        "two-lengths",
+        "bad-chunk-size",
+        "long-field",
+        "long-target",
+        "too-many-fields",
+    ],
+)
+def test_a_malformed_request_is_refused_in_our_words(data: bytes, words: str) -> None:
+    with pytest.raises(MalformedRequest) as caught:
+        feed_all(data, step=7)
+    assert words in str(caught.value)
+    assert SECRET not in str(caught.value) and "AAAA" not in str(caught.value)
+
+
+def test_a_never_ending_header_line_is_refused_before_it_grows_past_the_head_limit() -> None:
+    framing = RequestFraming()
+    framing.feed(b"GET / HTTP/1.1\r\nX-Endless: ")
+    fed = 0
+    with pytest.raises(MalformedRequest, match="over the size limit"):
+        for _ in range(MAX_HEAD_BYTES // 1024 + 2):  # bounded: one more than the limit
+            framing.feed(b"a" * 1024)
+            fed += 1024
+    assert fed <= MAX_HEAD_BYTES
+
+
+def test_an_upgrade_request_is_framed_and_nothing_after_it() -> None:
+    framing = RequestFraming()
+    events = framing.feed(
+        b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\nPRI * HTTP/2.0"
+    )
+    assert isinstance(events[0], RequestHead) and framing.upgraded
+    assert framing.feed(b"GET / HTTP/1.1\r\n\r\n") == []
