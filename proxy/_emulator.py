@@ -866,6 +866,10 @@ def build_emulator_app(*, default_script: Script | None = None) -> web.Applicati
 # --------------------------------------------------------------------------- server
 
 
+_SETTLE_TURNS: Final = 5
+"""Loop turns :meth:`EmulatorServer.close` gives peer disconnects already under way."""
+
+
 class EmulatorServer:
     """A started emulator on a loopback port; an async context manager that closes it.
 
@@ -944,6 +948,10 @@ class EmulatorServer:
         if self._closed:
             return
         self._closed = True
+        # A client that hung up just before (a proxy aborting its upstream request on
+        # its way out) is seen on the loop's next turns: its record says so, not "closing".
+        for _ in range(_SETTLE_TURNS):
+            await asyncio.sleep(0)
         self.state.begin_close()
         await self._runner.cleanup()
 

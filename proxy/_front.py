@@ -111,6 +111,9 @@ KEEPALIVE_TIMEOUT: Final = 75.0
 _QUEUED_MAX: Final = 4
 """Pipelined requests parsed ahead of the one being handled before reading pauses."""
 
+_SHUTDOWN_TURNS: Final = 20
+"""Loop turns shutdown waits for aborted connections to report their loss."""
+
 _BODY_HIGH_WATER: Final = 256 * 1024
 """Unread body bytes buffered for a request before reading pauses (backpressure on the client)."""
 
@@ -780,16 +783,6 @@ class _Connection(asyncio.Protocol):
             # head: later pieces do not push it back).
             self._start_header_clock()
 
-    def eof_received(self) -> bool | None:
-        # A half-close (the client is done sending): the answer may still go out.
-        parsing = self._parsing
-        if parsing is not None:
-            parsing.content.set_exception(ClientBodyError("the client closed mid-body"))
-        if self._current is None:
-            return False  # nothing to answer: close
-        self.close_after_answer()
-        return True
-
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
         self._server.connections.discard(self)
@@ -1040,9 +1033,14 @@ class _Connection(asyncio.Protocol):
 
     def _set_deadline(self, seconds: float) -> None:
         loop = self._loop
-        self._deadline = loop.time() + seconds
-        if self._timer is None:
-            self._timer = loop.call_at(self._deadline, self._on_timer)
+        deadline = self._deadline = loop.time() + seconds
+        timer = self._timer
+        if timer is not None and timer.when() > deadline:
+            # Armed for a later deadline (the keep-alive one): a nearer one needs its own.
+            timer.cancel()
+            timer = None
+        if timer is None:
+            self._timer = loop.call_at(deadline, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -1152,5 +1150,9 @@ class FrontServer:
         await asyncio.sleep(0)
         for conn in list(self.connections):
             conn.abort()
+        for _ in range(_SHUTDOWN_TURNS):  # bounded: each lost connection reports in a turn or two
+            if not self.connections:
+                break
+            await asyncio.sleep(0)
         if listener is not None:
             await listener.wait_closed()
