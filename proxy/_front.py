@@ -928,9 +928,15 @@ class _Connection(asyncio.Protocol):
         self._task = self._loop.create_task(self._serve(request))
 
     async def _serve(self, request: Request) -> None:
-        server = self._server
         try:
-            answer = await server.handler(request)
+            await self._answer(request)
+        finally:
+            # Every way out: a hang-up (cancelled) and a handler's bug included.
+            self._finished(request)
+
+    async def _answer(self, request: Request) -> None:
+        try:
+            answer = await self._server.handler(request)
         except asyncio.CancelledError:
             self._close()
             raise
@@ -942,17 +948,13 @@ class _Connection(asyncio.Protocol):
                 type(exc).__name__,
             )
             del exc
-            if request.answer is not None:
-                self._close()  # the answer had begun: a truncated one, not a spliced one
-                return
-                self.write(
-                    _error_answer(
-                        500,
-                        error_body(
-                            Protocol.OPENAI, 500, "internal proxy error", code="internal_error"
-                        ),
-                    )
+            if request.answer is None:
+                body = error_body(
+                    Protocol.OPENAI, 500, "internal proxy error", code="internal_error"
                 )
+                self.write(_error_answer(500, body))
+            # Closed either way: an answer that had begun is cut, not spliced; after a
+            # 500 the rest of the request may be unread.
             self._close()
             return
         try:
@@ -968,7 +970,6 @@ class _Connection(asyncio.Protocol):
             pass
         finally:
             del answer
-            self._finished(request)
 
     async def _write_response(self, request: Request, resp: web.Response) -> None:
         if resp.keep_alive is False:
@@ -998,7 +999,8 @@ class _Connection(asyncio.Protocol):
         request._conn = None
         if server.on_request_done is not None:
             server.on_request_done()
-        if self.transport is None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
             return
         if close:
             self._close()
@@ -1011,7 +1013,7 @@ class _Connection(asyncio.Protocol):
             if self._queue_paused and len(self._queue) < _QUEUED_MAX:
                 self._queue_paused = False
                 if not self._body_paused:
-                    self.transport.resume_reading()
+                    transport.resume_reading()
             self._start(queued)
             return
         if self._framing.in_head:
