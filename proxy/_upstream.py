@@ -479,6 +479,7 @@ class _Connection(asyncio.Protocol):
         "_drain",
         "_head",
         "_idle",
+        "_idle_until",
         "_read_paused",
         "_read_timer",
         "_reader",
@@ -507,6 +508,7 @@ class _Connection(asyncio.Protocol):
         self._reader: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
+        self._idle_until = 0.0  # loop time by which a parked connection is closed
         self._read_paused = False
         self._read_timer: asyncio.TimerHandle | None = None
         self._waiting_since = 0.0
@@ -747,18 +749,31 @@ class _Connection(asyncio.Protocol):
 
     def reuse(self, *, head_only: bool) -> None:
         """Taken from the pool for the next request."""
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-        self.in_use = True
+        self.in_use = True  # the idle timer, if it fires meanwhile, lets it be
         self.reused = True
         self.framing.expect(head_only=head_only)
 
     def park(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Put in the pool: closed if no request takes it within the keep-alive time."""
+        """Put in the pool: closed if no request takes it within the keep-alive time.
+
+        One idle timer per connection, re-armed lazily: a connection parked again
+        before its timer fires moves the deadline on instead of making a new timer
+        (a timer and its cancel per request cost more than the deadline's check).
+        """
         self.in_use = False
         self._stop_read_timer()
-        self._idle = loop.call_later(self.framing.keep_alive_s, self.abort)
+        self._idle_until = loop.time() + self.framing.keep_alive_s
+        if self._idle is None:
+            self._idle = loop.call_at(self._idle_until, self._idle_expired, loop)
+
+    def _idle_expired(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._idle = None
+        if self.in_use:
+            return  # taken from the pool; its next park arms a timer again
+        if loop.time() < self._idle_until:
+            self._idle = loop.call_at(self._idle_until, self._idle_expired, loop)
+            return
+        self.abort()
 
 
 async def _nothing() -> bytes:
@@ -768,6 +783,39 @@ async def _nothing() -> bytes:
 def _wake(waiter: asyncio.Future[None] | None) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
+
+
+class _Bound:
+    """A deadline on the current task: at ``when`` (loop time) the task is cancelled,
+    and :meth:`expired` tells that cancellation from any other one.
+
+    ``asyncio.timeout()`` does the same with a context manager, a ``Timeout``
+    object and a reschedule; this is one timer, for the one await per request
+    that needs a bound (the answer's head). :meth:`close` it in ``finally``.
+    """
+
+    __slots__ = ("_cancelling", "_fired", "_handle", "_task")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        task = asyncio.current_task(loop)
+        assert task is not None, "a bound needs a task to cancel"
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._fired = False
+        self._handle = loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._fired = True
+        self._task.cancel()
+
+    def close(self) -> None:
+        """Drop the timer (the bounded await is over)."""
+        self._handle.cancel()
+
+    def expired(self) -> bool:
+        """Called on a ``CancelledError``: whether it was this bound's (then it is undone,
+        as ``asyncio.timeout`` undoes its own, so the caller raises a timeout instead)."""
+        return self._fired and self._task.uncancel() <= self._cancelling
 
 
 class UpstreamPool:
@@ -785,6 +833,7 @@ class UpstreamPool:
         "_closed",
         "_dns",
         "_idle",
+        "_idle_until",
         "_in_use",
         "_reserved",
         "_ssl",
@@ -864,11 +913,20 @@ class UpstreamPool:
         """
         head = _request_head(target, method, path, fields)
         waiting = [True]  # whether the bound ran out in the wait for a free connection
+        loop = asyncio.get_running_loop()
+        bound = _Bound(loop, loop.time() + head_timeout) if head_timeout is not None else None
         try:
-            async with asyncio.timeout(head_timeout):
+            try:
                 return await self._exchange(
                     target, head, method == "HEAD", body, body_bytes, waiting
                 )
+            except asyncio.CancelledError:
+                if bound is None or not bound.expired():
+                    raise
+                raise TimeoutError from None
+            finally:
+                if bound is not None:
+                    bound.close()
         except ConnectTimeout:
             raise
         except TimeoutError:

@@ -644,6 +644,33 @@ async def test_a_connection_the_upstream_keeps_a_second_or_less_is_not_kept() ->
         assert upstream.connections == 2
 
 
+async def test_a_kept_connection_is_closed_a_keep_alive_time_after_its_last_use() -> None:
+    """The idle deadline runs from the connection's last answer, not its first: one
+    used again before its deadline stays past it, then goes once idle that long."""
+
+    async def two_seconds(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(10):  # bounded
+            _head, body = await read_request(reader)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=2\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            await writer.drain()
+
+    async with Upstream(two_seconds) as upstream, _pool() as pool:
+        assert await _post(pool, upstream.port, b"1") == b"1"  # kept for 1 s (2 less 1)
+        await asyncio.sleep(0.6)
+        assert await _post(pool, upstream.port, b"2") == b"2"  # the same connection
+        await asyncio.sleep(0.6)  # past the first deadline, inside the second
+        assert pool.idle_connections == 1
+        for _ in range(150):  # bounded: 1.5 s
+            if pool.idle_connections == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.idle_connections == 0
+        assert upstream.connections == 1
+
+
 async def test_an_answer_with_gaps_under_the_idle_bound_never_times_out() -> None:
     """The bound is the silence between two reads, not the time since the first:
     pieces every 0.15 s for over a second pass an idle bound of 0.4 s."""
