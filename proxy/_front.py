@@ -523,21 +523,24 @@ def _head_bytes(
     """
     if reason is None:
         reason = _REASONS.get(status, "")
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1", "replace"))]
-    has_date = False
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError("a header field contains CR or LF")
-        if not has_date and name.lower() == "date":
-            has_date = True
-        lines.append(
+    fields = b"".join(
+        [
             b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
-        )
-    if not has_date:
-        lines.append(_date_line())
-    lines.append(framing)
-    lines.append(b"\r\n")
-    return b"".join(lines)
+            for name, value in headers.items()
+        ]
+    )
+    # Each field line holds exactly one CR and one LF: any more came from a name or
+    # a value and would split the answer (one count over the block, not a scan per field).
+    if fields.count(b"\n") != len(headers) or fields.count(b"\r") != len(headers):
+        raise ValueError("a header field contains CR or LF")
+    date = b"" if "Date" in headers else _date_line()
+    return b"HTTP/1.1 %d %s\r\n%s%s%s\r\n" % (
+        status,
+        reason.encode("latin-1", "replace"),
+        fields,
+        date,
+        framing,
+    )
 
 
 class StreamAnswer:
@@ -983,7 +986,17 @@ class _Connection(asyncio.Protocol):
         framing = b"" if _bodiless(status) else b"Content-Length: %d\r\n" % len(body or b"")
         if self.closes_after_answer():
             framing += b"Connection: close\r\n"
-        head = _head_bytes(status, resp.reason, resp.headers, framing)
+        try:
+            head = _head_bytes(status, resp.reason, resp.headers, framing)
+        except ValueError:
+            # A field with a line break (a handler's bug): never an answer split in two.
+            log.error(
+                "%s %s: an answer's header field holds a line break", request.method, request.path
+            )
+            body = error_body(Protocol.OPENAI, 500, "internal proxy error", code="internal_error")
+            self.write(_error_answer(500, body))
+            self._close()
+            return
         self.write(
             head if request.method == "HEAD" or not body or _bodiless(status) else head + body
         )

@@ -248,3 +248,16 @@ async def test_an_answer_ended_by_a_hang_up_still_counts_as_done() -> None:
     finally:
         await server.shutdown(grace=1.0)
     assert done == [1]
+
+
+@pytest.mark.parametrize(
+    "field", [("X-Bad", "a\r\nInjected: yes"), ("X-Bad", "a\nb"), ("X\rY", "1")]
+)
+async def test_a_field_with_a_line_break_never_splits_the_answer(field: tuple[str, str]) -> None:
+    async def splitting(request: Request) -> web.Response:
+        return web.Response(body=b"x", headers={field[0]: field[1]})
+
+    async with serving(splitting) as (_, port):
+        got = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", until_close=True)
+    assert b"Injected" not in got
+    assert got.startswith(b"HTTP/1.1 500 ")
