@@ -252,4 +252,3 @@ def _cluster_node(settings: Settings, registry: SessionRegistry) -> ClusterNode 
         heartbeat_ttl=settings.cluster_heartbeat_ttl,
         tombstone_ttl=settings.tombstone_ttl,
     )
-

@@ -129,9 +129,7 @@ def chat_sse_events(text: str = "hi") -> list[bytes]:
 
 
 @contextlib.asynccontextmanager
-async def proxy_app(
-    upstream_url: str, **overrides: Any
-) -> AsyncIterator[tuple[str, ProxyApp]]:
+async def proxy_app(upstream_url: str, **overrides: Any) -> AsyncIterator[tuple[str, ProxyApp]]:
     """A proxy (no plugins) in front of ``upstream_url`` on 127.0.0.1, both protocols'
     upstreams; ``overrides`` are settings. Yields ``(base URL, app)``, the app for a
     look at its state (:func:`pool_of`)."""
