@@ -41,6 +41,7 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import http
 import logging
@@ -788,7 +789,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
-        self._server.connections.discard(self)
+        self._server.lost(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -1110,6 +1111,7 @@ class FrontServer:
     """
 
     __slots__ = (
+        "_emptied",
         "_listener",
         "connections",
         "draining",
@@ -1139,6 +1141,8 @@ class FrontServer:
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self._listener: asyncio.Server | None = None
+        # Set by shutdown: resolved when the last connection is lost.
+        self._emptied: asyncio.Future[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: an ephemeral port); the bound port.
@@ -1151,18 +1155,36 @@ class FrontServer:
         )
         return int(self._listener.sockets[0].getsockname()[1])
 
+    def lost(self, conn: _Connection) -> None:
+        """``conn`` is closed (connection side: its ``connection_lost``)."""
+        connections = self.connections
+        connections.discard(conn)
+        emptied = self._emptied
+        if not connections and emptied is not None and not emptied.done():
+            emptied.set_result(None)
+
     async def shutdown(self, grace: float) -> None:
         """Stop listening, close idle connections, give busy ones ``grace`` seconds
-        to finish their answer, then drop every connection left."""
+        to finish their answer (its last bytes taken by the client), then drop every
+        connection left."""
         listener = self._listener
         if listener is not None:
             listener.close()
+        loop = self.loop
+        deadline = loop.time() + grace
         busy = [c.task for c in list(self.connections) if not c.close_idle()]
         running = [t for t in busy if t is not None]
         if running:
             await asyncio.wait(running, timeout=grace)
-        # A closing transport flushes on the loop's next turns; whatever is left goes.
-        await asyncio.sleep(0)
+        if self.connections:
+            # A closed transport still holds what a slow client has not taken yet (the
+            # end of an answer that finished in time): it is lost once that is out. The
+            # grace covers it; whatever is left at its end goes.
+            emptied = self._emptied = loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await emptied
+            self._emptied = None
         for conn in list(self.connections):
             conn.abort()
         for _ in range(_SHUTDOWN_TURNS):  # bounded: each lost connection reports in a turn or two
