@@ -61,6 +61,7 @@ __all__ = [
     "END",
     "HEAD_READ_BYTES",
     "KEEPALIVE_TIMEOUT",
+    "LINGER_TIMEOUT",
     "MAX_FIELDS",
     "MAX_HEAD_BYTES",
     "MAX_LINE_BYTES",
@@ -108,6 +109,11 @@ CPU per request (seven read cycles instead of two)."""
 
 KEEPALIVE_TIMEOUT: Final = 75.0
 """Seconds an idle keep-alive connection is kept (aiohttp's default, which clients know)."""
+
+LINGER_TIMEOUT: Final = 10.0
+"""Seconds a connection closing after an answer keeps reading (and dropping) the rest of an
+unread request body (aiohttp's ``lingering_time``): closed at once, the client's bytes still
+arriving would be answered with a reset, which loses it the answer (a 413) it has not read yet."""
 
 _QUEUED_MAX: Final = 4
 """Pipelined requests parsed ahead of the one being handled before reading pauses."""
@@ -369,6 +375,10 @@ class BodyStream:
     def at_eof(self) -> bool:
         """Every byte of the body has arrived and been read."""
         return self._eof and not self._parts
+
+    def failed(self) -> bool:
+        """The body will not complete: the client left, or broke its framing."""
+        return self._error is not None
 
     async def read(self, n: int) -> bytes:
         """Up to ``n`` bytes of the body (``b""``: its end).
@@ -708,6 +718,7 @@ class _Connection(asyncio.Protocol):
         "_drain_waiter",
         "_framing",
         "_head_clock",
+        "_lingering",
         "_loop",
         "_parsing",
         "_queue",
@@ -743,6 +754,8 @@ class _Connection(asyncio.Protocol):
         self._head_clock = False  # the pending deadline is the header clock's
         self._timer: asyncio.TimerHandle | None = None
         self._sized = False
+        # Closing after an answer: the rest of the request body is read and dropped.
+        self._lingering = False
         self.request_version = (1, 1)
 
     # -- asyncio.Protocol
@@ -759,7 +772,7 @@ class _Connection(asyncio.Protocol):
         self._set_deadline(self._server.keepalive_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if self._broken is not None or self.transport is None:
+        if self._broken is not None or self.transport is None or self._lingering:
             return
         try:
             events = self._framing.feed(data)
@@ -1016,6 +1029,10 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        content = request.content
+        if not content.is_eof() and not content.failed():
+            self._linger()
+            return
         if close:
             self._close()
             return
@@ -1034,6 +1051,19 @@ class _Connection(asyncio.Protocol):
             self._start_header_clock()
         else:
             self._set_deadline(server.keepalive_timeout)
+
+    def _linger(self) -> None:
+        """The answer is out, the request body is not: drop its rest as it comes, then close
+        (the client's end, or :data:`LINGER_TIMEOUT`), so the client reads the answer first."""
+        transport = self.transport
+        assert transport is not None
+        self._lingering = True
+        self._parsing = None
+        self._queue = []
+        if self._body_paused or self._queue_paused:
+            self._body_paused = self._queue_paused = False
+            transport.resume_reading()
+        self._set_deadline(LINGER_TIMEOUT)
 
     def _close(self) -> None:
         transport = self.transport
@@ -1068,7 +1098,7 @@ class _Connection(asyncio.Protocol):
             self._timer = self._loop.call_at(deadline, self._on_timer)
             return
         self._deadline = 0.0
-        if self._framing.in_head:
+        if self._framing.in_head and not self._lingering:
             log.debug("%s: request headers not complete in time: closing", self._peer())
         self._close()
 
