@@ -231,6 +231,7 @@ class RequestFraming:
         "_fields",
         "_head_bytes",
         "_parser",
+        "_priming",
         "_url",
         "events",
         "in_head",
@@ -247,6 +248,8 @@ class RequestFraming:
         self.in_head = False
         # The client asked for a protocol upgrade (or CONNECT): nothing after it is parsed.
         self.upgraded = False
+        # A fresh parser is fed a head of our own that emits no event (see _reframe).
+        self._priming = False
 
     def feed(self, data: bytes) -> list[Event]:
         """Parse ``data``; the events it completed (see the class docstring)."""
@@ -255,10 +258,25 @@ class RequestFraming:
         if self.in_head or not self.events:
             self._head_bytes += len(data)
         try:
-            self._parser.feed_data(data)
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade as exc:
+                rest = data[exc.args[0] :]
+                if not self._reframe():
+                    raise
+                # The rest is the body, then any request pipelined behind it (bounded: each
+                # pass consumes at least the head before it).
+                while True:
+                    try:
+                        self._parser.feed_data(rest)
+                        break
+                    except httptools.HttpParserUpgrade as again:
+                        rest = rest[again.args[0] :]
+                        if not self._reframe():
+                            raise
         except httptools.HttpParserUpgrade:
-            # An Upgrade (h2c, websocket) or CONNECT: answered as a plain request,
-            # then the connection closes (the bytes after it are not HTTP/1.1).
+            # An Upgrade (websocket) or CONNECT without a body: answered as a plain
+            # request, then the connection closes (the bytes after it are not HTTP/1.1).
             self.upgraded = True
         except httptools.HttpParserCallbackError as exc:
             self.events = []
@@ -280,6 +298,32 @@ class RequestFraming:
             raise MalformedRequest("the request head is over the size limit")
         events, self.events = self.events, []
         return events
+
+    def _reframe(self) -> bool:
+        """Ignore the Upgrade of a request with a body (RFC 9110 §7.8: a server may);
+        whether it did.
+
+        curl ``--http2`` and Java's HttpClient ask for h2c on a POST and send its body
+        at once. httptools has skipped that body (llhttp says "upgrade" at the end of
+        the head) and ended the message: its END goes, and a fresh parser frames the
+        body, primed with a head of the same framing that emits no event.
+        """
+        events = self.events
+        if len(events) < 2 or events[-1] is not END:
+            return False
+        head = events[-2]
+        if not isinstance(head, RequestHead) or not head.expects_body or head.method == "CONNECT":
+            return False
+        del events[-1]
+        framing = (
+            b"Transfer-Encoding: chunked"
+            if head.chunked
+            else b"Content-Length: %d" % (head.content_length or 0)
+        )
+        self._parser = httptools.HttpRequestParser(self)
+        self._priming = True
+        self._parser.feed_data(b"POST / HTTP/1.1\r\n%s\r\n\r\n" % framing)
+        return True
 
     # llhttp callbacks (httptools calls them by name during feed_data)
 
@@ -303,6 +347,12 @@ class RequestFraming:
         fields.append((name.decode("latin-1"), _decode(value)))
 
     def on_headers_complete(self) -> None:
+        if self._priming:  # our own head (_reframe): the body that follows is the request's
+            self._priming = False
+            self._fields = []
+            self._url = b""
+            self.in_head = False
+            return
         parser = self._parser
         headers = CIMultiDictProxy(CIMultiDict(self._fields))
         self._fields = []
