@@ -41,6 +41,7 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import http
 import logging
@@ -60,6 +61,7 @@ __all__ = [
     "END",
     "HEAD_READ_BYTES",
     "KEEPALIVE_TIMEOUT",
+    "LINGER_TIMEOUT",
     "MAX_FIELDS",
     "MAX_HEAD_BYTES",
     "MAX_LINE_BYTES",
@@ -107,6 +109,11 @@ CPU per request (seven read cycles instead of two)."""
 
 KEEPALIVE_TIMEOUT: Final = 75.0
 """Seconds an idle keep-alive connection is kept (aiohttp's default, which clients know)."""
+
+LINGER_TIMEOUT: Final = 10.0
+"""Seconds a connection closing after an answer keeps reading (and dropping) the rest of an
+unread request body (aiohttp's ``lingering_time``): closed at once, the client's bytes still
+arriving would be answered with a reset, which loses it the answer (a 413) it has not read yet."""
 
 _QUEUED_MAX: Final = 4
 """Pipelined requests parsed ahead of the one being handled before reading pauses."""
@@ -224,6 +231,7 @@ class RequestFraming:
         "_fields",
         "_head_bytes",
         "_parser",
+        "_priming",
         "_url",
         "events",
         "in_head",
@@ -240,6 +248,8 @@ class RequestFraming:
         self.in_head = False
         # The client asked for a protocol upgrade (or CONNECT): nothing after it is parsed.
         self.upgraded = False
+        # A fresh parser is fed a head of our own that emits no event (see _reframe).
+        self._priming = False
 
     def feed(self, data: bytes) -> list[Event]:
         """Parse ``data``; the events it completed (see the class docstring)."""
@@ -248,10 +258,25 @@ class RequestFraming:
         if self.in_head or not self.events:
             self._head_bytes += len(data)
         try:
-            self._parser.feed_data(data)
+            try:
+                self._parser.feed_data(data)
+            except httptools.HttpParserUpgrade as exc:
+                rest = data[exc.args[0] :]
+                if not self._reframe():
+                    raise
+                # The rest is the body, then any request pipelined behind it (bounded: each
+                # pass consumes at least the head before it).
+                while True:
+                    try:
+                        self._parser.feed_data(rest)
+                        break
+                    except httptools.HttpParserUpgrade as again:
+                        rest = rest[again.args[0] :]
+                        if not self._reframe():
+                            raise
         except httptools.HttpParserUpgrade:
-            # An Upgrade (h2c, websocket) or CONNECT: answered as a plain request,
-            # then the connection closes (the bytes after it are not HTTP/1.1).
+            # An Upgrade (websocket) or CONNECT without a body: answered as a plain
+            # request, then the connection closes (the bytes after it are not HTTP/1.1).
             self.upgraded = True
         except httptools.HttpParserCallbackError as exc:
             self.events = []
@@ -273,6 +298,32 @@ class RequestFraming:
             raise MalformedRequest("the request head is over the size limit")
         events, self.events = self.events, []
         return events
+
+    def _reframe(self) -> bool:
+        """Ignore the Upgrade of a request with a body (RFC 9110 §7.8: a server may);
+        whether it did.
+
+        curl ``--http2`` and Java's HttpClient ask for h2c on a POST and send its body
+        at once. httptools has skipped that body (llhttp says "upgrade" at the end of
+        the head) and ended the message: its END goes, and a fresh parser frames the
+        body, primed with a head of the same framing that emits no event.
+        """
+        events = self.events
+        if len(events) < 2 or events[-1] is not END:
+            return False
+        head = events[-2]
+        if not isinstance(head, RequestHead) or not head.expects_body or head.method == "CONNECT":
+            return False
+        del events[-1]
+        framing = (
+            b"Transfer-Encoding: chunked"
+            if head.chunked
+            else b"Content-Length: %d" % (head.content_length or 0)
+        )
+        self._parser = httptools.HttpRequestParser(self)
+        self._priming = True
+        self._parser.feed_data(b"POST / HTTP/1.1\r\n%s\r\n\r\n" % framing)
+        return True
 
     # llhttp callbacks (httptools calls them by name during feed_data)
 
@@ -296,6 +347,12 @@ class RequestFraming:
         fields.append((name.decode("latin-1"), _decode(value)))
 
     def on_headers_complete(self) -> None:
+        if self._priming:  # our own head (_reframe): the body that follows is the request's
+            self._priming = False
+            self._fields = []
+            self._url = b""
+            self.in_head = False
+            return
         parser = self._parser
         headers = CIMultiDictProxy(CIMultiDict(self._fields))
         self._fields = []
@@ -368,6 +425,10 @@ class BodyStream:
     def at_eof(self) -> bool:
         """Every byte of the body has arrived and been read."""
         return self._eof and not self._parts
+
+    def failed(self) -> bool:
+        """The body will not complete: the client left, or broke its framing."""
+        return self._error is not None
 
     async def read(self, n: int) -> bytes:
         """Up to ``n`` bytes of the body (``b""``: its end).
@@ -707,6 +768,7 @@ class _Connection(asyncio.Protocol):
         "_drain_waiter",
         "_framing",
         "_head_clock",
+        "_lingering",
         "_loop",
         "_parsing",
         "_queue",
@@ -742,6 +804,8 @@ class _Connection(asyncio.Protocol):
         self._head_clock = False  # the pending deadline is the header clock's
         self._timer: asyncio.TimerHandle | None = None
         self._sized = False
+        # Closing after an answer: the rest of the request body is read and dropped.
+        self._lingering = False
         self.request_version = (1, 1)
 
     # -- asyncio.Protocol
@@ -758,7 +822,7 @@ class _Connection(asyncio.Protocol):
         self._set_deadline(self._server.keepalive_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if self._broken is not None or self.transport is None:
+        if self._broken is not None or self.transport is None or self._lingering:
             return
         try:
             events = self._framing.feed(data)
@@ -788,7 +852,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
-        self._server.connections.discard(self)
+        self._server.lost(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -1015,6 +1079,10 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
+        content = request.content
+        if not content.is_eof() and not content.failed():
+            self._linger()
+            return
         if close:
             self._close()
             return
@@ -1033,6 +1101,19 @@ class _Connection(asyncio.Protocol):
             self._start_header_clock()
         else:
             self._set_deadline(server.keepalive_timeout)
+
+    def _linger(self) -> None:
+        """The answer is out, the request body is not: drop its rest as it comes, then close
+        (the client's end, or :data:`LINGER_TIMEOUT`), so the client reads the answer first."""
+        transport = self.transport
+        assert transport is not None
+        self._lingering = True
+        self._parsing = None
+        self._queue = []
+        if self._body_paused or self._queue_paused:
+            self._body_paused = self._queue_paused = False
+            transport.resume_reading()
+        self._set_deadline(LINGER_TIMEOUT)
 
     def _close(self) -> None:
         transport = self.transport
@@ -1067,7 +1148,7 @@ class _Connection(asyncio.Protocol):
             self._timer = self._loop.call_at(deadline, self._on_timer)
             return
         self._deadline = 0.0
-        if self._framing.in_head:
+        if self._framing.in_head and not self._lingering:
             log.debug("%s: request headers not complete in time: closing", self._peer())
         self._close()
 
@@ -1110,6 +1191,7 @@ class FrontServer:
     """
 
     __slots__ = (
+        "_emptied",
         "_listener",
         "connections",
         "draining",
@@ -1139,6 +1221,8 @@ class FrontServer:
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self._listener: asyncio.Server | None = None
+        # Set by shutdown: resolved when the last connection is lost.
+        self._emptied: asyncio.Future[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: an ephemeral port); the bound port.
@@ -1151,18 +1235,36 @@ class FrontServer:
         )
         return int(self._listener.sockets[0].getsockname()[1])
 
+    def lost(self, conn: _Connection) -> None:
+        """``conn`` is closed (connection side: its ``connection_lost``)."""
+        connections = self.connections
+        connections.discard(conn)
+        emptied = self._emptied
+        if not connections and emptied is not None and not emptied.done():
+            emptied.set_result(None)
+
     async def shutdown(self, grace: float) -> None:
         """Stop listening, close idle connections, give busy ones ``grace`` seconds
-        to finish their answer, then drop every connection left."""
+        to finish their answer (its last bytes taken by the client), then drop every
+        connection left."""
         listener = self._listener
         if listener is not None:
             listener.close()
+        loop = self.loop
+        deadline = loop.time() + grace
         busy = [c.task for c in list(self.connections) if not c.close_idle()]
         running = [t for t in busy if t is not None]
         if running:
             await asyncio.wait(running, timeout=grace)
-        # A closing transport flushes on the loop's next turns; whatever is left goes.
-        await asyncio.sleep(0)
+        if self.connections:
+            # A closed transport still holds what a slow client has not taken yet (the
+            # end of an answer that finished in time): it is lost once that is out. The
+            # grace covers it; whatever is left at its end goes.
+            emptied = self._emptied = loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await emptied
+            self._emptied = None
         for conn in list(self.connections):
             conn.abort()
         for _ in range(_SHUTDOWN_TURNS):  # bounded: each lost connection reports in a turn or two
