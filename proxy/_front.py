@@ -228,8 +228,10 @@ class RequestFraming:
     """
 
     __slots__ = (
+        "_field_bytes",
         "_fields",
         "_head_bytes",
+        "_in_message",
         "_parser",
         "_priming",
         "_url",
@@ -242,7 +244,11 @@ class RequestFraming:
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._fields: list[tuple[str, str]] = []
+        # Bytes of the current head fed in pieces, and parsed in fields (both bounded).
         self._head_bytes = 0
+        self._field_bytes = 0
+        # Between a request's first byte and its end.
+        self._in_message = False
         self.events: list[Event] = []
         # Between a request's first byte and the end of its head.
         self.in_head = False
@@ -255,8 +261,9 @@ class RequestFraming:
         """Parse ``data``; the events it completed (see the class docstring)."""
         if self.upgraded:
             return []
-        if self.in_head or not self.events:
-            self._head_bytes += len(data)
+        # A feed that starts in a head (or between requests) and leaves it incomplete
+        # was head bytes whole: llhttp buffers an unfinished field, this bounds it.
+        starts_in_head = self.in_head or not self._in_message
         try:
             try:
                 self._parser.feed_data(data)
@@ -293,9 +300,11 @@ class RequestFraming:
         except httptools.HttpParserError:
             self.events = []
             raise MalformedRequest("malformed HTTP request") from None
-        if self.in_head and self._head_bytes > MAX_HEAD_BYTES:
-            self.events = []
-            raise MalformedRequest("the request head is over the size limit")
+        if self.in_head and starts_in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self.events = []
+                raise MalformedRequest("the request head is over the size limit")
         events, self.events = self.events, []
         return events
 
@@ -329,7 +338,8 @@ class RequestFraming:
 
     def on_message_begin(self) -> None:
         self.in_head = True
-        self._head_bytes = 0
+        self._in_message = True
+        self._field_bytes = 0
         self._url = b""
         self._fields = []
 
@@ -344,6 +354,10 @@ class RequestFraming:
         fields = self._fields
         if len(fields) >= MAX_FIELDS:
             raise MalformedRequest("too many header fields")
+        # A head parsed in one feed is counted here (the feed count sees unfinished ones).
+        self._field_bytes += len(name) + len(value) + 4
+        if self._field_bytes > MAX_HEAD_BYTES:
+            raise MalformedRequest("the request head is over the size limit")
         fields.append((name.decode("latin-1"), _decode(value)))
 
     def on_headers_complete(self) -> None:
@@ -356,9 +370,13 @@ class RequestFraming:
         parser = self._parser
         headers = CIMultiDictProxy(CIMultiDict(self._fields))
         self._fields = []
+        self._head_bytes = 0
+        version = parser.get_http_version()
+        if version != "1.0" and "Host" not in headers:
+            # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host.
+            raise MalformedRequest("an HTTP/1.1 request without a Host field")
         declared = headers.get("Content-Length")
         chunked = "Transfer-Encoding" in headers
-        version = parser.get_http_version()
         self.events.append(
             RequestHead(
                 parser.get_method().decode("ascii"),
@@ -378,6 +396,7 @@ class RequestFraming:
         self.events.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_message = False
         self.events.append(END)
 
 

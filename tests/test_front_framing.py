@@ -119,7 +119,7 @@ def test_header_values_keep_every_byte() -> None:
             "malformed HTTP request",
         ),
         (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n", "malformed"),
-        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed"),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "malformed"),
         (
             b"GET / HTTP/1.1\r\nX-Key: " + SECRET.encode() + b"A" * MAX_LINE_BYTES + b"\r\n\r\n",
             "over the size limit",
@@ -168,3 +168,22 @@ def test_an_upgrade_request_is_framed_and_nothing_after_it() -> None:
     )
     assert isinstance(events[0], RequestHead) and framing.upgraded
     assert framing.feed(b"GET / HTTP/1.1\r\n\r\n") == []
+
+
+def test_a_head_over_the_limit_is_refused_even_when_it_arrives_in_one_read() -> None:
+    fields = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(100))
+    with pytest.raises(MalformedRequest, match="over the size limit"):
+        feed_all(b"GET / HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
+    # Just under the limit passes, in one read or in pieces.
+    fine = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(60))
+    for step in (None, 1000):
+        (head, *_) = feed_all(b"GET / HTTP/1.1\r\nHost: x\r\n" + fine + b"\r\n", step=step)
+        assert isinstance(head, RequestHead) and len(head.headers) == 61
+
+
+def test_an_http11_request_without_host_is_refused() -> None:
+    """RFC 9112 section 3.2: a server MUST answer 400 to an HTTP/1.1 request without Host."""
+    with pytest.raises(MalformedRequest, match="without a Host"):
+        feed_all(b"GET /v1/models HTTP/1.1\r\nAccept: */*\r\n\r\n")
+    (old, *_) = feed_all(b"GET / HTTP/1.0\r\n\r\n")
+    assert isinstance(old, RequestHead)
