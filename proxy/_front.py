@@ -228,6 +228,7 @@ class RequestFraming:
     """
 
     __slots__ = (
+        "_ended_here",
         "_field_bytes",
         "_fields",
         "_head_bytes",
@@ -249,6 +250,8 @@ class RequestFraming:
         self._field_bytes = 0
         # Between a request's first byte and its end.
         self._in_message = False
+        # A request ended in the current feed (a head after it began there too).
+        self._ended_here = False
         self.events: list[Event] = []
         # Between a request's first byte and the end of its head.
         self.in_head = False
@@ -264,6 +267,7 @@ class RequestFraming:
         # A feed that starts in a head (or between requests) and leaves it incomplete
         # was head bytes whole: llhttp buffers an unfinished field, this bounds it.
         starts_in_head = self.in_head or not self._in_message
+        self._ended_here = False
         try:
             try:
                 self._parser.feed_data(data)
@@ -300,8 +304,14 @@ class RequestFraming:
         except httptools.HttpParserError:
             self.events = []
             raise MalformedRequest("malformed HTTP request") from None
-        if self.in_head and starts_in_head:
-            self._head_bytes += len(data)
+        if self.in_head:
+            if starts_in_head and not self._ended_here:
+                self._head_bytes += len(data)
+            else:
+                # The head began behind other requests in this read (pipelined): of its
+                # bytes only the parsed ones are known. Its unfinished field is bounded
+                # by the read, and the next reads count whole.
+                self._head_bytes = self._field_bytes + len(self._url)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.events = []
                 raise MalformedRequest("the request head is over the size limit")
@@ -397,6 +407,7 @@ class RequestFraming:
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        self._ended_here = True
         self.events.append(END)
 
 
