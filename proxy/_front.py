@@ -116,7 +116,8 @@ unread request body (aiohttp's ``lingering_time``): closed at once, the client's
 arriving would be answered with a reset, which loses it the answer (a 413) it has not read yet."""
 
 _QUEUED_MAX: Final = 4
-"""Pipelined requests parsed ahead of the one being handled before reading pauses."""
+"""Pipelined requests parsed ahead of the one being handled before reading pauses (and
+parsing: a large read is parsed :data:`HEAD_READ_BYTES` at a time, the rest kept unparsed)."""
 
 _SHUTDOWN_TURNS: Final = 20
 """Loop turns shutdown waits for aborted connections to report their loss."""
@@ -260,7 +261,7 @@ class RequestFraming:
         # A fresh parser is fed a head of our own that emits no event (see _reframe).
         self._priming = False
 
-    def feed(self, data: bytes) -> list[Event]:
+    def feed(self, data: bytes | memoryview) -> list[Event]:
         """Parse ``data``; the events it completed (see the class docstring)."""
         if self.upgraded:
             return []
@@ -790,6 +791,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "__weakref__",
+        "_body_left",
         "_body_paused",
         "_broken",
         "_close_after",
@@ -798,6 +800,7 @@ class _Connection(asyncio.Protocol):
         "_drain_waiter",
         "_framing",
         "_head_clock",
+        "_held",
         "_lingering",
         "_loop",
         "_parsing",
@@ -821,6 +824,10 @@ class _Connection(asyncio.Protocol):
         self._parsing: Request | None = None
         self._current: Request | None = None
         self._queue: list[Request] = []
+        # Bytes of the declared body being parsed not received yet.
+        self._body_left = 0
+        # Bytes read and not parsed yet: the queue was full (pipelined requests).
+        self._held: bytes | None = None
         self._task: asyncio.Task[None] | None = None
         self._close_after = False
         # The client's bytes stopped making sense: the words for its 400, once answered.
@@ -854,6 +861,36 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken is not None or self.transport is None or self._lingering:
             return
+        if self._held is not None:  # reading is paused: only a read already under way
+            self._held += data
+            return
+        if len(data) > HEAD_READ_BYTES and self._body_left < len(data):
+            # More than a body's rest: maybe many pipelined requests (uvloop reads up to
+            # 256 KiB), each a ~1 KiB object once parsed. Parsed a slice at a time, the
+            # parse stops behind a full queue and the rest waits as the bytes it is.
+            self._parse_sliced(data)
+        else:
+            self._parse(data)
+        if self._current is None and self._framing.in_head and not self._head_clock:
+            # Headers not complete in this segment: the slowloris clock runs (once per
+            # head: later pieces do not push it back).
+            self._start_header_clock()
+
+    def _parse_sliced(self, data: bytes) -> None:
+        view = memoryview(data)
+        start = 0
+        for _ in range(len(data) // HEAD_READ_BYTES + 1):  # bounded: a slice is that or more
+            if start >= len(data) or self._broken is not None or self.transport is None:
+                break
+            if self._queue_paused:
+                self._held = data[start:]  # parsed when the queue has room (_finished)
+                break
+            # A declared body's rest in one piece (one body event), the rest a slice at a time.
+            end = start + max(self._body_left, HEAD_READ_BYTES)
+            self._parse(view[start:end])
+            start = end
+
+    def _parse(self, data: bytes | memoryview) -> None:
         try:
             events = self._framing.feed(data)
         except MalformedRequest as exc:
@@ -862,12 +899,14 @@ class _Connection(asyncio.Protocol):
         for event in events:
             if event.__class__ is bytes:
                 assert self._parsing is not None and isinstance(event, bytes)
+                self._body_left -= len(event)
                 self._parsing.content.feed(event)
             elif event is END:
                 parsing = self._parsing
                 if parsing is not None:  # None: a request without a body (already at EOF)
                     parsing.content.feed_eof()
                     self._parsing = None
+                    self._body_left = 0
                     if self._sized:
                         self._set_read_size(HEAD_READ_BYTES)
             else:
@@ -875,10 +914,6 @@ class _Connection(asyncio.Protocol):
                 self._head(event)
         if self._framing.upgraded:
             self.close_after_answer()
-        if self._current is None and self._framing.in_head and not self._head_clock:
-            # Headers not complete in this segment: the slowloris clock runs (once per
-            # head: later pieces do not push it back).
-            self._start_header_clock()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
@@ -892,6 +927,7 @@ class _Connection(asyncio.Protocol):
             if request is not None:
                 request.content.set_exception(gone)
         self._queue = []
+        self._held = None
         self._parsing = None
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
@@ -978,6 +1014,7 @@ class _Connection(asyncio.Protocol):
         if head.expects_body:
             self._parsing = request
             declared = head.content_length
+            self._body_left = declared or 0
             if self._sized and declared:
                 self._set_read_size(
                     MAX_READ_BYTES
@@ -1126,6 +1163,10 @@ class _Connection(asyncio.Protocol):
                 if not self._body_paused:
                     transport.resume_reading()
             self._start(queued)
+            held = self._held
+            if held is not None and not self._queue_paused:
+                self._held = None
+                self._parse_sliced(held)
             return
         if self._framing.in_head:
             self._start_header_clock()
@@ -1140,6 +1181,7 @@ class _Connection(asyncio.Protocol):
         self._lingering = True
         self._parsing = None
         self._queue = []
+        self._held = None
         if self._body_paused or self._queue_paused:
             self._body_paused = self._queue_paused = False
             transport.resume_reading()
