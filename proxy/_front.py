@@ -642,7 +642,9 @@ class StreamAnswer:
     or for :meth:`send_head`. Framing is chosen when the head leaves: the
     whole body known then (:meth:`write_eof` with the head still waiting) →
     ``Content-Length``; else chunked to an HTTP/1.1 client, the connection's
-    end to an HTTP/1.0 one. A ``HEAD`` request or a 1xx/204/304 status gets no body.
+    end to an HTTP/1.0 one. A ``HEAD`` request or a 1xx/204/304 status gets no body
+    and no framing field (a ``Content-Length`` a ``HEAD`` answer states is the
+    handler's, in ``headers``).
 
     Args:
         status: the HTTP status.
@@ -690,11 +692,10 @@ class StreamAnswer:
         assert conn is not None
         self._head_sent = True
         if self._no_body:
-            framing = (
-                b"Content-Length: %d\r\n" % length
-                if length is not None and not _bodiless(self.status)
-                else b""
-            )
+            # None of ours: a 1xx/204/304 has no content, and for a HEAD the bytes written
+            # (none: the upstream sent none) do not count what a GET would get, the only
+            # length a HEAD answer may state (RFC 9110 §8.6).
+            framing = b""
         elif length is not None:
             framing = b"Content-Length: %d\r\n" % length
         elif conn.request_version >= (1, 1):
