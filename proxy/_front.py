@@ -491,8 +491,12 @@ class BodyStream:
 
     def release(self) -> None:
         """Drop what is buffered and unread (the answer is out; nobody will read it)."""
+        paused = self._buffered > _BODY_HIGH_WATER
         self._parts = []
         self._buffered = 0
+        if paused and self._conn is not None:
+            # Its pause would keep a kept connection from reading the next request.
+            self._conn.body_drained()
 
     def _wake(self) -> None:
         waiter = self._waiter
