@@ -11,7 +11,8 @@ each usable alone:
   a bad chunk size, a control character in a field are errors
   (:class:`MalformedRequest`). Limits of our own (llhttp has none): a request
   target or header field over :data:`MAX_LINE_BYTES`, more than
-  :data:`MAX_FIELDS` fields, a head over :data:`MAX_HEAD_BYTES`.
+  :data:`MAX_FIELDS` fields, a head over :data:`MAX_HEAD_BYTES` (a chunked
+  body's trailer fields too).
 * :class:`_Connection`: one client connection. One request is handled at a
   time, in a task of its own (pipelined requests wait, in order, and reading
   pauses behind a few); a client that hangs up cancels its handler's task.
@@ -229,6 +230,7 @@ class RequestFraming:
     """
 
     __slots__ = (
+        "_body_here",
         "_ended_here",
         "_field_bytes",
         "_fields",
@@ -236,6 +238,7 @@ class RequestFraming:
         "_in_message",
         "_parser",
         "_priming",
+        "_quiet_bytes",
         "_url",
         "events",
         "in_head",
@@ -253,6 +256,9 @@ class RequestFraming:
         self._in_message = False
         # A request ended in the current feed (a head after it began there too).
         self._ended_here = False
+        # Body bytes came in the current feed; bytes fed in a body since the last did.
+        self._body_here = False
+        self._quiet_bytes = 0
         self.events: list[Event] = []
         # Between a request's first byte and the end of its head.
         self.in_head = False
@@ -269,6 +275,7 @@ class RequestFraming:
         # was head bytes whole: llhttp buffers an unfinished field, this bounds it.
         starts_in_head = self.in_head or not self._in_message
         self._ended_here = False
+        self._body_here = False
         try:
             try:
                 self._parser.feed_data(data)
@@ -316,6 +323,14 @@ class RequestFraming:
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.events = []
                 raise MalformedRequest("the request head is over the size limit")
+        elif self._in_message:
+            # In a body, reads that bring none of it are chunked framing or trailer
+            # fields, which httptools buffers whole (a never-ending trailer line grew
+            # without bound: the body reader's idle clock saw nothing come): bounded too.
+            self._quiet_bytes = 0 if self._body_here else self._quiet_bytes + len(data)
+            if self._quiet_bytes > MAX_HEAD_BYTES:
+                self.events = []
+                raise MalformedRequest("the request's trailer fields are over the size limit")
         events, self.events = self.events, []
         return events
 
@@ -404,11 +419,13 @@ class RequestFraming:
         self.in_head = False
 
     def on_body(self, body: bytes) -> None:
+        self._body_here = True
         self.events.append(body)
 
     def on_message_complete(self) -> None:
         self._in_message = False
         self._ended_here = True
+        self._quiet_bytes = 0
         self.events.append(END)
 
 
