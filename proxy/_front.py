@@ -11,7 +11,8 @@ each usable alone:
   a bad chunk size, a control character in a field are errors
   (:class:`MalformedRequest`). Limits of our own (llhttp has none): a request
   target or header field over :data:`MAX_LINE_BYTES`, more than
-  :data:`MAX_FIELDS` fields, a head over :data:`MAX_HEAD_BYTES`.
+  :data:`MAX_FIELDS` fields, a head over :data:`MAX_HEAD_BYTES` (a chunked
+  body's trailer fields too).
 * :class:`_Connection`: one client connection. One request is handled at a
   time, in a task of its own (pipelined requests wait, in order, and reading
   pauses behind a few); a client that hangs up cancels its handler's task.
@@ -116,7 +117,8 @@ unread request body (aiohttp's ``lingering_time``): closed at once, the client's
 arriving would be answered with a reset, which loses it the answer (a 413) it has not read yet."""
 
 _QUEUED_MAX: Final = 4
-"""Pipelined requests parsed ahead of the one being handled before reading pauses."""
+"""Pipelined requests parsed ahead of the one being handled before reading pauses (and
+parsing: a large read is parsed :data:`HEAD_READ_BYTES` at a time, the rest kept unparsed)."""
 
 _SHUTDOWN_TURNS: Final = 20
 """Loop turns shutdown waits for aborted connections to report their loss."""
@@ -228,12 +230,15 @@ class RequestFraming:
     """
 
     __slots__ = (
+        "_body_here",
+        "_ended_here",
         "_field_bytes",
         "_fields",
         "_head_bytes",
         "_in_message",
         "_parser",
         "_priming",
+        "_quiet_bytes",
         "_url",
         "events",
         "in_head",
@@ -249,6 +254,11 @@ class RequestFraming:
         self._field_bytes = 0
         # Between a request's first byte and its end.
         self._in_message = False
+        # A request ended in the current feed (a head after it began there too).
+        self._ended_here = False
+        # Body bytes came in the current feed; bytes fed in a body since the last did.
+        self._body_here = False
+        self._quiet_bytes = 0
         self.events: list[Event] = []
         # Between a request's first byte and the end of its head.
         self.in_head = False
@@ -257,13 +267,15 @@ class RequestFraming:
         # A fresh parser is fed a head of our own that emits no event (see _reframe).
         self._priming = False
 
-    def feed(self, data: bytes) -> list[Event]:
+    def feed(self, data: bytes | memoryview) -> list[Event]:
         """Parse ``data``; the events it completed (see the class docstring)."""
         if self.upgraded:
             return []
         # A feed that starts in a head (or between requests) and leaves it incomplete
         # was head bytes whole: llhttp buffers an unfinished field, this bounds it.
         starts_in_head = self.in_head or not self._in_message
+        self._ended_here = False
+        self._body_here = False
         try:
             try:
                 self._parser.feed_data(data)
@@ -300,11 +312,25 @@ class RequestFraming:
         except httptools.HttpParserError:
             self.events = []
             raise MalformedRequest("malformed HTTP request") from None
-        if self.in_head and starts_in_head:
-            self._head_bytes += len(data)
+        if self.in_head:
+            if starts_in_head and not self._ended_here:
+                self._head_bytes += len(data)
+            else:
+                # The head began behind other requests in this read (pipelined): of its
+                # bytes only the parsed ones are known. Its unfinished field is bounded
+                # by the read, and the next reads count whole.
+                self._head_bytes = self._field_bytes + len(self._url)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self.events = []
                 raise MalformedRequest("the request head is over the size limit")
+        elif self._in_message:
+            # In a body, reads that bring none of it are chunked framing or trailer
+            # fields, which httptools buffers whole (a never-ending trailer line grew
+            # without bound: the body reader's idle clock saw nothing come): bounded too.
+            self._quiet_bytes = 0 if self._body_here else self._quiet_bytes + len(data)
+            if self._quiet_bytes > MAX_HEAD_BYTES:
+                self.events = []
+                raise MalformedRequest("the request's trailer fields are over the size limit")
         events, self.events = self.events, []
         return events
 
@@ -393,10 +419,13 @@ class RequestFraming:
         self.in_head = False
 
     def on_body(self, body: bytes) -> None:
+        self._body_here = True
         self.events.append(body)
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        self._ended_here = True
+        self._quiet_bytes = 0
         self.events.append(END)
 
 
@@ -479,8 +508,12 @@ class BodyStream:
 
     def release(self) -> None:
         """Drop what is buffered and unread (the answer is out; nobody will read it)."""
+        paused = self._buffered > _BODY_HIGH_WATER
         self._parts = []
         self._buffered = 0
+        if paused and self._conn is not None:
+            # Its pause would keep a kept connection from reading the next request.
+            self._conn.body_drained()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -630,7 +663,9 @@ class StreamAnswer:
     or for :meth:`send_head`. Framing is chosen when the head leaves: the
     whole body known then (:meth:`write_eof` with the head still waiting) →
     ``Content-Length``; else chunked to an HTTP/1.1 client, the connection's
-    end to an HTTP/1.0 one. A ``HEAD`` request or a 1xx/204/304 status gets no body.
+    end to an HTTP/1.0 one. A ``HEAD`` request or a 1xx/204/304 status gets no body
+    and no framing field (a ``Content-Length`` a ``HEAD`` answer states is the
+    handler's, in ``headers``).
 
     Args:
         status: the HTTP status.
@@ -678,11 +713,10 @@ class StreamAnswer:
         assert conn is not None
         self._head_sent = True
         if self._no_body:
-            framing = (
-                b"Content-Length: %d\r\n" % length
-                if length is not None and not _bodiless(self.status)
-                else b""
-            )
+            # None of ours: a 1xx/204/304 has no content, and for a HEAD the bytes written
+            # (none: the upstream sent none) do not count what a GET would get, the only
+            # length a HEAD answer may state (RFC 9110 §8.6).
+            framing = b""
         elif length is not None:
             framing = b"Content-Length: %d\r\n" % length
         elif conn.request_version >= (1, 1):
@@ -779,6 +813,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "__weakref__",
+        "_body_left",
         "_body_paused",
         "_broken",
         "_close_after",
@@ -787,6 +822,7 @@ class _Connection(asyncio.Protocol):
         "_drain_waiter",
         "_framing",
         "_head_clock",
+        "_held",
         "_lingering",
         "_loop",
         "_parsing",
@@ -810,6 +846,10 @@ class _Connection(asyncio.Protocol):
         self._parsing: Request | None = None
         self._current: Request | None = None
         self._queue: list[Request] = []
+        # Bytes of the declared body being parsed not received yet.
+        self._body_left = 0
+        # Bytes read and not parsed yet: the queue was full (pipelined requests).
+        self._held: bytes | None = None
         self._task: asyncio.Task[None] | None = None
         self._close_after = False
         # The client's bytes stopped making sense: the words for its 400, once answered.
@@ -843,6 +883,36 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._broken is not None or self.transport is None or self._lingering:
             return
+        if self._held is not None:  # reading is paused: only a read already under way
+            self._held += data
+            return
+        if len(data) > HEAD_READ_BYTES and self._body_left < len(data):
+            # More than a body's rest: maybe many pipelined requests (uvloop reads up to
+            # 256 KiB), each a ~1 KiB object once parsed. Parsed a slice at a time, the
+            # parse stops behind a full queue and the rest waits as the bytes it is.
+            self._parse_sliced(data)
+        else:
+            self._parse(data)
+        if self._current is None and self._framing.in_head and not self._head_clock:
+            # Headers not complete in this segment: the slowloris clock runs (once per
+            # head: later pieces do not push it back).
+            self._start_header_clock()
+
+    def _parse_sliced(self, data: bytes) -> None:
+        view = memoryview(data)
+        start = 0
+        for _ in range(len(data) // HEAD_READ_BYTES + 1):  # bounded: a slice is that or more
+            if start >= len(data) or self._broken is not None or self.transport is None:
+                break
+            if self._queue_paused:
+                self._held = data[start:]  # parsed when the queue has room (_finished)
+                break
+            # A declared body's rest in one piece (one body event), the rest a slice at a time.
+            end = start + max(self._body_left, HEAD_READ_BYTES)
+            self._parse(view[start:end])
+            start = end
+
+    def _parse(self, data: bytes | memoryview) -> None:
         try:
             events = self._framing.feed(data)
         except MalformedRequest as exc:
@@ -851,12 +921,14 @@ class _Connection(asyncio.Protocol):
         for event in events:
             if event.__class__ is bytes:
                 assert self._parsing is not None and isinstance(event, bytes)
+                self._body_left -= len(event)
                 self._parsing.content.feed(event)
             elif event is END:
                 parsing = self._parsing
                 if parsing is not None:  # None: a request without a body (already at EOF)
                     parsing.content.feed_eof()
                     self._parsing = None
+                    self._body_left = 0
                     if self._sized:
                         self._set_read_size(HEAD_READ_BYTES)
             else:
@@ -864,10 +936,6 @@ class _Connection(asyncio.Protocol):
                 self._head(event)
         if self._framing.upgraded:
             self.close_after_answer()
-        if self._current is None and self._framing.in_head and not self._head_clock:
-            # Headers not complete in this segment: the slowloris clock runs (once per
-            # head: later pieces do not push it back).
-            self._start_header_clock()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
@@ -881,6 +949,7 @@ class _Connection(asyncio.Protocol):
             if request is not None:
                 request.content.set_exception(gone)
         self._queue = []
+        self._held = None
         self._parsing = None
         waiter = self._drain_waiter
         if waiter is not None and not waiter.done():
@@ -967,6 +1036,7 @@ class _Connection(asyncio.Protocol):
         if head.expects_body:
             self._parsing = request
             declared = head.content_length
+            self._body_left = declared or 0
             if self._sized and declared:
                 self._set_read_size(
                     MAX_READ_BYTES
@@ -1115,6 +1185,10 @@ class _Connection(asyncio.Protocol):
                 if not self._body_paused:
                     transport.resume_reading()
             self._start(queued)
+            held = self._held
+            if held is not None and not self._queue_paused:
+                self._held = None
+                self._parse_sliced(held)
             return
         if self._framing.in_head:
             self._start_header_clock()
@@ -1129,6 +1203,7 @@ class _Connection(asyncio.Protocol):
         self._lingering = True
         self._parsing = None
         self._queue = []
+        self._held = None
         if self._body_paused or self._queue_paused:
             self._body_paused = self._queue_paused = False
             transport.resume_reading()

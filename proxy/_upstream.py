@@ -476,6 +476,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "__weakref__",  # tests prove a closed connection is freed
+        "_bound",
         "_drain",
         "_head",
         "_idle",
@@ -505,6 +506,8 @@ class _Connection(asyncio.Protocol):
         #: Whether it carried an earlier request (an upstream may close such one any time).
         self.reused = False
         self._head: asyncio.Future[None] | None = None
+        # The deadline on the answer's head while it is awaited (UpstreamPool.request).
+        self._bound: _Bound | None = None
         self._reader: asyncio.Future[None] | None = None
         self._drain: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
@@ -535,6 +538,8 @@ class _Connection(asyncio.Protocol):
             self.transport_close()
             return
         if framing.head_done and not had_head:
+            if self._bound is not None:
+                self._bound.met = True  # in time, whenever the task runs on
             _wake(self._head)
             _wake(self._drain)  # an answer during the upload ends the upload
         if framing.body or framing.complete:
@@ -578,9 +583,14 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     async def send(
-        self, head: bytes, body: AsyncIterable[memoryview] | None, body_bytes: int
+        self,
+        head: bytes,
+        body: AsyncIterable[memoryview] | None,
+        body_bytes: int,
+        bound: _Bound | None = None,
     ) -> UpstreamAnswer:
-        """Write the request, wait for the answer's head; the answer to read.
+        """Write the request, wait for the answer's head; the answer to read
+        (``bound``: the head's deadline, told when the head is parsed).
 
         Raises:
             ServerDisconnected: the connection closed before a complete head.
@@ -593,19 +603,25 @@ class _Connection(asyncio.Protocol):
         if body is None:
             transport.write(head)
         else:
+            # Bound whole, even after a 2xx head (an upstream that answers, then stops
+            # reading the body, would hold it forever).
             await self._upload(transport, head, body, body_bytes)
-        while not framing.head_done:
-            if framing.error is not None:
-                if framing.closed:
-                    raise ServerDisconnected(framing.error)
-                raise BadResponseHead(framing.error)
-            if self.lost:
-                raise ServerDisconnected("upstream closed the connection before answering")
-            self._head = asyncio.get_running_loop().create_future()
-            try:
-                await self._head
-            finally:
-                self._head = None
+        self._bound = bound
+        try:
+            while not framing.head_done:
+                if framing.error is not None:
+                    if framing.closed:
+                        raise ServerDisconnected(framing.error)
+                    raise BadResponseHead(framing.error)
+                if self.lost:
+                    raise ServerDisconnected("upstream closed the connection before answering")
+                self._head = asyncio.get_running_loop().create_future()
+                try:
+                    await self._head
+                finally:
+                    self._head = None
+        finally:
+            self._bound = None  # it holds the request's task
         answer = UpstreamAnswer(self, framing.status, framing.fields)
         # The answer's fields are the only copy: dropped with its head (drop_head).
         framing.fields = []
@@ -792,21 +808,36 @@ class _Bound:
     ``asyncio.timeout()`` does the same with a context manager, a ``Timeout``
     object and a reschedule; this is one timer, for the one await per request
     that needs a bound (the answer's head). :meth:`close` it in ``finally``.
+
+    ``met`` is set by the connection as the head is parsed: a deadline falling
+    due before the task has run on (a busy loop runs the socket's reads and the
+    timers due in one turn) then lets it be; the head came in time.
     """
 
-    __slots__ = ("_cancelling", "_fired", "_handle", "_task")
+    __slots__ = ("_cancelling", "_due", "_fired", "_handle", "_task", "met")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
         task = asyncio.current_task(loop)
         assert task is not None, "a bound needs a task to cancel"
         self._task = task
         self._cancelling = task.cancelling()
-        self._fired = False
+        self._fired = False  # this bound cancelled the task
+        self._due = False  # the deadline has passed
+        self.met = False
         self._handle = loop.call_at(when, self._fire)
 
     def _fire(self) -> None:
-        self._fired = True
-        self._task.cancel()
+        self._due = True
+        if not self.met:
+            self._fired = True
+            self._task.cancel()
+
+    def wait_again(self) -> None:
+        """The head in hand is not the answer (a resend follows): bound again, and
+        cancelled at once if the deadline passed meanwhile."""
+        self.met = False
+        if self._due and not self._fired:
+            self._fire()
 
     def close(self) -> None:
         """Drop the timer (the bounded await is over)."""
@@ -918,7 +949,7 @@ class UpstreamPool:
         try:
             try:
                 return await self._exchange(
-                    target, head, method == "HEAD", body, body_bytes, waiting
+                    target, head, method == "HEAD", body, body_bytes, waiting, bound
                 )
             except asyncio.CancelledError:
                 if bound is None or not bound.expired():
@@ -945,11 +976,12 @@ class UpstreamPool:
         body: Callable[[], AsyncIterable[memoryview]] | None,
         body_bytes: int,
         waiting: list[bool],
+        bound: _Bound | None,
     ) -> UpstreamAnswer:
         """:meth:`request`'s attempts: a kept connection, then maybe a new one."""
         conn = await self._acquire(target, head_only=head_only, waiting=waiting)
         try:
-            answer = await conn.send(head, body() if body is not None else None, body_bytes)
+            answer = await conn.send(head, body() if body is not None else None, body_bytes, bound)
         except ServerDisconnected:
             conn.abort()
             if not (conn.reused and conn.framing.received_nothing and conn.raced()):
@@ -961,10 +993,12 @@ class UpstreamPool:
             if not (conn.reused and answer.status == 408 and conn.raced()):
                 return answer
             answer.close()
+            if bound is not None:
+                bound.wait_again()
         waiting[0] = True
         conn = await self._acquire(target, head_only=head_only, fresh=True, waiting=waiting)
         try:
-            return await conn.send(head, body() if body is not None else None, body_bytes)
+            return await conn.send(head, body() if body is not None else None, body_bytes, bound)
         except BaseException:
             conn.abort()
             raise
