@@ -793,6 +793,12 @@ Handler = Callable[[Request], Awaitable[Answer]]
 :class:`StreamAnswer` it has prepared)."""
 
 
+def _internal_error_answer() -> bytes:
+    """The 500 of a handler's bug (OpenAI shape: no route is known here), closing."""
+    body = error_body(Protocol.OPENAI, 500, "internal proxy error", code="internal_error")
+    return _error_answer(500, body)
+
+
 def _error_answer(status: int, body: bytes) -> bytes:
     return (
         _head_bytes(
@@ -1105,10 +1111,7 @@ class _Connection(asyncio.Protocol):
             )
             del exc
             if request.answer is None:
-                body = error_body(
-                    Protocol.OPENAI, 500, "internal proxy error", code="internal_error"
-                )
-                self.write(_error_answer(500, body))
+                self.write(_internal_error_answer())
             # Closed either way: an answer that had begun is cut, not spliced; after a
             # 500 the rest of the request may be unread.
             self._close()
@@ -1146,8 +1149,7 @@ class _Connection(asyncio.Protocol):
             log.error(
                 "%s %s: an answer's header field holds a line break", request.method, request.path
             )
-            body = error_body(Protocol.OPENAI, 500, "internal proxy error", code="internal_error")
-            self.write(_error_answer(500, body))
+            self.write(_internal_error_answer())
             self._close()
             return
         self.write(
