@@ -410,13 +410,18 @@ async def _continue_then_exchange(request: Request, state: AppState) -> Answer:
     return await handle_exchange(request, state)
 
 
+def _path_protocol(path: str) -> Protocol:
+    """The error shape for a request no route decided: Anthropic's under ``/v1/messages``."""
+    return Protocol.MESSAGES if path.startswith("/v1/messages") else Protocol.OPENAI
+
+
 def _refuse_expectation(request: Request) -> web.Response:
     """417 for an ``Expect`` other than ``100-continue``, on any path, before routing.
 
     JSON in the path's protocol shape (Anthropic under ``/v1/messages``, else
     OpenAI); the value is never echoed. The body was not read: the connection closes.
     """
-    protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+    protocol = _path_protocol(request.path)
     resp = error_response(protocol, 417, "only Expect: 100-continue is supported")
     resp.force_close()
     return resp
@@ -425,7 +430,7 @@ def _refuse_expectation(request: Request) -> web.Response:
 def _route_error(request: Request, status: int, allow: str | None = None) -> web.Response:
     """404 or 405 for a path or method no route serves: JSON (OpenAI shape, or
     Anthropic's under ``/v1/messages``), ``Allow`` listing the methods on a 405."""
-    protocol = Protocol.MESSAGES if request.path.startswith("/v1/messages") else Protocol.OPENAI
+    protocol = _path_protocol(request.path)
     reason = "Not Found" if status == 404 else "Method Not Allowed"
     return error_response(
         protocol,
