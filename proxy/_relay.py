@@ -472,10 +472,16 @@ class _Relay:
             if not chunk:
                 return gate.end(clean=True)
             actions = gate.feed(chunk)
-            if resp.at_eof and not gate.framed and gate.state not in _DECIDING:
-                # A plain answer (JSON) whose body ended with this chunk: the end goes in
-                # the same batch, so the answer leaves with it in one write. An event
-                # stream keeps a write per piece: a failure relaying one is a cut stream.
+            if resp.at_eof and (
+                gate.state is GateState.TERMINAL
+                or (not gate.framed and gate.state not in _DECIDING)
+            ):
+                # The body ended with this chunk, and the answer is whole: a plain one
+                # (JSON), or an event stream whose terminal event came in it (R1:
+                # nothing may follow). The end goes in the same batch, so the answer
+                # leaves with its end in one write (one syscall less per small stream).
+                # A stream that ended without its terminal event keeps the general
+                # path: its last events, then the in-band error.
                 actions += gate.end(clean=True)
             return actions
         if chunk:

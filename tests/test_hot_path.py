@@ -27,6 +27,7 @@ from proxy.testing import proxy_with_emulator
 from tests.test_body import _NoFlowControl, fed_reader
 from tests.test_e2e_support import CHAT_PATH, stream_body
 from tests.test_lifetime_support import proxy_at
+from tests.upstream_support import SSE_HEAD, RawUpstream, chat_sse_events, chunked, proxy_for
 
 IO_TIMEOUT = 20.0  # seconds; bounds every wait
 
@@ -238,9 +239,28 @@ async def test_a_stream_head_leaves_with_its_first_event(
             assert resp.status == 200
             raw = await resp.read()
         sent = writes(_port(h.url))
-    assert b"data: [DONE]" in raw
+    assert raw.endswith(b"data: [DONE]\n\n")
     assert sent[0].startswith(b"HTTP/1.1 200") and b"data: {" in sent[0]
-    assert b"".join(sent).endswith(b"0\r\n\r\n")
+
+
+async def test_a_stream_that_arrives_whole_leaves_with_its_end_in_one_write(
+    writes: Callable[[int], list[bytes]],
+) -> None:
+    events = b"".join(chat_sse_events())
+    # The whole answer in one upstream write: head, events ending in data: [DONE], last-chunk.
+    async with (
+        RawUpstream(lambda target: SSE_HEAD + chunked(events)) as upstream,
+        proxy_for(upstream.url) as url,
+        aiohttp.ClientSession() as http,
+        http.post(url + CHAT_PATH, data=stream_body(CHAT_PATH)) as resp,
+    ):
+        assert resp.status == 200
+        raw = await resp.read()
+        sent = writes(_port(url))
+    assert raw == events
+    # Head, events and end together, where a write per piece makes two (or three).
+    assert len(sent) == 1
+    assert sent[0].startswith(b"HTTP/1.1 200") and sent[0].endswith(events)
 
 
 @pytest.fixture
