@@ -6,8 +6,9 @@ of ``--size`` KiB (default 200) over the three protocols in turn, ``-c`` (defaul
 50) at a time. A ``--hangup`` fraction (default 0.2) of the clients hang up at a
 random phase, in equal shares: mid-body (half the body sent), waiting for the
 response headers (whole body sent, then closed), mid-stream (after the first
-bytes of the answer) and right after the last byte (the terminal event read, the
-chunked end not). The others read their answer to the end.
+bytes of the answer) and right after the last byte (the terminal event read; of a
+chunked answer, not its end). The others read their answer to the end, chunked or
+of a declared length (a small answer that came whole leaves with its length).
 
 Every ``--every`` (default 1,000) requests it prints the proxy's RSS and open file
 descriptors (idle, RSS as a median over 0.3 s). At the end: the RSS slope after
@@ -214,20 +215,39 @@ async def _median_rss(pid: int, samples: int = 15, every: float = 0.02) -> int:
 # -------------------------------------------------------------------------- client
 
 
-async def _read_head(reader: asyncio.StreamReader) -> tuple[int, bool]:
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, bool, int | None]:
+    """The answer's status, whether its body is chunked, and its Content-Length (or None)."""
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _IO_TIMEOUT)
     status = int(head.split(b" ", 2)[1])
-    return status, b"transfer-encoding: chunked" in head.lower()
+    lower = head.lower()
+    at = lower.find(b"\r\ncontent-length:")
+    length = None
+    if at >= 0:
+        length = int(lower[at + len(b"\r\ncontent-length:") : lower.index(b"\r\n", at + 2)])
+    return status, b"transfer-encoding: chunked" in lower, length
 
 
 async def _read_body(
-    reader: asyncio.StreamReader, chunked: bool, terminal: bytes, *, stop: str
+    reader: asyncio.StreamReader,
+    chunked: bool,
+    length: int | None,
+    terminal: bytes,
+    *,
+    stop: str,
 ) -> bool:
-    """Read the answer; ``stop`` = ``end`` (to the end), ``first`` (first bytes) or
-    ``terminal`` (just past the terminal event). Whether the terminal event came."""
+    """Read the answer (chunked, ``length`` bytes, or to the connection's end); ``stop`` =
+    ``end`` (to the end), ``first`` (first bytes) or ``terminal`` (just past the terminal
+    event). Whether the terminal event came."""
     seen = b""
     while True:
-        if chunked:
+        if not chunked and length is not None:
+            if length == 0:
+                return terminal in seen
+            data = await asyncio.wait_for(reader.read(min(length, 65536)), _IO_TIMEOUT)
+            if not data:
+                return False  # the connection ended before the declared length
+            length -= len(data)
+        elif chunked:
             size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), _IO_TIMEOUT))[:-2], 16)
             if size == 0:
                 await asyncio.wait_for(reader.readuntil(b"\r\n"), _IO_TIMEOUT)
@@ -268,9 +288,9 @@ async def _one(
         await asyncio.wait_for(writer.drain(), _IO_TIMEOUT)
         if fate == "waiting_headers":
             return fate, False
-        status, chunked = await _read_head(reader)
+        status, chunked, length = await _read_head(reader)
         stop = {"mid_stream": "first", "after_last_byte": "terminal"}.get(fate, "end")
-        complete = await _read_body(reader, chunked, _TERMINAL[protocol], stop=stop)
+        complete = await _read_body(reader, chunked, length, _TERMINAL[protocol], stop=stop)
         complete = complete and status == 200
         return fate, complete
     finally:
