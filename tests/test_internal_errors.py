@@ -149,7 +149,10 @@ async def test_an_exception_mid_stream_cuts_the_answer_and_is_committed_as_error
         with caplog.at_level(logging.ERROR, logger="context_proxy"):
             client = await RawClient.connect(h.url)
             try:
-                await client.request("POST", CHAT_PATH, stream_body(CHAT_PATH))
+                # Paced: the events come in several reads, so the failure strikes mid-way
+                # (an answer that came whole would leave whole, in one write).
+                paced = [("x-emulator", "delay=0.05")]
+                await client.request("POST", CHAT_PATH, stream_body(CHAT_PATH), paced)
                 head = await client.read_head()
                 with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
                     await client.read_body(head)
