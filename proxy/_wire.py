@@ -175,6 +175,10 @@ _PLAIN_TYPES: Final = frozenset(
     }
 )
 _CALL_TYPES: Final = frozenset({"tool_use", "function_call"})
+# The plain types as JSON strings without escapes, the form every SDK sends: a ``type``
+# Raw equal to one is that type without a decode (any other form is decoded).
+_PLAIN_TYPE_BY_RAW: Final = {b'"%s"' % kind.encode(): kind for kind in _PLAIN_TYPES}
+_PLAIN_TYPE_RAW_BYTES: Final = max(len(raw) for raw in _PLAIN_TYPE_BY_RAW)
 
 # Real bodies nest at most ~6 levels (messages > message > content > tool_result >
 # content > part); deeper nesting is not a plain history, and the cap bounds both the
@@ -213,10 +217,9 @@ def _decode_json(decoder: msgspec.json.Decoder[_T], data: BodyBytes, /) -> _T:
 
 def _first_byte(raw: msgspec.Raw) -> int:
     """The first byte of ``raw`` (which JSON kind it holds), or -1 when absent."""
-    if not len(raw):
-        return -1
-    with memoryview(raw) as view:
-        return view[0]
+    # The view is a temporary, released as the expression ends (no ``with``: its enter
+    # and exit were half this function's cost, and it runs several times per item).
+    return memoryview(raw)[0] if len(raw) else -1
 
 
 def _is_present_non_null(raw: msgspec.Raw) -> bool:
@@ -232,6 +235,19 @@ def _short_str(raw: msgspec.Raw, limit: int) -> str | None:
     if len(raw) > limit or _first_byte(raw) != _QUOTE:
         return None
     return _decode_json(_STR_DECODER, raw)
+
+
+def _type_name(raw: msgspec.Raw) -> str | None:
+    """``raw`` as :func:`_short_str` with the ``type`` bound decodes it, known types looked up.
+
+    A history item's ``type`` is nearly always one of the plain types spelled
+    plainly: its bytes name it, without a decode (half the cost of a small item).
+    """
+    if len(raw) <= _PLAIN_TYPE_RAW_BYTES:
+        known = _PLAIN_TYPE_BY_RAW.get(bytes(raw))
+        if known is not None:
+            return known
+    return _short_str(raw, _MAX_TYPE_BYTES)
 
 
 def _is_utf8(body: BodyBytes) -> bool:
@@ -262,8 +278,7 @@ def _is_utf8(body: BodyBytes) -> bool:
 
 def _byte_length(body: BodyBytes) -> int:
     """Length of ``body`` in bytes (a memoryview's ``len`` counts items, not bytes)."""
-    with memoryview(body) as view:
-        return view.nbytes
+    return body.nbytes if isinstance(body, memoryview) else len(body)
 
 
 def _parse_object(decoder: msgspec.json.Decoder[_T], body: BodyBytes) -> _T:
@@ -329,7 +344,7 @@ def _object_verdict(item: _Item, depth: int) -> bool:
     """The verdict of one history object, rules in docs/design.md §4 order."""
     payload = item.content
     if len(item.type):
-        kind = _short_str(item.type, _MAX_TYPE_BYTES)
+        kind = _type_name(item.type)
         if kind is None or kind not in _PLAIN_TYPES:
             return False
         if kind in _CALL_TYPES:
@@ -441,7 +456,7 @@ def compute_wire_metadata(protocol: Protocol | str, body: BodyBytes, digest: str
     deeper than msgspec's recursion limit; :class:`ValueError` for an unknown
     protocol name. No view into ``body`` survives the call.
     """
-    proto = Protocol(protocol)
+    proto = protocol if isinstance(protocol, Protocol) else Protocol(protocol)
     if proto in _MESSAGES_PROTOCOLS and _byte_length(body) <= _FAST_ITEMS_BYTES:
         quick = _parse_messages_envelope(body)
         if quick is not None:

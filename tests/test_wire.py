@@ -1008,8 +1008,31 @@ def test_structural_decode_never_materializes_message_text(monkeypatch: pytest.M
     meta = compute_wire_metadata(CHAT, body, "d")
     assert meta.comparable is True
     strings = [r for r in results if isinstance(r, str)]
-    assert sorted(strings) == ["gpt-4.1", "text"]  # the model and one part type, nothing else
+    # The model, nothing else: a plainly spelled part type is known by its bytes.
+    assert strings == ["gpt-4.1"]
     assert not any(isinstance(r, dict) for r in results)  # no full parse
+
+
+_TYPE_SPELLINGS = st.one_of(
+    st.sampled_from(sorted(wire._PLAIN_TYPES)).map(json.dumps),
+    # The same names with one character escaped (a decode must see through it).
+    st.sampled_from(sorted(wire._PLAIN_TYPES)).map(lambda t: '"\\u%04x%s"' % (ord(t[0]), t[1:])),
+    st.text(max_size=12).map(json.dumps),
+    st.text(max_size=300).map(json.dumps),
+    st.sampled_from(["null", "1", "true", "[]", '{"a":1}', '["text"]']),
+)
+
+
+@given(_TYPE_SPELLINGS)
+def test_the_known_type_lookup_agrees_with_decoding_the_type(spelled: str) -> None:
+    raw = msgspec.json.decode(b"[%s]" % spelled.encode(), type=list[msgspec.Raw])[0]
+    assert wire._type_name(raw) == wire._short_str(raw, wire._MAX_TYPE_BYTES)
+
+
+def test_every_known_type_spelled_plainly_is_known_by_its_bytes() -> None:
+    for kind in wire._PLAIN_TYPES:
+        raw = msgspec.json.decode(b'["%s"]' % kind.encode(), type=list[msgspec.Raw])[0]
+        assert wire._type_name(raw) == kind
 
 
 def test_verdict_stops_at_the_first_non_comparable_item(monkeypatch: pytest.MonkeyPatch) -> None:
