@@ -68,15 +68,16 @@ def route(method: str, path: str, headers: Mapping[str, str]) -> Route | None:
         forwarded upstream).
     """
     path = path.partition("?")[0]
-    if not path.startswith("/v1/"):
-        return None
-    if any(seg in (".", "..") for seg in path.lower().replace("%2e", ".").split("/")):
-        return None
+    # First: an exact path holds no dot segment, and nearly every request has one.
     exact = _EXACT.get(path)
     if exact is not None:
         if method.upper() == "POST":
             return _ROUTES[exact]
         return _ROUTES[Protocol.OPENAI if exact.upstream == "openai" else Protocol.ANTHROPIC]
+    if not path.startswith("/v1/"):
+        return None
+    if any(seg in (".", "..") for seg in path.lower().replace("%2e", ".").split("/")):
+        return None
     if path.startswith("/v1/responses/"):
         return _ROUTES[Protocol.OPENAI]
     if path.startswith("/v1/messages/"):
