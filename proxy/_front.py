@@ -212,10 +212,6 @@ END: Final = _End()
 Event = RequestHead | bytes | _End
 
 
-def _decode(value: bytes) -> str:
-    return value.decode("utf-8", "surrogateescape")
-
-
 class RequestFraming:
     """Sans-I/O request framing of one connection: :meth:`feed` bytes, get events.
 
@@ -375,16 +371,18 @@ class RequestFraming:
             raise MalformedRequest("a request line or header field is over the size limit")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > MAX_LINE_BYTES:
+        size = len(name) + len(value)
+        if size > MAX_LINE_BYTES:
             raise MalformedRequest("a request line or header field is over the size limit")
         fields = self._fields
         if len(fields) >= MAX_FIELDS:
             raise MalformedRequest("too many header fields")
         # A head parsed in one feed is counted here (the feed count sees unfinished ones).
-        self._field_bytes += len(name) + len(value) + 4
+        self._field_bytes += size + 4
         if self._field_bytes > MAX_HEAD_BYTES:
             raise MalformedRequest("the request head is over the size limit")
-        fields.append((name.decode("latin-1"), _decode(value)))
+        # Values as UTF-8 with surrogateescape: any byte survives the round trip upstream.
+        fields.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         if self._priming:  # our own head (_reframe): the body that follows is the request's
@@ -406,7 +404,7 @@ class RequestFraming:
         self.events.append(
             RequestHead(
                 parser.get_method().decode("ascii"),
-                _decode(self._url),
+                self._url.decode("utf-8", "surrogateescape"),
                 headers,
                 (1, 0) if version == "1.0" else (1, 1),
                 parser.should_keep_alive(),
