@@ -53,9 +53,9 @@ def _connection_listed(headers: CIMultiDictProxy[str]) -> frozenset[str]:
 
 def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """``headers`` without ``drop`` and without the fields ``Connection`` names."""
-    listed = _connection_listed(headers)
-    # Usually nothing is listed (HTTP/1.1 keep-alive needs no Connection field): no union.
-    dropped = drop | listed if listed else drop
+    # Usually there is no Connection field (HTTP/1.1 keep-alive needs none): one lookup,
+    # no set built.
+    dropped = drop | _connection_listed(headers) if "Connection" in headers else drop
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
         if name.lower() not in dropped:
