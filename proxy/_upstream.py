@@ -1266,20 +1266,22 @@ def _request_head(
     Raises:
         ValueError: a field name or value holds CR or LF (it would split the head).
     """
-    lines = [f"{method} {path} HTTP/1.1\r\nHost: {target.host_field}\r\n"]
-    accept = user_agent = False
-    for name, value in fields.items():
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError("a header field holds a line break")
-        lowered = name.lower()
-        if lowered == "accept":
-            accept = True
-        elif lowered == "user-agent":
-            user_agent = True
-        lines.append(f"{name}: {value}\r\n")
-    if not accept:
-        lines.append("Accept: */*\r\n")
-    if not user_agent:
-        lines.append(f"User-Agent: {USER_AGENT}\r\n")
-    lines.append(f"Accept-Encoding: {ACCEPT_ENCODING}\r\n\r\n")
-    return "".join(lines).encode("utf-8", "surrogateescape")
+    lines = [f"{name}: {value}\r\n" for name, value in fields.items()]
+    block = "".join(lines)
+    # Each line holds exactly one CR and one LF: any more came from a name or a value
+    # and would split the head (one count over the block, not four scans a field).
+    if block.count("\n") != len(lines) or block.count("\r") != len(lines):
+        raise ValueError("a header field holds a line break")
+    accept = "" if _has_field(fields, "accept") else "Accept: */*\r\n"
+    agent = "" if _has_field(fields, "user-agent") else f"User-Agent: {USER_AGENT}\r\n"
+    return (
+        f"{method} {path} HTTP/1.1\r\nHost: {target.host_field}\r\n{block}{accept}{agent}"
+        f"Accept-Encoding: {ACCEPT_ENCODING}\r\n\r\n"
+    ).encode("utf-8", "surrogateescape")
+
+
+def _has_field(fields: Mapping[str, str], lowered: str) -> bool:
+    """Whether ``fields`` has a field named ``lowered`` (lower case), in any case."""
+    if isinstance(fields, (CIMultiDict, CIMultiDictProxy)):
+        return lowered in fields  # the relay's own: a lookup, case-insensitive
+    return any(name.lower() == lowered for name in fields)

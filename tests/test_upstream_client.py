@@ -18,6 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from multidict import CIMultiDict, MultiDict
 
 from proxy import _upstream
 from proxy._upstream import (
@@ -451,6 +454,34 @@ async def test_the_request_head_carries_the_fields_and_what_the_proxy_adds() -> 
     assert f"Host: 127.0.0.1:{upstream.port}".encode() in lines
     assert b"X-Api-Key: k" in lines and b"Accept-Encoding: gzip, deflate, br" in lines
     assert b"User-Agent: context-proxy" in lines
+
+
+_FIELD_NAMES = st.sampled_from(["Accept", "accept", "USER-AGENT", "User-Agent", "X-Api-Key", "a"])
+_FIELD_VALUES = st.text(alphabet="ab \r\n\u00e9\udcff", max_size=6)
+
+
+@given(st.lists(st.tuples(_FIELD_NAMES | _FIELD_VALUES, _FIELD_VALUES), max_size=6))
+def test_the_request_head_of_any_mapping_is_the_head_of_the_relay_s_own_fields(
+    pairs: list[tuple[str, str]],
+) -> None:
+    # The relay's fields (a case-insensitive multidict) are looked up by name; any other
+    # mapping is scanned. Same head, or the same refusal of a line break.
+    target = UpstreamTarget("http://127.0.0.1:8000")
+    outcomes = []
+    for fields in (CIMultiDict(pairs), MultiDict(pairs)):
+        try:
+            outcomes.append(_upstream._request_head(target, "POST", "/v1/x", fields))
+        except ValueError as exc:
+            outcomes.append(str(exc))
+    assert outcomes[0] == outcomes[1]
+    if any("\r" in part or "\n" in part for pair in pairs for part in pair):
+        assert outcomes[0] == "a header field holds a line break"
+    else:
+        head = outcomes[0]
+        assert isinstance(head, bytes) and head.endswith(b"\r\n\r\n")
+        names = {name.lower() for name, _ in pairs}
+        assert (b"\r\nAccept: */*\r\n" in head) == ("accept" not in names)
+        assert (b"\r\nUser-Agent: context-proxy\r\n" in head) == ("user-agent" not in names)
 
 
 async def test_https_upstreams_are_verified_and_kept_alive(tmp_path: Path) -> None:

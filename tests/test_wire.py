@@ -1016,7 +1016,7 @@ def test_structural_decode_never_materializes_message_text(monkeypatch: pytest.M
 _TYPE_SPELLINGS = st.one_of(
     st.sampled_from(sorted(wire._PLAIN_TYPES)).map(json.dumps),
     # The same names with one character escaped (a decode must see through it).
-    st.sampled_from(sorted(wire._PLAIN_TYPES)).map(lambda t: '"\\u%04x%s"' % (ord(t[0]), t[1:])),
+    st.sampled_from(sorted(wire._PLAIN_TYPES)).map(lambda t: f'"\\u{ord(t[0]):04x}{t[1:]}"'),
     st.text(max_size=12).map(json.dumps),
     st.text(max_size=300).map(json.dumps),
     st.sampled_from(["null", "1", "true", "[]", '{"a":1}', '["text"]']),
