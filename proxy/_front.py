@@ -601,7 +601,11 @@ class Request:
 
 # ---------------------------------------------------------------------- answers
 
-_REASONS: Final = {s.value: s.phrase for s in http.HTTPStatus}
+_STATUS_LINES: Final = {
+    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("latin-1", "replace"))
+    for s in http.HTTPStatus
+}
+"""The status line of each known status with its standard reason phrase, built once."""
 _date_cache: list[object] = [0, b""]
 
 
@@ -632,8 +636,9 @@ def _head_bytes(
     Raises:
         ValueError: a field name or value contains CR or LF (it would split the answer).
     """
-    if reason is None:
-        reason = _REASONS.get(status, "")
+    line = _STATUS_LINES.get(status) if reason is None else None
+    if line is None:
+        line = b"HTTP/1.1 %d %s\r\n" % (status, (reason or "").encode("latin-1", "replace"))
     fields = b"".join(
         [
             b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
@@ -645,13 +650,7 @@ def _head_bytes(
     if fields.count(b"\n") != len(headers) or fields.count(b"\r") != len(headers):
         raise ValueError("a header field contains CR or LF")
     date = b"" if "Date" in headers else _date_line()
-    return b"HTTP/1.1 %d %s\r\n%s%s%s\r\n" % (
-        status,
-        reason.encode("latin-1", "replace"),
-        fields,
-        date,
-        framing,
-    )
+    return b"%s%s%s%s\r\n" % (line, fields, date, framing)
 
 
 class StreamAnswer:
