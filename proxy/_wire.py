@@ -224,7 +224,8 @@ def _first_byte(raw: msgspec.Raw) -> int:
 
 def _is_present_non_null(raw: msgspec.Raw) -> bool:
     """True when the field was present and not JSON ``null``."""
-    return len(raw) > 0 and not (len(raw) == 4 and bytes(raw) == b"null")
+    size = len(raw)
+    return size > 0 and not (size == 4 and bytes(raw) == b"null")
 
 
 def _short_str(raw: msgspec.Raw, limit: int) -> str | None:
@@ -457,10 +458,11 @@ def compute_wire_metadata(protocol: Protocol | str, body: BodyBytes, digest: str
     protocol name. No view into ``body`` survives the call.
     """
     proto = protocol if isinstance(protocol, Protocol) else Protocol(protocol)
-    if proto in _MESSAGES_PROTOCOLS and _byte_length(body) <= _FAST_ITEMS_BYTES:
+    size = _byte_length(body)
+    if proto in _MESSAGES_PROTOCOLS and size <= _FAST_ITEMS_BYTES:
         quick = _parse_messages_envelope(body)
         if quick is not None:
-            return _metadata(proto, quick, _object_history(quick.messages), body, digest)
+            return _metadata(proto, quick, _object_history(quick.messages), size, digest)
     envelope = _parse_object(_ENVELOPE_DECODER, body)
 
     if proto is Protocol.RESPONSES:
@@ -471,7 +473,7 @@ def compute_wire_metadata(protocol: Protocol | str, body: BodyBytes, digest: str
         comparable, count = _history(envelope.input)
     else:
         comparable, count = True, 0
-    return _metadata(proto, envelope, (comparable, count), body, digest)
+    return _metadata(proto, envelope, (comparable, count), size, digest)
 
 
 def _parse_messages_envelope(body: BodyBytes) -> _MessagesEnvelope | None:
@@ -508,17 +510,18 @@ def _metadata(
     proto: Protocol,
     envelope: _Envelope | _MessagesEnvelope,
     history: tuple[bool, int],
-    body: BodyBytes,
+    byte_length: int,
     digest: str,
 ) -> WireMetadata:
-    """Assemble :class:`WireMetadata` from a decoded envelope and its history verdict."""
+    """Assemble :class:`WireMetadata` from a decoded envelope, its history verdict and
+    the body's length in bytes."""
     comparable, count = history
     return WireMetadata(
         protocol=proto,
         model=_short_str(envelope.model, _MAX_SCALAR_BYTES) or None,
         stream=len(envelope.stream) == 4 and bytes(envelope.stream) == b"true",
         message_count=count,
-        byte_length=_byte_length(body),
+        byte_length=byte_length,
         digest=digest,
         comparable=comparable,
         session_hint=_session_hint(proto, envelope),
