@@ -239,10 +239,11 @@ def _short_str(raw: msgspec.Raw, limit: int) -> str | None:
 
 
 def _type_name(raw: msgspec.Raw) -> str | None:
-    """``raw`` as :func:`_short_str` with the ``type`` bound decodes it, known types looked up.
+    """``_short_str(raw, _MAX_TYPE_BYTES)``, with a plainly spelled plain type found by its bytes.
 
-    A history item's ``type`` is nearly always one of the plain types spelled
-    plainly: its bytes name it, without a decode (half the cost of a small item).
+    A history item's ``type`` is nearly always one of the plain types without
+    escapes: its bytes name it, and the decode (half the cost of judging a
+    small item) is skipped. Any other spelling is decoded, as before.
     """
     if len(raw) <= _PLAIN_TYPE_RAW_BYTES:
         known = _PLAIN_TYPE_BY_RAW.get(bytes(raw))
