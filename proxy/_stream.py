@@ -264,8 +264,6 @@ class StreamGate:
         "_can_refold",
         "_exchange",
         "_framer",
-        "_is_output",
-        "_is_terminal",
         "_json_head",
         "_may_resend",
         "_next_seq",
@@ -274,6 +272,7 @@ class StreamGate:
         "_overflow",
         "_precounted",
         "_protocol",
+        "_row",
         "_sequence_number",
         "_spilled",
         "_state",
@@ -296,10 +295,8 @@ class StreamGate:
     ) -> None:
         self._protocol = protocol
         # The protocol's per-event tests, looked up once per answer, not once per event.
-        row = protocols.DIALECTS[protocol]
+        row = self._row = protocols.DIALECTS[protocol]
         self._exchange = protocol.is_exchange
-        self._is_output = row.is_output
-        self._is_terminal = row.is_terminal
         self._sequence_number = row.sequence_number if protocol is Protocol.RESPONSES else None
         self._status = status
         self.content_type = content_type
@@ -360,7 +357,7 @@ class StreamGate:
             self._state = GateState.ERROR_HEAD
             return []
         if (
-            protocol.is_exchange
+            self._exchange
             and self.stream_requested
             and 200 <= status < 300
             and status != 204
@@ -387,7 +384,7 @@ class StreamGate:
         defer_accept = is_sse and protocol is Protocol.RESPONSES and self._can_refold
         if not defer_accept:
             self._can_refold = False
-        if is_sse and protocol.is_exchange and (defer_accept or self._may_resend):
+        if is_sse and self._exchange and (defer_accept or self._may_resend):
             self._state = GateState.GATED
             return [] if defer_accept else self._accept([])
         self._may_resend = False
@@ -420,8 +417,7 @@ class StreamGate:
                 else:
                     self._json_head = None
             return [Forward(data)]
-        for event in framer.feed(data):
-            self._see(event)
+        self._see_all(framer.feed(data))
         if state is GateState.TERMINAL:
             return [Forward(data)]
         if state is GateState.GATED:
@@ -467,9 +463,8 @@ class StreamGate:
         actions: list[Action] = []
         framer = self._framer
         if framer is not None:
-            for event in framer.close():
-                # A final event ended by a lone CR only completes at EOF.
-                self._see(event)
+            # A final event ended by a lone CR only completes at EOF.
+            self._see_all(framer.close())
         if state is GateState.GATED:
             if clean and not self._output and self._may_resend:
                 self._drop()
@@ -485,7 +480,7 @@ class StreamGate:
             if self._json_head is not None:
                 self._usage.feed_json(bytes(self._json_head))
             return self._finish(actions)
-        if not self._protocol.is_exchange:
+        if not self._exchange:
             # No known grammar: nothing to judge; the tail goes out as it came.
             self._flush(actions)
             return self._finish(actions)
@@ -525,30 +520,63 @@ class StreamGate:
         if self._state is not state:
             raise GateError(f"{method}() in state {self._state.value}")
 
-    def _see(self, event: SSEEvent) -> None:
-        """Note what one complete event means (usage, output, terminal, overflow)."""
-        if self._precounted:
-            self._precounted -= 1  # its usage was read by _probe_tail
-        else:
-            self._usage.feed_event(event)
-        sequence_number = self._sequence_number
-        if sequence_number is not None:
-            seq = sequence_number(event)
-            self._next_seq = self._next_seq + 1 if seq is None else seq + 1
-        if not self._exchange:
+    def _see_all(self, events: list[SSEEvent]) -> None:
+        """Note what complete events mean: usage, sequence number, output, terminal, overflow.
+
+        The per-event path of every answer, fused on purpose (a Python call costs
+        more than the C-level tests that make most calls needless): the
+        dialect's tests are called straight from locals, and the table's
+        pre-checks skip the calls that cannot report anything (see
+        :class:`~proxy._protocols.Dialect`): a named event outside
+        ``usage_events`` or a chat chunk without ``"usage"`` carries no usage, a
+        named event is terminal by its name, and only a terminal event can
+        report a stream error (an overflow). Only the first output event matters
+        (gate, resend); after it no event is asked whether it is output.
+        """
+        if not events:
             return
-        # Only the first output event matters (gate, resend); skipping the check
-        # afterwards saves a JSON decode per chat chunk.
-        if not self._output and self._is_output(event):
-            self._output = True
-        elif self._is_terminal(event):
-            self._terminal = True
-        if (
-            self._state is GateState.GATED
-            and not self._output
-            and protocols.is_overflow_event(self._protocol, event)
-        ):
-            self._overflow = True
+        row = self._row
+        meter = self._usage
+        usage_of = row.usage_from_event
+        usage_events = row.usage_events
+        marker = row.usage_marker
+        named = row.named_events
+        terminal_events = row.terminal_events
+        is_output = row.is_output
+        is_terminal = row.is_terminal
+        sequence_number = self._sequence_number
+        exchange = self._exchange
+        gated = self._state is GateState.GATED
+        output, terminal = self._output, self._terminal
+        precounted, next_seq = self._precounted, self._next_seq
+        for event in events:
+            name = event.event if named else None
+            if precounted:
+                precounted -= 1  # its usage was read by _probe_tail
+            elif (
+                usage_of is not None
+                and (name is None or name in usage_events)
+                and (marker is None or marker in event.data)
+            ):
+                report = usage_of(event)
+                if report is not None:
+                    meter.merge(report)
+            if sequence_number is not None:
+                seq = sequence_number(event)
+                next_seq = next_seq + 1 if seq is None else seq + 1
+            if not exchange:
+                continue
+            if not output:
+                if is_output(event):
+                    output = True
+                elif (name in terminal_events) if name is not None else is_terminal(event):
+                    terminal = True
+                    if gated and protocols.is_overflow_event(self._protocol, event):
+                        self._overflow = True
+            elif not terminal:
+                terminal = (name in terminal_events) if name is not None else is_terminal(event)
+        self._output, self._terminal = output, terminal
+        self._precounted, self._next_seq = precounted, next_seq
 
     def _settle(self, actions: list[Action]) -> list[Action]:
         """GATED after a feed: hold on, refold, resend or open the gate."""
@@ -589,7 +617,7 @@ class StreamGate:
 
     def _after_feed(self, actions: list[Action]) -> list[Action]:
         """STREAMING: forward complete events; on the terminal one, flush and linger."""
-        if self._terminal and self._protocol.is_exchange:
+        if self._terminal and self._exchange:
             # R1: the answer is complete; whatever follows goes out as it comes.
             self._flush(actions)
             self._state = GateState.TERMINAL
@@ -638,7 +666,7 @@ class StreamGate:
         line end arrived and the data is whole: ``[DONE]`` or one JSON object.
         Then the gate is terminal: the tail goes out and :class:`Linger` follows.
         """
-        if self._terminal or self._spilled or not self._protocol.is_exchange:
+        if self._terminal or self._spilled or not self._exchange:
             return
         buf = self._buf
         pending = framer.pending_bytes

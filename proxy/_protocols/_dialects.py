@@ -17,7 +17,7 @@ from typing import Final
 
 from .._sse import SSEEvent
 from . import _anthropic, _openai
-from ._common import SMALL_EVENT, Protocol, Upstream, UsageReport, event_type
+from ._common import Protocol, Upstream, UsageReport, event_type
 
 __all__ = ["DIALECTS", "Dialect", "dialect"]
 
@@ -33,6 +33,11 @@ class Dialect:
     raise on malformed input. Event names are SSE ``event:`` names (or the
     payload's ``type``).
 
+    Three columns are pre-checks, not behaviour: each says when a per-event
+    callable certainly answers ``False`` / ``None``, so the stream gate, which
+    runs once per SSE event, can skip the call (``tests/test_protocol_dialects.py``
+    checks each claim against the callable on random events).
+
     Attributes:
         protocol: the protocol this row describes.
         family: the upstream API family (``"openai"`` or ``"anthropic"``).
@@ -42,16 +47,28 @@ class Dialect:
             complete error event the client's SDK raises (sequence number used
             by Responses only).
         stream_error: the error an in-stream event reports, for overflow
-            classification.
+            classification. An event it reports on is always a terminal one
+            (``is_terminal``), so only terminal events need asking.
         is_output: whether an event carries model output (the release
             boundary; no fake-completion retry after it).
         is_terminal: whether the client's SDK stops reading after the event
             (the end rule R1, docs/design.md §7).
         terminal_events: the named events that end a stream (empty for chat,
             whose end is ``data: [DONE]`` or an error chunk).
+        named_events: pre-check; the protocol names its events: for an event
+            with an ``event:`` name, ``is_terminal`` is the name's membership in
+            ``terminal_events``, and ``usage_from_event`` reads nothing unless
+            the name is in ``usage_events``.
         sequence_number: the event's ``sequence_number`` (Responses), else ``None``.
         usage_from_event / usage_from_body: token usage of a streamed event or
             a whole JSON answer; ``None`` for protocols that are not metered.
+        usage_events: the named events that can carry usage (with
+            ``named_events``; empty otherwise).
+        usage_marker: pre-check; bytes the data of every event with usage
+            contains (``usage_from_event`` reads nothing from an event without
+            them), or ``None`` when there are none to rely on (msgspec reads an
+            escaped key such as ``"\\u0075sage"``; only chat's reader insists on
+            the plain spelling).
         input_excludes_cache: whether the reported input tokens leave out
             cached ones (Anthropic), so the meter adds them back.
         session_headers: request headers that carry this protocol's session id
@@ -68,9 +85,12 @@ class Dialect:
     is_output: Callable[[SSEEvent], bool]
     is_terminal: Callable[[SSEEvent], bool]
     terminal_events: frozenset[str]
+    named_events: bool
     sequence_number: Callable[[SSEEvent], int | None]
     usage_from_event: Callable[[SSEEvent], UsageReport | None] | None
     usage_from_body: Callable[[bytes], UsageReport | None] | None
+    usage_events: frozenset[str]
+    usage_marker: bytes | None
     input_excludes_cache: bool
     session_headers: tuple[str, ...]
     session_body_field: str | None
@@ -125,15 +145,10 @@ def _named_output(is_output_kind: Callable[[str | None], bool]) -> Callable[[SSE
 
 def _named_terminal(names: frozenset[str]) -> Callable[[SSEEvent], bool]:
     def is_terminal(event: SSEEvent) -> bool:
-        return event_type(event) in names
+        kind = event.event
+        return (kind if kind is not None else event_type(event)) in names
 
     return is_terminal
-
-
-def _chat_usage_from_event(event: SSEEvent) -> UsageReport | None:
-    if event.truncated or event.is_done:
-        return None
-    return _openai.chat_usage(event.data, limit=SMALL_EVENT)
 
 
 def _chat_usage_from_body(body: bytes) -> UsageReport | None:
@@ -164,9 +179,12 @@ def _openai_row(protocol: Protocol, *, metered: bool) -> Dialect:
         is_output=_openai.chat_is_output,
         is_terminal=_openai.chat_is_terminal,
         terminal_events=frozenset(),
+        named_events=False,
         sequence_number=_no_sequence_number,
-        usage_from_event=_chat_usage_from_event if metered else None,
+        usage_from_event=_openai.chat_usage_from_event if metered else None,
         usage_from_body=_chat_usage_from_body if metered else None,
+        usage_events=frozenset(),
+        usage_marker=_openai.USAGE_KEY if metered else None,
         input_excludes_cache=False,
         session_headers=("x-session-id",),
         session_body_field=None,
@@ -185,9 +203,12 @@ def _anthropic_row(protocol: Protocol, *, metered: bool, session_body: bool) -> 
         is_output=_named_output(_anthropic.is_output),
         is_terminal=_named_terminal(_anthropic.TERMINAL_EVENTS),
         terminal_events=_anthropic.TERMINAL_EVENTS,
+        named_events=True,
         sequence_number=_no_sequence_number,
         usage_from_event=_anthropic_usage_from_event if metered else None,
         usage_from_body=_anthropic.usage_from_body if metered else None,
+        usage_events=_anthropic.USAGE_EVENTS if metered else frozenset(),
+        usage_marker=None,
         input_excludes_cache=metered,
         session_headers=_ANTHROPIC_SESSION_HEADERS,
         session_body_field="metadata.user_id" if session_body else None,
@@ -208,9 +229,12 @@ DIALECTS: Final[Mapping[Protocol, Dialect]] = MappingProxyType(
             is_output=_named_output(_openai.responses_is_output),
             is_terminal=_named_terminal(_openai.RESPONSES_TERMINAL),
             terminal_events=_openai.RESPONSES_TERMINAL,
+            named_events=True,
             sequence_number=_openai.responses_sequence_number,
             usage_from_event=_openai.responses_usage_from_event,
             usage_from_body=_openai.responses_usage_from_body,
+            usage_events=_openai.RESPONSES_USAGE_EVENTS,
+            usage_marker=None,
             input_excludes_cache=False,
             session_headers=("session-id",),
             session_body_field="prompt_cache_key",

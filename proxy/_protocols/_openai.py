@@ -19,11 +19,13 @@ from ._common import SMALL_EVENT, UsageReport, decode_typed, encode
 __all__ = [
     "RESPONSES_TERMINAL",
     "RESPONSES_USAGE_EVENTS",
+    "USAGE_KEY",
     "chat_error_code",
     "chat_inband_error",
     "chat_is_output",
     "chat_is_terminal",
     "chat_usage",
+    "chat_usage_from_event",
     "error_body",
     "error_type",
     "responses_error_code",
@@ -125,12 +127,10 @@ class _ChatChunk(msgspec.Struct):
 
 
 _CHUNK: Final = msgspec.json.Decoder(_ChatChunk, strict=False)
+# The values an absent or empty delta field can take (an absent field is an empty Raw).
 _EMPTY_RAW: Final = frozenset({b"", b"null", b'""', b"[]", b"{}"})
-
-
-def _raw_nonempty(raw: msgspec.Raw) -> bool:
-    view = memoryview(raw)  # no copy of a long delta: only short values can be empty
-    return len(view) > 4 or bytes(view) not in _EMPTY_RAW
+_DONE: Final = b"[DONE]"
+_ERROR_KEY: Final = b'"error"'
 
 
 def chat_is_output(event: SSEEvent) -> bool:
@@ -141,28 +141,34 @@ def chat_is_output(event: SSEEvent) -> bool:
     """
     if event.truncated:
         return True
-    if event.is_done or not event.data:
+    data = event.data
+    if not data or data.startswith(_DONE):
         return False
-    chunk = decode_typed(_CHUNK, event.data)
+    chunk = decode_typed(_CHUNK, data)
     if chunk is None or not chunk.choices:
         return False
     for choice in chunk.choices:
         delta = choice.delta
-        if delta is not None and (
-            _raw_nonempty(delta.content)
-            or _raw_nonempty(delta.tool_calls)
-            or _raw_nonempty(delta.function_call)
-            or _raw_nonempty(delta.refusal)
-            or _raw_nonempty(delta.reasoning_content)
-            or _raw_nonempty(delta.reasoning)
+        if delta is None:
+            continue
+        for raw in (
+            delta.content,
+            delta.tool_calls,
+            delta.function_call,
+            delta.refusal,
+            delta.reasoning_content,
+            delta.reasoning,
         ):
-            return True
+            # Only a value of at most 4 bytes can be empty; len() of a Raw copies nothing.
+            size = len(raw)
+            if size > 4 or (size > 0 and bytes(raw) not in _EMPTY_RAW):
+                return True
     return False
 
 
 def chat_error_code(event: SSEEvent) -> tuple[str | None, str] | None:
     """``(code, message)`` of a small chat ``data: {"error": ...}`` chunk, else ``None``."""
-    if event.truncated or event.data_size > SMALL_EVENT or b'"error"' not in event.data:
+    if event.truncated or event.data_size > SMALL_EVENT or _ERROR_KEY not in event.data:
         return None
     chunk = decode_typed(_CHUNK, event.data)
     if chunk is None or chunk.error is None:
@@ -174,11 +180,17 @@ def chat_error_code(event: SSEEvent) -> tuple[str | None, str] | None:
 
 
 def chat_is_terminal(event: SSEEvent) -> bool:
-    """``data: [DONE]``, or an error chunk (the SDK raises on it and stops reading)."""
-    return event.is_done or chat_error_code(event) is not None
+    """``data: [DONE]``, or an error chunk (the SDK raises on it and stops reading).
+
+    Runs on every chunk: a chunk without the bytes ``"error"`` is not passed to
+    :func:`chat_error_code` (which would find no error in it either).
+    """
+    data = event.data
+    return data.startswith(_DONE) or (_ERROR_KEY in data and chat_error_code(event) is not None)
 
 
-_USAGE_KEY: Final = b'"usage"'
+#: The bytes every chat payload with a usage object contains (:func:`chat_usage`).
+USAGE_KEY: Final = b'"usage"'
 _NULL_USAGE: Final = b'"usage":null'
 
 
@@ -193,7 +205,18 @@ def usage_is_null(data: bytes) -> bool:
     look like (``"usage":null`` on every chunk but the last). ``False`` says
     nothing: decode to know.
     """
-    return data.count(_USAGE_KEY) == data.count(_NULL_USAGE) and b"\\u" not in data
+    return data.count(USAGE_KEY) == data.count(_NULL_USAGE) and b"\\u" not in data
+
+
+def chat_usage_from_event(event: SSEEvent) -> UsageReport | None:
+    """Usage of a streamed chat chunk (:func:`chat_usage` of its data, up to 64 KiB).
+
+    ``None`` for ``[DONE]`` and for a chunk the framer had to truncate.
+    """
+    data = event.data
+    if event.truncated or data.startswith(_DONE):
+        return None
+    return chat_usage(data, limit=SMALL_EVENT)
 
 
 def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
@@ -204,7 +227,7 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     has no usage object, is larger than ``limit`` bytes, or is not valid JSON.
     A payload whose usage is ``null`` (:func:`usage_is_null`) is not decoded.
     """
-    if (limit is not None and len(data) > limit) or _USAGE_KEY not in data or usage_is_null(data):
+    if (limit is not None and len(data) > limit) or USAGE_KEY not in data or usage_is_null(data):
         return None
     chunk = decode_typed(_CHUNK, data)
     if chunk is None or chunk.usage is None:
@@ -264,8 +287,11 @@ def responses_sequence_number(event: SSEEvent) -> int | None:
     """
     if event.truncated or event.data_size > SMALL_EVENT:
         return None
-    found = decode_typed(_SEQUENCED, event.data)
-    return None if found is None else found.sequence_number
+    # decode_typed, inlined: this runs on every Responses event.
+    try:
+        return _SEQUENCED.decode(event.data).sequence_number
+    except (msgspec.DecodeError, RecursionError):
+        return None
 
 
 class _InputDetails(msgspec.Struct):

@@ -83,16 +83,20 @@ class UsageMeter:
     def feed_event(self, event: SSEEvent) -> None:
         """Take the usage out of one streamed event, if it carries any."""
         if self._from_event is not None:
-            self._merge(self._from_event(event))
+            report = self._from_event(event)
+            if report is not None:
+                self.merge(report)
 
     def feed_json(self, body: bytes) -> None:
         """Take the usage out of a complete non-streaming JSON response body."""
         if self._from_body is not None:
-            self._merge(self._from_body(body))
+            report = self._from_body(body)
+            if report is not None:
+                self.merge(report)
 
-    def _merge(self, report: UsageReport | None) -> None:
-        if report is None:
-            return
+    def merge(self, report: UsageReport) -> None:
+        """Take the counts of one report (the dialect's ``usage_from_event`` /
+        ``usage_from_body``); the counts it does not carry stay as they were."""
         if report.input_tokens is not None:
             self._input = report.input_tokens
         if report.output_tokens is not None:
