@@ -222,18 +222,18 @@ class SSEFramer:
         if not buf:
             return events
         if self._bom_check:
-            head = self._head + buf[: 3 - len(self._head)]
+            held = self._head
+            head = held + buf[: 3 - len(held)]
             if len(head) < 3 and _BOM.startswith(head):
                 self._head = head  # still ambiguous: wait for more bytes
                 return events
             self._bom_check = False
-            rest = buf[len(head) - len(self._head) :]
             self._head = b""
             if head == _BOM:
                 self._offset += 3  # the BOM is part of the first block's bytes
-                buf = rest
-            else:
-                buf = head + rest
+                buf = buf[3 - len(held) :]
+            elif held:
+                buf = held + buf  # (no copy of the first chunk when nothing was held)
         self._scan(buf, events)
         return events
 
@@ -281,6 +281,8 @@ class SSEFramer:
         # CR search per chunk.
         next_cr = buf.find(b"\r", pos)
         next_lf = buf.find(b"\n", pos)
+        if next_cr < 0 and self._state == _START and not self._has_data and self._event is None:
+            pos = self._whole_events(buf, pos, base, events)
         while pos < n:
             if 0 <= next_cr < pos:
                 next_cr = buf.find(b"\r", pos)
@@ -313,6 +315,8 @@ class SSEFramer:
                     self._scanned += 1
                     pos = eol + 2
                     self._dispatch_line(buf[a:eol], base + pos, events)
+                    if next_cr < 0:
+                        pos = self._whole_events(buf, pos, base, events)
                     continue
                 if self._has_data:
                     self._add_separator()
@@ -346,7 +350,58 @@ class SSEFramer:
                     pos += 1
             if blank:
                 self._blank_line(base + pos, events)
+                if next_cr < 0:
+                    pos = self._whole_events(buf, pos, base, events)
         self._offset = base + n
+
+    def _whole_events(self, buf: bytes, pos: int, base: int, events: list[SSEEvent]) -> int:
+        """Dispatch the whole common events from ``pos``; return where the line loop goes on.
+
+        ``pos`` is in a block with nothing of it kept yet (no data, no event name,
+        at a line start) and ``buf`` has no CR from there (the caller checks). The
+        common event is an optional ``event:`` line, one ``data:`` line and the
+        blank line, LF-ended, with at most ``max_data`` bytes of data: what the
+        line loop would make of it is dispatched here, without its per-line state
+        machine (nearly every event of every stream takes this path). It stops
+        before the first block of any other shape, or one not complete in
+        ``buf``, having kept nothing of it: the line loop reads that block.
+        """
+        n = len(buf)
+        first = pos
+        start = self._region_start
+        max_data = self._max_data
+        while True:
+            name = b""
+            line = pos
+            if buf.startswith(_EVENT_FIELD, pos):
+                eol = buf.find(b"\n", pos)
+                if eol < 0:
+                    break
+                a = pos + len(_EVENT_FIELD)
+                if a < eol and buf[a] == _SPACE:
+                    a += 1
+                name = buf[a : min(eol, a + _MAX_EVENT_NAME)]
+                line = eol + 1
+            if not buf.startswith(_DATA_FIELD, line):
+                break
+            a = line + len(_DATA_FIELD)
+            eol = buf.find(b"\n", a)
+            if eol < 0 or eol + 1 == n or buf[eol + 1] != _LF:
+                break  # incomplete here, or a second line in the block
+            if a < eol and buf[a] == _SPACE:
+                a += 1
+            if eol - a > max_data:
+                break  # to be truncated: the line loop drops it as it goes
+            pos = eol + 2
+            end = base + pos
+            # Positional (event, data, data_size, truncated, start, end): keywords cost
+            # a third of the event here.
+            kind = name.decode("utf-8", "replace") if name else None
+            events.append(SSEEvent(kind, buf[a:eol], eol - a, False, start, end))
+            start = end
+        self._region_start = start
+        self._scanned += pos - first
+        return pos
 
     def _segment(self, buf: bytes, a: int, b: int) -> None:
         """Consume ``buf[a:b]``, a piece of one line without its line ending."""
