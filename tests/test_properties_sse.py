@@ -155,3 +155,25 @@ def test_whole_events_in_one_chunk_frame_as_fed_byte_by_byte(stream: bytes, max_
     assert whole.pending_bytes == slow_framer.pending_bytes
     if b"x" * (1024 + 1) not in stream:  # the framer keeps 1024 bytes of a name, the spec all
         assert simple(SSEFramer().feed(stream)) == reference_events(stream)
+
+
+@given(st.data(), st.integers(min_value=0, max_value=6000))
+def test_whole_events_fed_cut_anywhere_frame_as_fed_byte_by_byte(
+    data: st.DataObject, max_data: int
+) -> None:
+    """The short path is taken again after each event the line loop finishes (a chunk
+    that begins mid-event): every field agrees with the byte-at-a-time feed."""
+    stream = data.draw(_lf_blocks())
+    framer = SSEFramer(max_data=max_data)
+    fast: list[SSEEvent] = []
+    for chunk in data.draw(split(stream)):
+        fast += framer.feed(chunk)
+    fast += framer.close()
+    slow_framer = SSEFramer(max_data=max_data)
+    slow: list[SSEEvent] = []
+    for i in range(len(stream)):
+        slow += slow_framer.feed(stream[i : i + 1])
+    slow += slow_framer.close()
+    assert _fields(fast) == _fields(slow)
+    assert framer.pending_bytes == slow_framer.pending_bytes
+    assert framer.scanned_bytes <= 2 * len(stream) + 8
