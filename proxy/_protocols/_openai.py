@@ -191,21 +191,6 @@ def chat_is_terminal(event: SSEEvent) -> bool:
 
 #: The bytes every chat payload with a usage object contains (:func:`chat_usage`).
 USAGE_KEY: Final = b'"usage"'
-_NULL_USAGE: Final = b'"usage":null'
-
-
-def usage_is_null(data: bytes) -> bool:
-    """Whether ``data`` certainly has no ``usage`` object to read, without decoding it.
-
-    True when every ``"usage"`` in the bytes is followed by ``:null`` and no
-    ``\\u`` escape appears. A key ``usage`` can only be spelled with those raw
-    bytes (no other JSON escape yields a letter), so its value is then ``null``
-    or the payload is not JSON: the decode would find no usage either way. This
-    is what most chunks of a chat stream with ``stream_options.include_usage``
-    look like (``"usage":null`` on every chunk but the last). ``False`` says
-    nothing: decode to know.
-    """
-    return data.count(USAGE_KEY) == data.count(_NULL_USAGE) and b"\\u" not in data
 
 
 def chat_usage_from_event(event: SSEEvent) -> UsageReport | None:
@@ -225,9 +210,12 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     ``usage.prompt_tokens``, ``usage.completion_tokens``,
     ``usage.prompt_tokens_details.cached_tokens``. ``None`` when the payload
     has no usage object, is larger than ``limit`` bytes, or is not valid JSON.
-    A payload whose usage is ``null`` (:func:`usage_is_null`) is not decoded.
+    A payload without the bytes ``"usage"`` is not decoded. One whose usage is
+    ``null`` (every chunk but the last with ``include_usage``) is: the typed
+    decode skips the rest at C speed, 2-7 times faster than counting
+    ``"usage":null`` in the bytes.
     """
-    if (limit is not None and len(data) > limit) or USAGE_KEY not in data or usage_is_null(data):
+    if (limit is not None and len(data) > limit) or USAGE_KEY not in data:
         return None
     chunk = decode_typed(_CHUNK, data)
     if chunk is None or chunk.usage is None:
