@@ -528,10 +528,10 @@ class StreamGate:
         dialect's tests are called straight from locals, and the table's
         pre-checks skip the calls that cannot report anything (see
         :class:`~proxy._protocols.Dialect`): a named event outside
-        ``usage_events`` or a chat chunk without ``"usage"`` carries no usage, a
-        named event is terminal by its name, and only a terminal event can
-        report a stream error (an overflow). Only the first output event matters
-        (gate, resend); after it no event is asked whether it is output.
+        ``usage_events`` carries no usage, a named event is terminal by its
+        name, and only a terminal event can report a stream error (an
+        overflow). Only the first output event matters (gate, resend); after it
+        no event is asked whether it is output.
         """
         if not events:
             return
@@ -539,7 +539,6 @@ class StreamGate:
         meter = self._usage
         usage_of = row.usage_from_event
         usage_events = row.usage_events
-        marker = row.usage_marker
         named = row.named_events
         terminal_events = row.terminal_events
         is_output = row.is_output
@@ -553,11 +552,7 @@ class StreamGate:
             name = event.event if named else None
             if precounted:
                 precounted -= 1  # its usage was read by _probe_tail
-            elif (
-                usage_of is not None
-                and (name is None or name in usage_events)
-                and (marker is None or marker in event.data)
-            ):
+            elif usage_of is not None and (name is None or name in usage_events):
                 report = usage_of(event)
                 if report is not None:
                     meter.merge(report)

@@ -33,7 +33,7 @@ class Dialect:
     raise on malformed input. Event names are SSE ``event:`` names (or the
     payload's ``type``).
 
-    Three columns are pre-checks, not behaviour: each says when a per-event
+    Two columns are pre-checks, not behaviour: each says when a per-event
     callable certainly answers ``False`` / ``None``, so the stream gate, which
     runs once per SSE event, can skip the call (``tests/test_protocol_dialects.py``
     checks each claim against the callable on random events).
@@ -64,11 +64,6 @@ class Dialect:
             a whole JSON answer; ``None`` for protocols that are not metered.
         usage_events: the named events that can carry usage (with
             ``named_events``; empty otherwise).
-        usage_marker: pre-check; bytes the data of every event with usage
-            contains (``usage_from_event`` reads nothing from an event without
-            them), or ``None`` when there are none to rely on (msgspec reads an
-            escaped key such as ``"\\u0075sage"``; only chat's reader insists on
-            the plain spelling).
         input_excludes_cache: whether the reported input tokens leave out
             cached ones (Anthropic), so the meter adds them back.
         session_headers: request headers that carry this protocol's session id
@@ -90,7 +85,6 @@ class Dialect:
     usage_from_event: Callable[[SSEEvent], UsageReport | None] | None
     usage_from_body: Callable[[bytes], UsageReport | None] | None
     usage_events: frozenset[str]
-    usage_marker: bytes | None
     input_excludes_cache: bool
     session_headers: tuple[str, ...]
     session_body_field: str | None
@@ -184,7 +178,6 @@ def _openai_row(protocol: Protocol, *, metered: bool) -> Dialect:
         usage_from_event=_openai.chat_usage_from_event if metered else None,
         usage_from_body=_chat_usage_from_body if metered else None,
         usage_events=frozenset(),
-        usage_marker=_openai.USAGE_KEY if metered else None,
         input_excludes_cache=False,
         session_headers=("x-session-id",),
         session_body_field=None,
@@ -208,7 +201,6 @@ def _anthropic_row(protocol: Protocol, *, metered: bool, session_body: bool) -> 
         usage_from_event=_anthropic_usage_from_event if metered else None,
         usage_from_body=_anthropic.usage_from_body if metered else None,
         usage_events=_anthropic.USAGE_EVENTS if metered else frozenset(),
-        usage_marker=None,
         input_excludes_cache=metered,
         session_headers=_ANTHROPIC_SESSION_HEADERS,
         session_body_field="metadata.user_id" if session_body else None,
@@ -234,7 +226,6 @@ DIALECTS: Final[Mapping[Protocol, Dialect]] = MappingProxyType(
             usage_from_event=_openai.responses_usage_from_event,
             usage_from_body=_openai.responses_usage_from_body,
             usage_events=_openai.RESPONSES_USAGE_EVENTS,
-            usage_marker=None,
             input_excludes_cache=False,
             session_headers=("session-id",),
             session_body_field="prompt_cache_key",

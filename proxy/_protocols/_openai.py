@@ -19,7 +19,6 @@ from ._common import SMALL_EVENT, UsageReport, decode_typed, encode
 __all__ = [
     "RESPONSES_TERMINAL",
     "RESPONSES_USAGE_EVENTS",
-    "USAGE_KEY",
     "chat_error_code",
     "chat_inband_error",
     "chat_is_output",
@@ -189,8 +188,7 @@ def chat_is_terminal(event: SSEEvent) -> bool:
     return data.startswith(_DONE) or (_ERROR_KEY in data and chat_error_code(event) is not None)
 
 
-#: The bytes every chat payload with a usage object contains (:func:`chat_usage`).
-USAGE_KEY: Final = b'"usage"'
+_USAGE_KEY: Final = b'"usage"'
 
 
 def chat_usage_from_event(event: SSEEvent) -> UsageReport | None:
@@ -215,7 +213,7 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     decode skips the rest at C speed, 2-7 times faster than counting
     ``"usage":null`` in the bytes.
     """
-    if (limit is not None and len(data) > limit) or USAGE_KEY not in data:
+    if (limit is not None and len(data) > limit) or _USAGE_KEY not in data:
         return None
     chunk = decode_typed(_CHUNK, data)
     if chunk is None or chunk.usage is None:
