@@ -235,6 +235,10 @@ class GateError(RuntimeError):
     """A gate method was called in a state where it has no meaning (a driver bug)."""
 
 
+# The states in which feed() and end() have no meaning (a tuple built once, not per call).
+_NOT_FED: Final = (GateState.NEW, GateState.REFOLDING, GateState.DONE)
+
+
 def _is_json(content_type: str) -> bool:
     return content_type == "application/json" or content_type.endswith("+json")
 
@@ -397,7 +401,7 @@ class StreamGate:
             GateError: before :meth:`start`, after the end, or while a refold is pending.
         """
         state = self._state
-        if state in (GateState.NEW, GateState.REFOLDING, GateState.DONE):
+        if state in _NOT_FED:
             raise GateError(f"feed() in state {state.value}")
         if not chunk:
             return []
@@ -456,7 +460,7 @@ class StreamGate:
             GateError: before :meth:`start`, after the end, or while a refold is pending.
         """
         state = self._state
-        if state in (GateState.NEW, GateState.REFOLDING, GateState.DONE):
+        if state in _NOT_FED:
             raise GateError(f"end() in state {state.value}")
         if state is GateState.ERROR_HEAD:
             return self._end_error_head(clean=clean, reason=reason)

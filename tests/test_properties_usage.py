@@ -137,6 +137,9 @@ def test_real_chunks_read_as_the_decode_reads() -> None:
     # A nested null usage beside the real one does not hide it.
     nested = LAST[:-1] + b',"x":{"usage":null}}'
     assert _openai.chat_usage(nested, limit=None) == UsageReport(253, 3, 0)
+    # A usage key spelled only with an escape is not read (the decode alone would).
+    only_escaped = LAST.replace(b'"usage"', b'"\\u0075sage"')
+    assert _openai.chat_usage(only_escaped, limit=None) is None
     # An escaped key is a usage key too: a null spelled plainly does not hide it.
     hidden = LAST[:-1] + b',"usage":null,"\\u0075sage":{"prompt_tokens":5}}'
     assert _openai.chat_usage(hidden, limit=None) == decoded_usage(hidden)

@@ -208,15 +208,16 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     ``usage.prompt_tokens``, ``usage.completion_tokens``,
     ``usage.prompt_tokens_details.cached_tokens``. ``None`` when the payload
     has no usage object, is larger than ``limit`` bytes, or is not valid JSON.
-    A payload without the bytes ``"usage"`` is not decoded. One whose usage is
-    ``null`` (every chunk but the last with ``include_usage``) is: the typed
-    decode skips the rest at C speed, 2-7 times faster than counting
-    ``"usage":null`` in the bytes.
+    A usage key spelled with an escape is not read: the bytes ``"usage"`` must
+    be there too. They are looked for only once a usage was decoded: the typed
+    decode skips what it does not need at C speed, faster than any search of
+    the bytes (2-7 times faster than counting ``"usage":null``, 1.5 times than
+    finding ``"usage"``), and most chunks say ``"usage":null``.
     """
-    if (limit is not None and len(data) > limit) or _USAGE_KEY not in data:
+    if limit is not None and len(data) > limit:
         return None
     chunk = decode_typed(_CHUNK, data)
-    if chunk is None or chunk.usage is None:
+    if chunk is None or chunk.usage is None or _USAGE_KEY not in data:
         return None
     usage = chunk.usage
     details = usage.prompt_tokens_details
