@@ -39,6 +39,9 @@ _BOM: Final = b"\xef\xbb\xbf"
 _DONE: Final = b"[DONE]"
 _DATA_FIELD: Final = b"data:"
 _EVENT_FIELD: Final = b"event:"
+# Their lengths, for the per-event loop (a len() call there costs as much as a slice).
+_DATA_LEN: Final = len(_DATA_FIELD)
+_EVENT_LEN: Final = len(_EVENT_FIELD)
 
 # Field names the framer acts on are at most 5 bytes ("event"); keeping 8 is
 # enough to tell any longer name apart from them.
@@ -331,7 +334,7 @@ class SSEFramer:
                 a = pos + len(_EVENT_FIELD)
                 if a < eol and buf[a] == _SPACE:
                     a += 1
-                self._event = buf[a : min(eol, a + _MAX_EVENT_NAME)]
+                self._event = buf[a : eol if eol - a <= _MAX_EVENT_NAME else a + _MAX_EVENT_NAME]
                 blank = False
             else:
                 if eol > pos:
@@ -377,14 +380,15 @@ class SSEFramer:
                 eol = buf.find(b"\n", pos)
                 if eol < 0:
                     break
-                a = pos + len(_EVENT_FIELD)
+                a = pos + _EVENT_LEN
                 if a < eol and buf[a] == _SPACE:
                     a += 1
-                name = buf[a : min(eol, a + _MAX_EVENT_NAME)]
+                # Not min(): the builtin's call costs more than the slice.
+                name = buf[a : eol if eol - a <= _MAX_EVENT_NAME else a + _MAX_EVENT_NAME]
                 line = eol + 1
             if not buf.startswith(_DATA_FIELD, line):
                 break
-            a = line + len(_DATA_FIELD)
+            a = line + _DATA_LEN
             eol = buf.find(b"\n", a)
             if eol < 0 or eol + 1 == n or buf[eol + 1] != _LF:
                 break  # incomplete here, or a second line in the block
