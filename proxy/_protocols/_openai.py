@@ -216,10 +216,12 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     """
     if limit is not None and len(data) > limit:
         return None
-    chunk = decode_typed(_CHUNK, data)
-    if chunk is None or chunk.usage is None or _USAGE_KEY not in data:
+    try:
+        usage = _CHUNK.decode(data).usage  # decode_typed, inlined: this runs on every chunk
+    except (msgspec.DecodeError, RecursionError):
         return None
-    usage = chunk.usage
+    if usage is None or _USAGE_KEY not in data:
+        return None
     details = usage.prompt_tokens_details
     return UsageReport(
         input_tokens=usage.prompt_tokens,
