@@ -33,10 +33,11 @@ class Dialect:
     raise on malformed input. Event names are SSE ``event:`` names (or the
     payload's ``type``).
 
-    Two columns are pre-checks, not behaviour: each says when a per-event
-    callable certainly answers ``False`` / ``None``, so the stream gate, which
-    runs once per SSE event, can skip the call (``tests/test_protocol_dialects.py``
-    checks each claim against the callable on random events).
+    ``named_events`` and ``usage_events`` are pre-checks, not behaviour: they
+    say when a per-event callable's answer is known without calling it, so the
+    stream gate, which runs once per SSE event, can skip the call
+    (``tests/test_properties_gate.py`` checks each claim, and the one about
+    ``stream_error``, against the callables on random events).
 
     Attributes:
         protocol: the protocol this row describes.
