@@ -752,7 +752,10 @@ class StreamAnswer:
             conn.write(out + data)
         else:
             conn.write(data)
-        await conn.drain()
+        if conn._write_paused:
+            # Only then is there anything to wait for (a lost connection raised above,
+            # and a write never loses it synchronously): no coroutine per write.
+            await conn.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         """Send the last body bytes (if any) and the body's end; once only.

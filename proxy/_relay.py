@@ -515,28 +515,29 @@ class _Relay:
         """Do what the gate asked, in order; a verdict once the answer is over.
 
         A client head still waiting afterwards is sent (unless ``send_head`` is
-        false: the caller knows the next batch follows without waiting).
+        false: the caller knows the next batch follows without waiting). One
+        coroutine per batch, the writes awaited in it (no frame per write): it
+        runs for every read of every answer.
         """
-        verdict = await self._perform_all(actions, resp, outcome)
-        if verdict is None and send_head:
-            self._send_head()
-        return verdict
-
-    async def _perform_all(
-        self, actions: list[Action], resp: UpstreamAnswer | None, outcome: Outcome
-    ) -> _Verdict | None:
         ex = self.ex
         for index, action in enumerate(actions):
             if isinstance(action, Forward):
+                data = action.data
                 if _finishes(actions, index + 1):
                     for rest in actions[index + 1 : -1]:
                         if isinstance(rest, Usage):
                             ex.set_usage(
                                 rest.input_tokens, rest.output_tokens, rest.cache_read_tokens
                             )
-                    await self._write_last(action.data)
+                    await self._write_last(data)
                     return "done"
-                await self._write(action.data)
+                client = self.client
+                assert client is not None
+                try:
+                    await client.write(data)
+                except ConnectionError as exc:
+                    raise ClientGone from exc
+                ex.count_response_bytes(len(data))
             elif isinstance(action, Accept):
                 ex.accept()
             elif isinstance(action, Open):
@@ -569,6 +570,8 @@ class _Relay:
                 log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
                 self.rejection = error_response(ex.protocol, action.status, action.message)
                 return "done"
+        if send_head:
+            self._send_head()
         return None
 
     async def _refold(self, action: Refold, resp: UpstreamAnswer | None) -> _Verdict | None:
@@ -631,13 +634,6 @@ class _Relay:
             await self.client.write_eof(data)
         self.ex.count_response_bytes(len(data))
 
-    async def _write(self, data: bytes) -> None:
-        assert self.client is not None
-        try:
-            await self.client.write(data)
-        except ConnectionError as exc:
-            raise ClientGone from exc
-        self.ex.count_response_bytes(len(data))
 
 
 def relay(
