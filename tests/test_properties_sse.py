@@ -139,6 +139,17 @@ def _fields(events: list[SSEEvent]) -> list[tuple[object, ...]]:
     return [(e.event, e.data, e.data_size, e.truncated, e.start, e.end) for e in events]
 
 
+def _fed_byte_by_byte(stream: bytes, max_data: int) -> tuple[list[SSEEvent], SSEFramer]:
+    """The events of ``stream`` fed a byte at a time (never on the short path), and the
+    framer after its close."""
+    framer = SSEFramer(max_data=max_data)
+    events: list[SSEEvent] = []
+    for i in range(len(stream)):
+        events += framer.feed(stream[i : i + 1])
+    events += framer.close()
+    return events, framer
+
+
 @given(_lf_blocks(), st.integers(min_value=0, max_value=6000))
 def test_whole_events_in_one_chunk_frame_as_fed_byte_by_byte(stream: bytes, max_data: int) -> None:
     """Whole events in one chunk take the framer's short path (no data buffer): every
@@ -146,11 +157,7 @@ def test_whole_events_in_one_chunk_frame_as_fed_byte_by_byte(stream: bytes, max_
     and what the reference parser reads, at any ``max_data``."""
     whole = SSEFramer(max_data=max_data)
     fast = whole.feed(stream) + whole.close()
-    slow_framer = SSEFramer(max_data=max_data)
-    slow: list[SSEEvent] = []
-    for i in range(len(stream)):
-        slow += slow_framer.feed(stream[i : i + 1])
-    slow += slow_framer.close()
+    slow, slow_framer = _fed_byte_by_byte(stream, max_data)
     assert _fields(fast) == _fields(slow)
     assert whole.pending_bytes == slow_framer.pending_bytes
     if b"x" * (1024 + 1) not in stream:  # the framer keeps 1024 bytes of a name, the spec all
@@ -169,11 +176,7 @@ def test_whole_events_fed_cut_anywhere_frame_as_fed_byte_by_byte(
     for chunk in data.draw(split(stream)):
         fast += framer.feed(chunk)
     fast += framer.close()
-    slow_framer = SSEFramer(max_data=max_data)
-    slow: list[SSEEvent] = []
-    for i in range(len(stream)):
-        slow += slow_framer.feed(stream[i : i + 1])
-    slow += slow_framer.close()
+    slow, slow_framer = _fed_byte_by_byte(stream, max_data)
     assert _fields(fast) == _fields(slow)
     assert framer.pending_bytes == slow_framer.pending_bytes
     assert framer.scanned_bytes <= 2 * len(stream) + 8
