@@ -36,7 +36,6 @@ _LF: Final = 0x0A
 _COLON: Final = 0x3A
 _SPACE: Final = 0x20
 _BOM: Final = b"\xef\xbb\xbf"
-_DONE: Final = b"[DONE]"
 _DATA_FIELD: Final = b"data:"
 _EVENT_FIELD: Final = b"event:"
 # Their lengths, for the per-event loop (a len() call there costs as much as a slice).
@@ -89,14 +88,6 @@ class SSEEvent:
     truncated: bool
     start: int
     end: int
-
-    @property
-    def is_done(self) -> bool:
-        """``True`` for OpenAI chat's end-of-stream sentinel ``data: [DONE]``.
-
-        Prefix match, as the ``openai`` SDK does (``sse.data.startswith("[DONE]")``).
-        """
-        return self.data.startswith(_DONE)
 
 
 class SSEFramer:

@@ -142,13 +142,6 @@ def test_event_spans_cover_exact_bytes() -> None:
         assert simple(replay) == [(event.event, event.data)]
 
 
-def test_done_sentinel_is_flagged() -> None:
-    framer = SSEFramer()
-    done, chunk = framer.feed(b"data: [DONE]\n\ndata: {}\n\n")
-    assert done.is_done
-    assert not chunk.is_done
-
-
 def test_crlf_split_across_chunks() -> None:
     framer = SSEFramer()
     assert framer.feed(b"data: a\r") == []

@@ -128,6 +128,8 @@ class _ChatChunk(msgspec.Struct):
 _CHUNK: Final = msgspec.json.Decoder(_ChatChunk, strict=False)
 # The values an absent or empty delta field can take (an absent field is an empty Raw).
 _EMPTY_RAW: Final = frozenset({b"", b"null", b'""', b"[]", b"{}"})
+# Chat's end-of-stream sentinel, matched as a prefix as the openai SDK does
+# (``sse.data.startswith("[DONE]")`` in ``openai/_streaming.py``).
 _DONE: Final = b"[DONE]"
 _ERROR_KEY: Final = b'"error"'
 
