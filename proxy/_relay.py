@@ -635,7 +635,6 @@ class _Relay:
         self.ex.count_response_bytes(len(data))
 
 
-
 def relay(
     request: Request,
     ex: Exchange,
