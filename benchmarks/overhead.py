@@ -99,7 +99,10 @@ _SETTLE_S: Final = 2.5
 
 @click.command(
     context_settings=CONTEXT_SETTINGS,
-    help="Added latency against the upstream direct, and memory per idle stream.",
+    help=(
+        "Added latency against the upstream direct, small-request throughput and CPU "
+        "against the naive proxy, and memory per idle stream."
+    ),
 )
 @click.option(
     "--requests",
