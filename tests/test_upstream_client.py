@@ -15,7 +15,7 @@ import ssl
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from hypothesis import given
@@ -200,12 +200,22 @@ class Upstream:
                 await self._server.wait_closed()
 
 
-async def _keep_alive_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Answers every request on the connection with its own body, until the client closes."""
-    for _ in range(100):  # bounded
-        _head, body = await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        await writer.drain()
+def _echo(fields: bytes = b"") -> Serve:
+    """A ``serve`` answering every request on the connection with its own body, until the
+    client closes; ``fields`` (header lines, each ending in CRLF) go in every answer."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(100):  # bounded
+            _head, body = await read_request(reader)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\n%sContent-Length: %d\r\n\r\n%s" % (fields, len(body), body)
+            )
+            await writer.drain()
+
+    return serve
+
+
+_keep_alive_ok: Final = _echo()
 
 
 @contextlib.asynccontextmanager
@@ -659,16 +669,7 @@ def test_the_upstreams_keep_alive_timeout_bounds_the_idle_time(field: str, secon
 
 
 async def test_a_connection_the_upstream_keeps_a_second_or_less_is_not_kept() -> None:
-    async def short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for _ in range(10):  # bounded
-            _head, body = await read_request(reader)
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=1\r\nContent-Length: %d\r\n\r\n%s"
-                % (len(body), body)
-            )
-            await writer.drain()
-
-    async with Upstream(short) as upstream, _pool() as pool:
+    async with Upstream(_echo(b"Keep-Alive: timeout=1\r\n")) as upstream, _pool() as pool:
         assert await _post(pool, upstream.port, b"1") == b"1"
         assert pool.idle_connections == 0
         assert await _post(pool, upstream.port, b"2") == b"2"
@@ -678,17 +679,7 @@ async def test_a_connection_the_upstream_keeps_a_second_or_less_is_not_kept() ->
 async def test_a_kept_connection_is_closed_a_keep_alive_time_after_its_last_use() -> None:
     """The idle deadline runs from the connection's last answer, not its first: one
     used again before its deadline stays past it, then goes once idle that long."""
-
-    async def two_seconds(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        for _ in range(10):  # bounded
-            _head, body = await read_request(reader)
-            writer.write(
-                b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=2\r\nContent-Length: %d\r\n\r\n%s"
-                % (len(body), body)
-            )
-            await writer.drain()
-
-    async with Upstream(two_seconds) as upstream, _pool() as pool:
+    async with Upstream(_echo(b"Keep-Alive: timeout=2\r\n")) as upstream, _pool() as pool:
         assert await _post(pool, upstream.port, b"1") == b"1"  # kept for 1 s (2 less 1)
         await asyncio.sleep(0.6)
         assert await _post(pool, upstream.port, b"2") == b"2"  # the same connection
