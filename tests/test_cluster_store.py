@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +155,23 @@ async def test_ledger_gate_outcomes(store: RedisStore) -> None:
     assert state["requests"] == "3" and state["digest"] == "d3"
 
 
+async def test_ledger_last_activity_never_moves_back(store: RedisStore) -> None:
+    """A commit with an older timestamp arriving after a newer one (another node, a
+    slow commit) keeps the newer ``last_activity``, as the SQLite ledger's max() does."""
+
+    async def gate(digest: str, at: float) -> None:
+        await store.ledger_gate(
+            "s", digest=digest, comparable=True, request_bytes=1, response_bytes=1, last_activity=at
+        )
+
+    await gate("d1", 200.0)
+    await gate("d2", 100.5)  # older, counted (a reformat) but not the activity
+    state = await store.ledger_state("s")
+    assert state["requests"] == "2" and float(state["last_activity"]) == 200.0
+    await gate("d3", 300.25)
+    assert float((await store.ledger_state("s"))["last_activity"]) == 300.25
+
+
 async def test_concurrent_verdict_flips_bump_the_epoch_once(redis_server: RedisServer) -> None:
     stores = [RedisStore(redis_server.url, timeout=0.5, max_connections=4) for _ in range(2)]
     try:
@@ -179,6 +199,66 @@ async def test_an_unreachable_redis_raises_cluster_unavailable_within_the_timeou
         assert "redis://" not in str(caught.value)
     finally:
         await s.close()
+
+
+@contextlib.contextmanager
+def _hung(server: RedisServer) -> Iterator[None]:
+    """Redis stopped (SIGSTOP): connections stay open, nothing answers (a partition,
+    no RST); resumed (SIGCONT) on the way out, whatever happened."""
+    assert server.proc is not None
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+async def test_a_command_against_a_hung_redis_costs_one_timeout(
+    redis_server: RedisServer,
+) -> None:
+    """``redis_timeout`` is what one command against a hung Redis costs (±10%): a
+    timeout is not retried (redis-py's default Retry would, doubling it). A pooled
+    connection, a fresh connection and the ledger gate's own client alike; and a
+    restarted Redis is reached again on the next call."""
+    from proxy import open_ledger_gate
+
+    timeout = 1.0  # generous: ±10% is ±0.1 s of scheduling slack on a loaded machine
+    store = RedisStore(redis_server.url, timeout=timeout, max_connections=8)
+    fresh = RedisStore(redis_server.url, timeout=timeout, max_connections=2)
+    gate = open_ledger_gate(redis_server.url, timeout=timeout)
+    kw = {"request_bytes": 1, "response_bytes": 1, "last_activity": 1.0}
+    try:
+        # Connections pooled (and scripts loaded) before the hang.
+        assert await store.admit("s", "n|b|e", ttl=5.0) is None
+        assert (await gate.apply("s", digest="d1", comparable=True, **kw)).outcome == "first"
+
+        async def took(call: Any) -> float:
+            began = time.monotonic()
+            with pytest.raises(ClusterUnavailable):
+                await call
+            return time.monotonic() - began
+
+        with _hung(redis_server):
+            # Concurrently: one timeout's worth of wall time for all of them.
+            costs = await asyncio.gather(
+                took(store.admit("s", "n|b|e2", ttl=5.0)),
+                took(store.ping()),
+                took(store.tally("s")),
+                took(store.refresh({"s": ["n|b|e"]}, ttl=5.0)),
+                took(gate.apply("s", digest="d2", comparable=True, **kw)),
+                took(fresh.admit("s", "n|b|e3", ttl=5.0)),  # connects to the hung server
+            )
+        for cost in costs:
+            assert 0.9 * timeout <= cost <= 1.1 * timeout, costs
+        # Restarted: every pooled connection is broken; the next call is served.
+        redis_server.kill()
+        redis_server.start(same_port=True)
+        assert await store.admit("s2", "n|b|e", ttl=5.0) is None
+        assert (await gate.apply("s2", digest="d1", comparable=True, **kw)).outcome == "first"
+    finally:
+        await store.close()
+        await fresh.close()
+        await gate.close()
 
 
 # ----------------------------------------------------------------------------- nodes

@@ -125,7 +125,10 @@ LEDGER_GATE: Final = """
 -- last_activity (seconds, as text).
 -- The hash gate of docs/design.md §5, atomic across nodes. Returns
 -- {outcome, revision_epoch, dirty}: outcome 'first' | 'identical' | 'reformat' | 'revision'.
-local saved = redis.call('HMGET', KEYS[1], 'digest', 'comparable', 'revision_epoch', 'dirty')
+-- last_activity only moves forward (the SQLite ledger's max()): commits from several
+-- nodes, or a slow one from this node, may arrive after a newer exchange's.
+local saved = redis.call('HMGET', KEYS[1], 'digest', 'comparable', 'revision_epoch', 'dirty',
+                         'last_activity')
 local outcome
 if not saved[1] then
   outcome = 'first'
@@ -145,7 +148,10 @@ if outcome ~= 'identical' then
   redis.call('HINCRBY', KEYS[1], 'requests', 1)
   redis.call('HINCRBY', KEYS[1], 'bytes_in', ARGV[3])
   redis.call('HINCRBY', KEYS[1], 'bytes_out', ARGV[4])
-  redis.call('HSET', KEYS[1], 'last_activity', ARGV[5])
+  local seen = tonumber(saved[5])
+  if not seen or tonumber(ARGV[5]) > seen then
+    redis.call('HSET', KEYS[1], 'last_activity', ARGV[5])
+  end
 end
 local now = redis.call('HMGET', KEYS[1], 'revision_epoch', 'dirty')
 return {outcome, tonumber(now[1]), tonumber(now[2])}

@@ -99,8 +99,7 @@ class RedisStore:
             socket_connect_timeout=timeout,
             # One retry, on a fresh connection, for a connection that broke while
             # idle (Redis restarted); a timeout is never retried.
-            retry=Retry(NoBackoff(), 1),
-            retry_on_error=[RedisConnectionError],
+            retry=_retry(1),
             decode_responses=True,
         )
         self._client: Final = aioredis.Redis(connection_pool=self._pool)
@@ -126,7 +125,7 @@ class RedisStore:
             single_connection_client=True,
             socket_timeout=block_s + self.timeout,
             socket_connect_timeout=self.timeout,
-            retry=Retry(NoBackoff(), 0),
+            retry=_retry(0),
             decode_responses=True,
         )
 
@@ -333,6 +332,18 @@ class RedisStore:
         """Close the pool's connections."""
         await self._client.aclose()
         await self._pool.aclose()
+
+
+def _retry(retries: int) -> Retry:
+    """redis-py's retry policy for this store: ``retries`` more attempts after a
+    ``ConnectionError`` (a connection that broke: refused, reset, closed by a
+    restarted Redis), none after a timeout.
+
+    redis-py's ``Retry`` retries ``TimeoutError`` by default and ``retry_on_error``
+    only adds to that list, so the errors are given here explicitly: a retried
+    timeout would make one command against a hung Redis cost twice ``timeout``.
+    """
+    return Retry(NoBackoff(), retries, supported_errors=(RedisConnectionError,))
 
 
 def _ms(seconds: float) -> int:
