@@ -336,9 +336,9 @@ def open_ledger_gate(
 
     Args:
         redis_url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
-        timeout: seconds per command, for connecting and for a free pooled
-            connection; a commit runs after the answer was sent, so a slow
-            Redis delays bookkeeping, never a client.
+        timeout: seconds per command and for connecting, never retried (one
+            command against a hung Redis costs this); a commit runs after the
+            answer was sent, so a slow Redis delays bookkeeping, never a client.
         max_connections: size of the bounded connection pool (>= 2).
 
     Raises:

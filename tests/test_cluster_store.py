@@ -22,7 +22,7 @@ from redis.crc import key_slot
 
 from proxy._cluster import ClusterNode, ClusterUnavailable, RedisStore
 from proxy._cluster.keys import SessionKeys
-from proxy._cluster.store import read_closes
+from proxy._cluster.store import _ConnectionQueue, read_closes
 from proxy._sessions import SessionClosed, SessionRegistry, shutdown_cause
 
 from .cluster_support import RedisServer, free_port
@@ -259,6 +259,74 @@ async def test_a_command_against_a_hung_redis_costs_one_timeout(
         await store.close()
         await fresh.close()
         await gate.close()
+
+
+async def test_a_burst_queues_for_the_pool_instead_of_failing(redis_server: RedisServer) -> None:
+    """5,000 calls at once on a 2-connection pool: each waits its turn (well past the
+    0.5 s timeout for the last ones) and none is taken for an outage."""
+    store = RedisStore(redis_server.url, timeout=0.5, max_connections=2)
+    try:
+        await store.ping()
+        answers = await asyncio.gather(
+            *(store.admit(f"burst-{n}", "n|b|e", ttl=30.0) for n in range(5000)),
+            return_exceptions=True,
+        )
+        failed = [a for a in answers if a is not None]
+        assert failed == [], f"{len(failed)} failed, first: {failed[0]!r}"
+    finally:
+        await store.close()
+
+
+async def test_a_cancelled_waiter_gives_its_turn_to_the_next() -> None:
+    """The pool queue alone (no Redis): a waiter cancelled while queued, or cancelled
+    just after it was handed the place, leaves the place to the next waiter."""
+    queue = _ConnectionQueue(1)
+    await queue.acquire()
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        await queue.acquire()
+        order.append(name)
+
+    a, b, c = (asyncio.ensure_future(wait(name)) for name in "abc")
+    await asyncio.sleep(0)  # all three queued
+    a.cancel()
+    queue.release()  # handed to b (a is gone)...
+    b.cancel()  # ...which is cancelled before it runs: c gets the place
+    await asyncio.wait_for(c, 5)
+    assert order == ["c"] and a.cancelled() and b.cancelled()
+    queue.release()
+    await asyncio.wait_for(queue.acquire(), 5)  # the place came back exactly once
+    waiter = asyncio.ensure_future(queue.acquire())
+    await asyncio.sleep(0)
+    queue.fail_waiting("redis: TimeoutError")
+    with pytest.raises(ClusterUnavailable, match="TimeoutError"):
+        await asyncio.wait_for(waiter, 5)
+
+
+async def test_calls_queued_behind_a_hung_redis_fail_with_the_first_timeout(
+    redis_server: RedisServer,
+) -> None:
+    """Queued calls do not each wait for their own turn and timeout: when a call
+    holding a connection times out, every queued one fails with it."""
+    timeout = 1.0
+    store = RedisStore(redis_server.url, timeout=timeout, max_connections=2)
+    try:
+        await store.ping()
+
+        async def took(n: int) -> float:
+            began = time.monotonic()
+            with pytest.raises(ClusterUnavailable):
+                await store.admit(f"q-{n}", "n|b|e", ttl=5.0)
+            return time.monotonic() - began
+
+        with _hung(redis_server):
+            costs = await asyncio.gather(*(took(n) for n in range(8)))  # 4 rounds of 2
+        assert max(costs) <= 1.1 * timeout, costs
+        # Redis back: the queue works as before.
+        assert await store.admit("after", "n|b|e", ttl=5.0) is None
+    finally:
+        await store.close()
 
 
 # ----------------------------------------------------------------------------- nodes

@@ -4,19 +4,23 @@ An I/O edge (docs/design.md §8): every method is one Redis round trip (a Lua
 script from :mod:`proxy._cluster.scripts`, or one command) and raises
 :class:`ClusterUnavailable` for any failure to reach Redis, so the node
 (:mod:`proxy._cluster.node`) has one exception to turn into its degraded mode.
-The connection pool is bounded and blocking (a burst waits for a free
-connection up to the command timeout instead of opening thousands), and every
-command has that timeout; the client retries only once, on a fresh
-connection, when a pooled one turns out broken (Redis restarted), because a
-request waiting on Redis is a request the proxy is not serving.
+The connection pool is bounded; a burst queues for a free connection (first
+come first served) instead of opening thousands, and a queue is not an outage.
+Every command has the timeout, which is never retried: one command against a
+hung Redis costs ``timeout``, and when it times out every call queued behind it
+fails at once instead of waiting for a connection and a timeout of its own.
+Only a connection that turns out broken (Redis restarted) is retried, once, on
+a fresh connection.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -35,6 +39,67 @@ __all__ = ["CloseCommand", "CloseStart", "ClusterUnavailable", "RedisStore", "Ta
 #: for longer than this many closes misses the oldest ones; the tombstones in Redis
 #: still refuse those sessions at its admission.
 STREAM_MAXLEN: Final = 100_000
+
+_T = TypeVar("_T")
+
+
+class _ConnectionQueue:
+    """At most ``size`` Redis calls at once (one pooled connection each); the others
+    wait their turn, first come first served.
+
+    Queueing for a connection is not an outage: while Redis answers, every place
+    frees within one round trip. The wait has no timeout of its own: it ends when
+    a place frees or, if the call holding one fails to reach Redis,
+    :meth:`fail_waiting` raises :class:`ClusterUnavailable` in every waiter at
+    once. A waiter therefore waits at most about (its position / ``size``)
+    round trips, each bounded by the command timeout.
+    """
+
+    __slots__ = ("_free", "_waiters")
+
+    def __init__(self, size: int) -> None:
+        self._free = size
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        """Take a place, waiting for one if none is free.
+
+        Raises:
+            ClusterUnavailable: a call holding a place failed while this one waited.
+        """
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            await turn
+        except BaseException:
+            if turn.done() and not turn.cancelled() and turn.exception() is None:
+                self.release()  # handed a place while being cancelled: pass it on
+            else:
+                # Cancelled while queued (failed waiters are out of the queue already).
+                if turn in self._waiters:
+                    self._waiters.remove(turn)
+            raise
+
+    def release(self) -> None:
+        """Give a place back: to the first live waiter, else to the free count."""
+        while self._waiters:  # bounded by the queue's length
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self._free += 1
+
+    def fail_waiting(self, reason: str) -> None:
+        """Raise ``ClusterUnavailable`` in every call queued now (``reason``: what failed)."""
+        while self._waiters:  # bounded by the queue's length
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_exception(
+                    ClusterUnavailable(f"{reason} (another call, while this one was queued)")
+                )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -77,16 +142,17 @@ class RedisStore:
 
     Args:
         url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
-        timeout: seconds, for connecting, for each command and for waiting for a
-            free pooled connection.
-        max_connections: size of the bounded pool (>= 2).
+        timeout: seconds, for connecting and for each command (never retried).
+        max_connections: size of the bounded pool (>= 2); more calls at once
+            queue for a connection, without a timeout of their own (see
+            :class:`_ConnectionQueue`).
 
     Every coroutine method raises :class:`ClusterUnavailable` when Redis cannot
     be reached in time. ``ResponseError`` (a script bug, a wrong-type key) is
     not caught: that is a defect, not an outage.
     """
 
-    __slots__ = ("_client", "_pool", "_scripts", "timeout", "url")
+    __slots__ = ("_client", "_pool", "_queue", "_scripts", "timeout", "url")
 
     def __init__(self, url: str, *, timeout: float, max_connections: int) -> None:
         self.url: Final = url
@@ -103,6 +169,9 @@ class RedisStore:
             decode_responses=True,
         )
         self._client: Final = aioredis.Redis(connection_pool=self._pool)
+        # In front of the pool: a call waits here, never in the pool, whose own wait
+        # (``timeout`` above) is a bound the queue keeps from ever being reached.
+        self._queue: Final = _ConnectionQueue(max_connections)
         register = self._client.register_script
         self._scripts: Final = {
             "admit": register(scripts.ADMIT),
@@ -130,12 +199,29 @@ class RedisStore:
         )
 
     async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        script = self._scripts[name]
+        return await self._call(lambda: script(keys=list(keys), args=list(args)))
+
+    async def _call(self, op: Callable[[], Awaitable[_T]]) -> _T:
+        """``op()`` (one round trip) holding one of the pool's places.
+
+        Waits its turn in the queue while every pooled connection is busy (a burst,
+        not an outage). A failure to reach Redis, or an answer that did not come
+        within ``timeout``, is raised as :class:`ClusterUnavailable` and fails
+        every call still queued the same way: the server did not answer, they
+        would each wait for their own timeout only to learn it again.
+        """
+        await self._queue.acquire()
         try:
-            return await self._scripts[name](keys=list(keys), args=list(args))
+            return await op()
         except ResponseError:
             raise
         except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+            reason = f"redis: {type(exc).__name__}"
+            self._queue.fail_waiting(reason)
+            raise ClusterUnavailable(reason) from exc
+        finally:
+            self._queue.release()
 
     async def reset(self) -> None:
         """Drop every pooled connection (after an outage: they may all be stale)."""
@@ -143,10 +229,7 @@ class RedisStore:
 
     async def ping(self) -> None:
         """One ``PING``."""
-        try:
-            await self._client.ping()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        await self._call(self._client.ping)
 
     async def admit(self, sid: str, member: str, ttl: float) -> float | None:
         """Tombstone check + in-flight registration of ``member``, in one script.
@@ -166,10 +249,7 @@ class RedisStore:
 
         A tombstone without expiry answers ``-1.0``. Raises :class:`ClusterUnavailable`.
         """
-        try:
-            left: Any = await self._client.pttl(SessionKeys(sid).tombstone)
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        left: Any = await self._call(lambda: self._client.pttl(SessionKeys(sid).tombstone))
         # PTTL: -2 no such key, -1 no expiry (redis.io/commands/pttl).
         if int(left) == -2:
             return None
@@ -202,17 +282,16 @@ class RedisStore:
             return
         mode = "" if readd else "XX"
         script = self._scripts["refresh"]
-        try:
+
+        async def pipelined() -> None:
             async with self._client.pipeline(transaction=False) as pipe:
                 for sid, members in entries.items():
                     k = SessionKeys(sid)
                     args: list[str | int] = [_ms(ttl), mode, *members]
                     await script(keys=[k.tombstone, k.in_flight], args=args, client=pipe)
                 await pipe.execute()
-        except ResponseError:
-            raise
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+
+        await self._call(pipelined)
 
     async def begin_close(self, sid: str, close_id: str, tombstone_ttl: float) -> CloseStart:
         """Set the tombstone (if none) and reset the tally; see :class:`CloseStart`."""
@@ -227,15 +306,14 @@ class RedisStore:
 
         ``grace``: seconds each node gives the session's exchanges before cancelling.
         """
-        try:
-            entry: Any = await self._client.xadd(
+        entry: Any = await self._call(
+            lambda: self._client.xadd(
                 CLOSE_STREAM,
                 {"sid": sid, "timeout": repr(grace), "origin": origin},
                 maxlen=STREAM_MAXLEN,
                 approximate=True,
             )
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        )
         return str(entry)
 
     async def stream_tip(self) -> str:
@@ -244,20 +322,16 @@ class RedisStore:
         A tailer starts after it: ``$`` in a loop of ``XREAD`` calls would skip
         whatever is added between two calls.
         """
-        try:
-            newest = await self._client.xrevrange(CLOSE_STREAM, "+", "-", count=1)
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        newest: Any = await self._call(
+            lambda: self._client.xrevrange(CLOSE_STREAM, "+", "-", count=1)
+        )
         return str(newest[0][0]) if newest else "0-0"
 
     async def tip_since(self, seconds: float) -> str:
         """A stream id older than every close command added in the last ``seconds``
         seconds, by Redis's own clock (``TIME``): a tailer reading after it misses none
         of them. ``0-0`` when ``seconds`` reaches back before the epoch."""
-        try:
-            now_s, now_us = await self._client.time()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        now_s, now_us = await self._call(self._client.time)
         # Ids are "<ms>-<seq>"; XREAD returns ids after the one given, so one ms earlier.
         ms = int(now_s) * 1000 + int(now_us) // 1000 - math.ceil(seconds * 1000) - 1
         return f"{ms}-0" if ms > 0 else "0-0"
@@ -270,29 +344,26 @@ class RedisStore:
     async def finish_close(self, sid: str) -> Tally:
         """Mark the close answered and read its tally."""
         k = SessionKeys(sid)
-        try:
+
+        async def transaction() -> Any:
             async with self._client.pipeline(transaction=True) as pipe:
                 pipe.hset(k.tally, "done", 1)
                 pipe.hgetall(k.tally)
                 _, raw = await pipe.execute()
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
-        return _tally(raw)
+                return raw
+
+        return _tally(await self._call(transaction))
 
     async def tally(self, sid: str) -> Tally:
         """The tally of the session's current (or last) close."""
-        try:
-            raw: Any = await self._client.hgetall(SessionKeys(sid).tally)
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        raw: Any = await self._call(lambda: self._client.hgetall(SessionKeys(sid).tally))
         return _tally(raw)
 
     async def in_flight(self, sid: str) -> list[str]:
         """Members of the session's in-flight set (expired ones included until pruned)."""
-        try:
-            members: Any = await self._client.zrange(SessionKeys(sid).in_flight, 0, -1)
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        members: Any = await self._call(
+            lambda: self._client.zrange(SessionKeys(sid).in_flight, 0, -1)
+        )
         return [str(m) for m in members]
 
     async def ledger_gate(
@@ -322,10 +393,7 @@ class RedisStore:
 
     async def ledger_state(self, sid: str) -> dict[str, str]:
         """The raw ledger hash of ``sid`` (empty for an unknown session)."""
-        try:
-            raw: Any = await self._client.hgetall(SessionKeys(sid).ledger)
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        raw: Any = await self._call(lambda: self._client.hgetall(SessionKeys(sid).ledger))
         return {str(k): str(v) for k, v in raw.items()}
 
     async def close(self) -> None:
