@@ -161,18 +161,20 @@ async def list_sessions(request: Request, state: AppState) -> web.Response:
 
     With ``?tombstoned=true``: only the tombstoned ones instead, those still
     being closed (with their state) and those closed (state gone, tombstone
-    alive), each with ``tombstone_ttl_s``; at most ``tombstone_cap`` closed
-    ones plus the closes in progress, from this node's view, in one answer.
+    alive), each with ``tombstone_ttl_s``, from this node's view: the same
+    pages, the closes in progress on the first one, then the closed ones
+    (at most ``tombstone_cap`` in all) oldest tombstone first.
     """
     registry = state.registry
+    limit = _page_limit(request.query.get("limit"))
+    if limit is None:
+        return web.json_response(
+            {"error": f"limit: expected an integer from 1 to {SESSIONS_PAGE_MAX}"}, status=400
+        )
+    cursor = request.query.get("cursor") or None
     if request.query.get("tombstoned", "").lower() not in ("true", "1", "yes"):
-        limit = _page_limit(request.query.get("limit"))
-        if limit is None:
-            return web.json_response(
-                {"error": f"limit: expected an integer from 1 to {SESSIONS_PAGE_MAX}"}, status=400
-            )
         try:
-            page = registry.page(request.query.get("cursor") or None, limit)
+            page = registry.page(cursor, limit)
         except ValueError as exc:
             return web.json_response({"error": str(exc)}, status=400)
         views = [
@@ -180,11 +182,15 @@ async def list_sessions(request: Request, state: AppState) -> web.Response:
             for i in page.sessions
         ]
         return web.json_response({"sessions": views, "next_cursor": page.next_cursor})
+    try:
+        closed, next_cursor = registry.tombstoned_page(cursor, limit)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
     out: list[dict[str, Any]] = []
-    for sid, left in registry.tombstoned():
+    for sid, left in closed:
         info = registry.info(sid)
         out.append(_closed_view(sid, left) if info is None else _info_view(info, left))
-    return web.json_response({"sessions": out})
+    return web.json_response({"sessions": out, "next_cursor": next_cursor})
 
 
 async def get_session(request: Request, state: AppState, sid: str) -> web.Response:

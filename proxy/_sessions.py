@@ -538,6 +538,35 @@ class SessionRegistry:
             (sid, left) for sid, left in self._tombstones.items() if sid not in self._closing
         ]
 
+    def tombstoned_page(
+        self, cursor: str | None, limit: int
+    ) -> tuple[list[tuple[str, float]], str | None]:
+        """One page of :meth:`tombstoned`: ``(sid, remaining seconds)`` items, next cursor.
+
+        The first page (``cursor=None``) has every close in progress, then up to
+        ``limit`` closed ids, oldest tombstone first; the next pages continue
+        the closed ones after the cursor (``None``: no more). O(page) work (the
+        shutdowns in progress are few: one per close being run).
+
+        Raises:
+            ValueError: ``limit`` < 1, or a cursor this registry did not issue
+                for this listing.
+        """
+        after = -1
+        closing: list[tuple[str, float]] = []
+        if cursor is None:
+            ttl = self._tombstones.ttl
+            closing = [(sid, ttl) for sid in self._closing]
+        else:
+            token, _, number = cursor.partition(".t")
+            if token != self._listing_token or not number.isdigit():
+                raise ValueError("cursor: not one this process issued (start again without one)")
+            after = int(number)
+        closed, position = self._tombstones.page(after, limit)
+        closed = [(sid, left) for sid, left in closed if sid not in self._closing]
+        following = None if position is None else f"{self._listing_token}.t{position}"
+        return closing + closed, following
+
     def _refuse_tombstoned(self, sid: str) -> None:
         """Raise :class:`SessionClosed` if ``sid`` has a live, completed tombstone."""
         remaining = self._tombstones.remaining_ttl(sid)
