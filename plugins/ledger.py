@@ -28,7 +28,13 @@ change marks the session unsaved and starts one debounce timer; ``debounce``
 seconds later every unsaved session is written in a single transaction (a
 burst of 100 commits costs one write). Counter-only changes (identical
 retries) never start the timer; they ride along with the next write, and
-``session_closed`` / ``shutdown`` write them explicitly.
+``session_closed`` / ``shutdown`` write them explicitly. A ``kill -9`` (or a
+power cut) loses what was not yet written: up to ``debounce`` seconds of gate
+changes, and the counters of identical retries since the last write.
+``sync = "commit"`` instead writes every commit in its own transaction with
+``PRAGMA synchronous=FULL`` (fsynced) before the commit hook returns: nothing
+committed is lost, at the cost of one transaction and fsync per commit
+(docs/plugins.md, section 8, has the measured cost).
 
 Cluster mode (``redis_url``, given by the proxy's own ``redis_url`` setting
 unless the ``[plugin.ledger]`` table sets it): the gate is the proxy's shared
@@ -74,6 +80,9 @@ SCHEMA_VERSION: Final = 1
 """``PRAGMA user_version`` of a ledger database created by this module."""
 
 _T = TypeVar("_T")
+
+#: Values of the ``sync`` option: debounced writes (the default), or one per commit.
+_SYNC_MODES: Final = ("debounced", "commit")
 
 # Seconds per Redis command in cluster mode; a commit runs after the answer was
 # sent, so a slow Redis delays bookkeeping, never a client.
@@ -226,8 +235,11 @@ class _Database:
         self._conn = conn
 
     @classmethod
-    def open(cls, path: str, lock_timeout: float) -> _Database:
+    def open(cls, path: str, lock_timeout: float, fsync_each: bool = False) -> _Database:
         """Open or create, check integrity and schema, and prove the file is writable.
+
+        ``fsync_each``: ``PRAGMA synchronous=FULL``, so every transaction is on
+        disk (the WAL fsynced) when its COMMIT returns (``sync = "commit"``).
 
         Raises:
             LedgerError: corrupt, locked, foreign schema, or cannot be opened.
@@ -250,6 +262,9 @@ class _Database:
                 )
             # WAL lets the admin CLI read the ledger while the proxy writes it.
             conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            if fsync_each:
+                # Per connection, not stored in the file: set at every open.
+                conn.execute("PRAGMA synchronous=FULL")
             _ensure_schema(conn, path)
             # A reader can pass every check above while another process holds the
             # write lock; take the write lock once so that case fails here, not at
@@ -414,6 +429,13 @@ class LedgerPlugin(Plugin):
     ``debounce`` (float, seconds, >= 0)
         Delay between the first unsaved gate change and the one transaction
         that writes every unsaved session. Default 0.5.
+    ``sync`` (``"debounced"`` or ``"commit"``)
+        ``"debounced"`` (default): writes as ``debounce`` says; a ``kill -9``
+        loses the writes not yet made. ``"commit"``: each commit (identical
+        retries too) and each ``mark_clean`` is written in its own fsynced
+        transaction before it returns; ``debounce`` is then unused. A failed
+        write raises from the hook (the session stays unsaved, retried by
+        the next write).
     ``cache_sessions`` (int, >= 1)
         Sessions kept in memory. Start-up preloads the most recently active
         ones; beyond the cap, the least recently active *saved* sessions are
@@ -441,6 +463,7 @@ class LedgerPlugin(Plugin):
         cache_sessions: int = 10_000,
         lock_timeout: float = 5.0,
         redis_url: str | None = None,
+        sync: str = "debounced",
     ) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError("path: expected a non-empty string")
@@ -450,11 +473,14 @@ class LedgerPlugin(Plugin):
             raise ValueError(f"cache_sessions: expected an int >= 1, got {cache_sessions!r}")
         if not (isinstance(lock_timeout, int | float) and 0 < lock_timeout < math.inf):
             raise ValueError(f"lock_timeout: expected seconds > 0, got {lock_timeout!r}")
+        if sync not in _SYNC_MODES:
+            raise ValueError(f"sync: expected one of {', '.join(_SYNC_MODES)}, got {sync!r}")
         # Absolute, so every error message names the file unambiguously.
         self.path: Final = path if path == ":memory:" else os.path.abspath(path)
         self.debounce: Final = float(debounce)
         self.cache_sessions: Final = cache_sessions
         self.lock_timeout: Final = float(lock_timeout)
+        self.sync: Final = sync
         self.writes = 0
         """Transactions committed (one per flush that had something to write)."""
         self.write_errors = 0
@@ -504,7 +530,9 @@ class LedgerPlugin(Plugin):
             max_workers=1, thread_name_prefix="context-proxy-ledger"
         )
         try:
-            db = await self._run(_Database.open, self.path, self.lock_timeout)
+            db = await self._run(
+                _Database.open, self.path, self.lock_timeout, self.sync == "commit"
+            )
             self._db = db
             rows = await self._run(db.load_recent, self.cache_sessions)
         except sqlite3.Error as exc:  # damage that quick_check let through
@@ -522,11 +550,12 @@ class LedgerPlugin(Plugin):
 
         Ignores records without a session id or with an outcome other than
         ``ok``. An identical retry updates the counters in memory only; every
-        other gate outcome schedules the debounced write.
+        other gate outcome schedules the debounced write. With ``sync =
+        "commit"`` every one is written (fsynced) before this returns.
 
         Raises:
-            LedgerError: the plugin is not started, or looking up a session
-                not in memory failed.
+            LedgerError: the plugin is not started, looking up a session not
+                in memory failed, or (``sync = "commit"``) the write failed.
         """
         sid = record.session_id
         if sid is None or record.outcome is not Outcome.OK:
@@ -556,6 +585,12 @@ class LedgerPlugin(Plugin):
         entry.last_activity = max(entry.last_activity, record.started_at + record.duration_s)
         entry.version += 1
         self._unsaved[sid] = None
+        if self.sync == "commit":
+            try:
+                await self._flush([sid])
+            finally:
+                self._trim()
+            return
         if outcome is not GateOutcome.IDENTICAL:
             self._schedule()
         self._trim()
@@ -650,7 +685,10 @@ class LedgerPlugin(Plugin):
         entry.dirty = False
         entry.version += 1
         self._unsaved[session_id] = None
-        self._schedule()
+        if self.sync == "commit":
+            await self._flush([session_id])
+        else:
+            self._schedule()
         return True
 
     async def flush(self) -> None:

@@ -3,7 +3,7 @@
 Open to anyone: ``GET /healthz`` (alive), ``GET /readyz`` (503 while draining),
 ``GET /metrics`` (Prometheus text). Under ``/admin/`` (loopback, an address in
 ``admin_allow``, or ``Authorization: Bearer <admin_token>``; otherwise 403):
-``GET /admin/sessions[?tombstoned=true]``, ``GET|DELETE /admin/sessions/{id}``,
+``GET /admin/sessions[?limit=N&cursor=C|?tombstoned=true]``, ``GET|DELETE /admin/sessions/{id}``,
 ``GET /admin/exchanges``, ``POST /admin/shutdown``.
 
 The peer address is the socket's, never ``X-Forwarded-For`` (a header any
@@ -133,26 +133,64 @@ async def _tombstone_left(state: AppState, sid: str) -> float | None:
 STATUS_READ_TIMEOUT = 2.0
 
 
+#: Sessions in one ``GET /admin/sessions`` page when ``limit`` is not given.
+SESSIONS_PAGE_DEFAULT: Final = 100
+#: Largest ``limit`` accepted: a page of this many, read and encoded, holds the loop
+#: about 2 ms, p99 3.3 ms (measured at 100,000 sessions on a 2-core machine; 500: 4.8 ms).
+SESSIONS_PAGE_MAX: Final = 250
+
+
+def _page_limit(raw: str | None) -> int | None:
+    """``limit`` from the query: the default when absent, ``None`` when not 1..max."""
+    if raw is None:
+        return SESSIONS_PAGE_DEFAULT
+    if not raw.isdigit() or not 1 <= int(raw) <= SESSIONS_PAGE_MAX:
+        return None
+    return int(raw)
+
+
 async def list_sessions(request: Request, state: AppState) -> web.Response:
-    """Every live session: in-flight count, pinned, last activity, tombstoned.
+    """One page of the live sessions: in-flight count, pinned, last activity, tombstoned.
+
+    ``?limit=N`` (1 to :data:`SESSIONS_PAGE_MAX`, default
+    :data:`SESSIONS_PAGE_DEFAULT`) sessions in creation order, after
+    ``?cursor=C``; the answer's ``next_cursor`` is the token of the following
+    page (``null`` after the last). The work is O(page), whatever the number
+    of sessions: the loop is never held for a walk of all of them. 400 for a
+    bad ``limit`` or a cursor this process did not issue (it restarted).
 
     With ``?tombstoned=true``: only the tombstoned ones instead, those still
     being closed (with their state) and those closed (state gone, tombstone
-    alive), each with ``tombstone_ttl_s``; at most ``tombstone_cap`` closed
-    ones plus the closes in progress, from this node's view.
+    alive), each with ``tombstone_ttl_s``, from this node's view: the same
+    pages, the closes in progress on the first one, then the closed ones
+    (at most ``tombstone_cap`` in all) oldest tombstone first.
     """
     registry = state.registry
+    limit = _page_limit(request.query.get("limit"))
+    if limit is None:
+        return web.json_response(
+            {"error": f"limit: expected an integer from 1 to {SESSIONS_PAGE_MAX}"}, status=400
+        )
+    cursor = request.query.get("cursor") or None
     if request.query.get("tombstoned", "").lower() not in ("true", "1", "yes"):
+        try:
+            page = registry.page(cursor, limit)
+        except ValueError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
         views = [
             _info_view(i, registry.tombstone_remaining(i.id) if i.tombstoned else None)
-            for i in registry.snapshot()
+            for i in page.sessions
         ]
-        return web.json_response({"sessions": views})
+        return web.json_response({"sessions": views, "next_cursor": page.next_cursor})
+    try:
+        closed, next_cursor = registry.tombstoned_page(cursor, limit)
+    except ValueError as exc:
+        return web.json_response({"error": str(exc)}, status=400)
     out: list[dict[str, Any]] = []
-    for sid, left in registry.tombstoned():
+    for sid, left in closed:
         info = registry.info(sid)
         out.append(_closed_view(sid, left) if info is None else _info_view(info, left))
-    return web.json_response({"sessions": out})
+    return web.json_response({"sessions": out, "next_cursor": next_cursor})
 
 
 async def get_session(request: Request, state: AppState, sid: str) -> web.Response:

@@ -9,7 +9,7 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Final
 
 import click
@@ -218,6 +218,28 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+#: Sessions asked for per ``GET /admin/sessions`` page (the proxy's largest page).
+LISTING_PAGE: Final = 250
+
+
+def _listing(base: str, token: str | None) -> Iterator[dict[str, Any]]:
+    """Every entry of ``GET /admin/sessions``, page after page (following ``next_cursor``).
+
+    Raises:
+        click.ClickException: a page could not be read.
+    """
+    cursor: str | None = None
+    while True:  # bounded: each page moves the cursor forward through the sessions
+        query = {"limit": str(LISTING_PAGE)}
+        if cursor is not None:
+            query["cursor"] = cursor
+        page = _admin_get(f"{base}/admin/sessions?{urllib.parse.urlencode(query)}", token)
+        yield from page["sessions"]
+        cursor = page.get("next_cursor")
+        if cursor is None:
+            return
+
+
 @main.command()
 @click.option("--url", default="http://127.0.0.1:8787", show_default=True, help="Proxy URL.")
 @click.option(
@@ -233,7 +255,7 @@ def sessions(url: str, token: str | None, as_json: bool) -> None:
     session as GET /admin/sessions/{id} describes it.
     """
     base = url.rstrip("/")
-    listing = _admin_get(f"{base}/admin/sessions", token)["sessions"]
+    listing = list(_listing(base, token))
     details = [
         _admin_get(f"{base}/admin/sessions/{urllib.parse.quote(entry['id'], safe='')}", token)
         for entry in listing

@@ -14,6 +14,9 @@
   bytes, time to first byte, duration, fold level, exchange and session id.
   Never a header value (other than the session id the client chose to send), a
   query string, a key or a body.
+* :class:`LogLimiter` logs the first of a run of similar events (one upstream
+  unreachable, one Redis down) and then one summary line per interval with the
+  count, instead of a line per event.
 * :class:`BurstFilter` keeps a storm of identical failures (``Too many open
   files`` from every accept and connect while descriptors are exhausted) down to
   a few lines per window plus one summary line.
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import datetime
 import json
@@ -42,6 +46,7 @@ __all__ = [
     "SESSION_ID",
     "BurstFilter",
     "JsonFormatter",
+    "LogLimiter",
     "RedactingFormatter",
     "log_access",
     "setup_logging",
@@ -180,6 +185,137 @@ def log_access(ex: Exchange, *, route: str) -> None:
         line,
         extra={"access": fields, "exchange_id": ex.id, "session_id": ex.session_id},
     )
+
+
+class _Run:
+    """One key's run of events: when its window began, how many were not logged, the timer."""
+
+    __slots__ = ("start", "suppressed", "timer")
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.suppressed = 0
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class LogLimiter:
+    """One line for the first of a run of similar events, then a summary line per interval.
+
+    For failures that repeat once per request while a dependency is down (an
+    upstream unreachable, Redis down): the first event of a quiet key is logged
+    in full; the next ones within ``interval`` seconds are only counted, and when
+    the window ends one line says how many there were::
+
+        limiter = LogLimiter(log, interval=10.0)
+        limiter.event("upstream 10.0.0.5:443 unreachable", "%s: upstream refused ...", ex_id)
+        # ... 4,999 more within 10 s, then, once:
+        # "upstream 10.0.0.5:443 unreachable: 4999 more in the last 10 s"
+
+    The summary is written when the window ends (a loop timer, when called on a
+    running event loop) or, without a loop, by the first event after it ends or
+    by :meth:`flush`. While events keep coming, there is one summary per
+    interval and no other line; after a quiet interval the next event is logged
+    in full again. Keys name the dependency and the kind of failure (a
+    handful per process): their state is kept, a few dozen bytes each.
+
+    Args:
+        logger: where the lines go.
+        interval: seconds of one window (> 0).
+        level: the level of both the first line and the summaries.
+        clock: monotonic seconds; injectable for tests.
+
+    Raises:
+        ValueError: ``interval`` is not a finite number > 0.
+    """
+
+    __slots__ = ("_clock", "_level", "_logger", "_runs", "interval")
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        interval: float = 10.0,
+        level: int = logging.WARNING,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (interval > 0 and interval < float("inf")):
+            raise ValueError(f"interval must be a finite number > 0, got {interval!r}")
+        self.interval: Final = float(interval)
+        self._logger = logger
+        self._level = level
+        self._clock = clock
+        self._runs: dict[str, _Run] = {}
+
+    def event(self, key: str, msg: str, *args: object) -> bool:
+        """One event of ``key``; returns whether ``msg % args`` was logged (else counted).
+
+        ``key`` is also the summary's subject, so it must say what failed
+        (never a header value, a key or a body: it is logged).
+        """
+        now = self._clock()
+        run = self._runs.get(key)
+        if run is not None and now - run.start >= self.interval:
+            if run.suppressed == 0:
+                run = None  # a quiet window: this one starts a new run
+            else:
+                # The window ended without its timer (no loop): summarise, count this one.
+                self._summarise(key, run, now)
+                run.suppressed = 1
+                self._arm(key, run)
+                return False
+        if run is None:
+            self._cancel(key)
+            self._runs[key] = _Run(now)
+            self._logger.log(self._level, msg, *args)
+            return True
+        run.suppressed += 1
+        self._arm(key, run)
+        return False
+
+    def suppressed(self, key: str) -> int:
+        """Events of ``key`` counted and not yet reported by a summary."""
+        run = self._runs.get(key)
+        return 0 if run is None else run.suppressed
+
+    def flush(self) -> None:
+        """Write the summary of every key with unreported events now (e.g. at shutdown)."""
+        now = self._clock()
+        for key, run in list(self._runs.items()):
+            if run.timer is not None:
+                run.timer.cancel()
+                run.timer = None
+            if run.suppressed:
+                self._summarise(key, run, now)
+
+    def _summarise(self, key: str, run: _Run, now: float) -> None:
+        seconds = max(now - run.start, 0.0)
+        self._logger.log(
+            self._level, "%s: %d more in the last %.0f s", key, run.suppressed, seconds
+        )
+        run.start, run.suppressed = now, 0
+
+    def _arm(self, key: str, run: _Run) -> None:
+        if run.timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop: the next event after the window, or flush(), summarises
+        delay = max(run.start + self.interval - self._clock(), 0.0)
+        run.timer = loop.call_later(delay, self._window_ended, key)
+
+    def _window_ended(self, key: str) -> None:
+        run = self._runs.get(key)
+        if run is None:
+            return
+        run.timer = None
+        if run.suppressed:
+            self._summarise(key, run, self._clock())
+
+    def _cancel(self, key: str) -> None:
+        run = self._runs.get(key)
+        if run is not None and run.timer is not None:
+            run.timer.cancel()
 
 
 def _is_fd_exhaustion(record: logging.LogRecord) -> bool:

@@ -29,6 +29,7 @@ from ._exchange import Exchange, Outcome
 from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
 from ._front import Answer, Request, StreamAnswer
 from ._headers import response_headers
+from ._logs import LogLimiter
 from ._protocols import Protocol
 from ._stream import (
     Accept,
@@ -77,11 +78,13 @@ class ClientGone(Exception):
 class _UpstreamFailure(Exception):
     """No usable answer from the upstream: ``status`` 502, 503 (out of descriptors) or 504."""
 
-    def __init__(self, status: int, outcome: Outcome, message: str) -> None:
+    def __init__(self, status: int, outcome: Outcome, message: str, detail: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.outcome = outcome
         self.message = message
+        # For the log only (e.g. the error's class name); the client gets ``message``.
+        self.detail = detail
 
 
 def _read_failure(exc: BaseException) -> str:
@@ -95,6 +98,10 @@ def _read_failure(exc: BaseException) -> str:
     return "upstream sent nothing for too long mid-answer"
 
 
+#: Seconds between two summary lines of one upstream's failures.
+FAILURE_LOG_INTERVAL: Final = 10.0
+
+
 class Upstream:
     """The upstream HTTP client: one :class:`~proxy._upstream.UpstreamPool` for all exchanges.
 
@@ -106,7 +113,7 @@ class Upstream:
         ValueError: an upstream base URL is not ``http(s)://host[:port][/path]``.
     """
 
-    __slots__ = ("header_timeout", "pool", "targets")
+    __slots__ = ("failures", "header_timeout", "pool", "targets")
 
     def __init__(self, settings: Settings) -> None:
         self.targets: Final[Mapping[str, UpstreamTarget]] = {
@@ -119,14 +126,31 @@ class Upstream:
             idle_read=settings.upstream_idle_read_timeout,
             max_connections=settings.upstream_max_connections,
         )
+        #: Failed requests, per upstream and outcome: the first is logged, then one
+        #: summary line per 10 s with the count (an upstream down would otherwise
+        #: cost a warning per request; the access log keeps its line per request).
+        self.failures: Final = LogLimiter(log, interval=FAILURE_LOG_INTERVAL)
 
     def target(self, upstream: str, path: str, query: str) -> tuple[UpstreamTarget, str]:
         """Where ``path`` and the raw ``query`` string (kept as sent) go on ``upstream``."""
         target = self.targets[upstream]
         return target, target.request_target(path, query)
 
+    def log_failure(self, ex: Exchange, target: UpstreamTarget, failure: _UpstreamFailure) -> None:
+        """The warning of one failed upstream request, rate-limited per upstream and outcome."""
+        detail = f" ({failure.detail})" if failure.detail else ""
+        self.failures.event(
+            f"upstream {target.host_field} failed ({failure.outcome})",
+            "%s %s: %s%s",
+            ex.id,
+            ex.protocol,
+            failure.message,
+            detail,
+        )
+
     async def close(self) -> None:
-        """Close the pool (open upstream connections are closed)."""
+        """Close the pool (open upstream connections are closed); summarise failures."""
+        self.failures.flush()
         await self.pool.close()
 
 
@@ -308,8 +332,9 @@ class _Relay:
                 # Our limit, not the upstream's fault: the client may retry (here or elsewhere).
                 raise _UpstreamFailure(503, Outcome.REJECTED, EXHAUSTED_MESSAGE) from None
             # The class name helps whoever reads the log; the client gets plain words.
-            log.info("%s: upstream request failed (%s)", ex.id, type(exc).__name__)
-            raise _UpstreamFailure(502, Outcome.UPSTREAM_UNREACHABLE, str(exc)) from None
+            raise _UpstreamFailure(
+                502, Outcome.UPSTREAM_UNREACHABLE, str(exc), type(exc).__name__
+            ) from None
 
     def _can_refold(self) -> bool:
         # After release the preparer is gone: an overflow seen later (e.g. in a
@@ -336,7 +361,7 @@ class _Relay:
                 except _UpstreamFailure as failure:
                     ex.release()
                     ex.conclude(failure.status, failure.outcome, failure.message)
-                    log.warning("%s %s: %s", ex.id, ex.protocol, failure.message)
+                    self.upstream.log_failure(ex, self.target[0], failure)
                     retry = (
                         {"Retry-After": str(self.retry_after)} if failure.status == 503 else None
                     )

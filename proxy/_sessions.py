@@ -37,13 +37,16 @@ import contextvars
 import dataclasses
 import enum
 import functools
+import itertools
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Final
 
 from cachetools import LRUCache
+from sortedcontainers import SortedDict
 
 from ._tombstones import TombstoneSet, TombstoneStore
 
@@ -52,6 +55,7 @@ __all__ = [
     "SessionClosed",
     "SessionInfo",
     "SessionLock",
+    "SessionPage",
     "SessionRegistry",
     "SessionShutdown",
     "SessionStatus",
@@ -169,6 +173,18 @@ class SessionInfo:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class SessionPage:
+    """One page of :meth:`SessionRegistry.page`: entries in creation order.
+
+    ``next_cursor``: the opaque token to pass for the following page, or
+    ``None`` when this page reached the last entry.
+    """
+
+    sessions: list[SessionInfo]
+    next_cursor: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class SessionStatus:
     """A status read taken under the session's lock (see :meth:`SessionRegistry.status`).
 
@@ -200,12 +216,15 @@ class _Session:
         "lock",
         "lock_users",
         "requests",
+        "seq",
         "sid",
         "state",
     )
 
-    def __init__(self, sid: str, now: float) -> None:
+    def __init__(self, sid: str, now: float, seq: int) -> None:
         self.sid: Final = sid
+        # Creation order, the key of the registry's listing index (never reused).
+        self.seq: Final = seq
         self.lock: Final = asyncio.Lock()
         self.created_at: Final = now
         self.last_activity = now
@@ -431,6 +450,9 @@ class SessionRegistry:
         "_idle_cap",
         "_in_flight_total",
         "_inflight",
+        "_listing",
+        "_listing_token",
+        "_next_seq",
         "_on_close",
         "_sessions",
         "_tombstones",
@@ -467,6 +489,14 @@ class SessionRegistry:
         self._idle: _IdleSessions | None = (
             _IdleSessions(idle_cap, self._evict) if idle_cap > 0 else None
         )
+        # Every entry (live and detached) by creation number, so a listing page
+        # starts at its cursor in O(log n) and costs O(page), never a scan or sort of
+        # all sessions (GET /admin/sessions on the event loop).
+        self._listing: SortedDict[int, _Session] = SortedDict()
+        self._next_seq = itertools.count()
+        # Names this registry in its cursors: one from another process (a restart
+        # renumbers the entries) is refused rather than silently misplaced.
+        self._listing_token: Final = secrets.token_hex(4)
         self._inflight: dict[str, set[Tracking]] = {}
         self._in_flight_total = 0
         # Completed shutdowns (tombstoned for their TTL).
@@ -508,6 +538,35 @@ class SessionRegistry:
             (sid, left) for sid, left in self._tombstones.items() if sid not in self._closing
         ]
 
+    def tombstoned_page(
+        self, cursor: str | None, limit: int
+    ) -> tuple[list[tuple[str, float]], str | None]:
+        """One page of :meth:`tombstoned`: ``(sid, remaining seconds)`` items, next cursor.
+
+        The first page (``cursor=None``) has every close in progress, then up to
+        ``limit`` closed ids, oldest tombstone first; the next pages continue
+        the closed ones after the cursor (``None``: no more). O(page) work (the
+        shutdowns in progress are few: one per close being run).
+
+        Raises:
+            ValueError: ``limit`` < 1, or a cursor this registry did not issue
+                for this listing.
+        """
+        after = -1
+        closing: list[tuple[str, float]] = []
+        if cursor is None:
+            ttl = self._tombstones.ttl
+            closing = [(sid, ttl) for sid in self._closing]
+        else:
+            token, _, number = cursor.partition(".t")
+            if token != self._listing_token or not number.isdigit():
+                raise ValueError("cursor: not one this process issued (start again without one)")
+            after = int(number)
+        closed, position = self._tombstones.page(after, limit)
+        closed = [(sid, left) for sid, left in closed if sid not in self._closing]
+        following = None if position is None else f"{self._listing_token}.t{position}"
+        return closing + closed, following
+
     def _refuse_tombstoned(self, sid: str) -> None:
         """Raise :class:`SessionClosed` if ``sid`` has a live, completed tombstone."""
         remaining = self._tombstones.remaining_ttl(sid)
@@ -537,8 +596,9 @@ class SessionRegistry:
         """The entry of ``sid``; a new one is not idle, the caller pins it at once."""
         session = self._find(sid)
         if session is None:
-            session = _Session(sid, self._clock())
+            session = _Session(sid, self._clock(), next(self._next_seq))
             self._sessions[sid] = session
+            self._listing[session.seq] = session
         return session
 
     def _pin(self, session: _Session) -> None:
@@ -571,6 +631,7 @@ class SessionRegistry:
             del self._detached[sid]
         if self._idle is not None and sid in self._idle:
             del self._idle[sid]
+        self._listing.pop(session.seq, None)
         session.state = state
 
     def _republish(self, session: _Session) -> None:
@@ -580,7 +641,10 @@ class SessionRegistry:
         if self._detached.get(session.sid) is session:
             del self._detached[session.sid]
         session.state = _State.LIVE
-        self._sessions.setdefault(session.sid, session)
+        if self._sessions.setdefault(session.sid, session) is not session:
+            # A newer entry of the id took its place: this one is no longer listed.
+            self._listing.pop(session.seq, None)
+            return
         self._unpin(session)
 
     # ----------------------------------------------------------------- locks
@@ -704,6 +768,41 @@ class SessionRegistry:
         now = self._clock()
         sessions: Iterable[_Session] = [*self._sessions.values(), *self._detached.values()]
         return [self._info(session, now) for session in sessions]
+
+    def page(self, cursor: str | None, limit: int) -> SessionPage:
+        """At most ``limit`` entries (live and detached) after ``cursor``, oldest first.
+
+        Entries are in creation order, so paging is stable while sessions come
+        and go: every entry that lives through a whole walk of the pages is
+        listed exactly once; one created meanwhile shows up on a later page, one
+        dropped meanwhile is skipped. An id evicted and seen again is a new entry
+        (listed again, later). Work is O(log n + ``limit``): the page starts at
+        the cursor in the creation index, nothing else is visited. Takes no lock.
+
+        Args:
+            cursor: ``None`` for the first page, else a previous page's
+                ``next_cursor`` (opaque).
+            limit: most entries returned (>= 1).
+
+        Raises:
+            ValueError: ``limit`` < 1, or ``cursor`` is malformed or was issued
+                by another registry (e.g. before a restart).
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit!r}")
+        after = -1
+        if cursor is not None:
+            token, _, number = cursor.partition(".")
+            if token != self._listing_token or not number.isdigit():
+                raise ValueError("cursor: not one this process issued (start again without one)")
+            after = int(number)
+        keys = self._listing.irange(minimum=after, inclusive=(False, True))
+        now = self._clock()
+        picked = [self._listing[seq] for seq in itertools.islice(keys, limit + 1)]
+        more = len(picked) > limit
+        sessions = [self._info(session, now) for session in picked[:limit]]
+        next_cursor = f"{self._listing_token}.{picked[limit - 1].seq}" if more else None
+        return SessionPage(sessions, next_cursor)
 
     @property
     def session_count(self) -> int:

@@ -16,12 +16,14 @@ up to date, and does its round trips outside those steps.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
 from typing import Final, Protocol
 
 from cachetools import TTLCache
+from sortedcontainers import SortedDict
 
 __all__ = ["TombstoneSet", "TombstoneStore"]
 
@@ -62,6 +64,41 @@ class TombstoneStore(Protocol):
         """Every unexpired tombstone as ``(sid, remaining seconds)`` (for the admin views)."""
         ...
 
+    def page(self, after: int, limit: int) -> tuple[list[tuple[str, float]], int | None]:
+        """Up to ``limit`` (>= 1) unexpired tombstones set after position ``after``.
+
+        Oldest first, as ``(sid, remaining seconds)``; ``after`` is -1 for the
+        first page, else the position a previous page returned, which is the
+        second item (``None`` once the last tombstone was listed). O(``limit``)
+        apart from dropping expired tombstones (for the admin listing's pages).
+        """
+        ...
+
+
+class _Cache(TTLCache[str, float, float]):
+    """A TTLCache telling its owner about every key it drops by itself (expiry, the cap).
+
+    cachetools' documented hooks: ``popitem`` (an eviction over ``maxsize``) and
+    ``expire`` (called on every insertion, and by the owner).
+    """
+
+    def __init__(
+        self, cap: int, ttl: float, clock: Callable[[], float], on_drop: Callable[[str], None]
+    ) -> None:
+        super().__init__(maxsize=cap, ttl=ttl, timer=clock)
+        self._on_drop = on_drop
+
+    def popitem(self) -> tuple[str, float]:
+        key, value = super().popitem()
+        self._on_drop(key)
+        return key, value
+
+    def expire(self, time: float | None = None) -> list[tuple[str, float]]:
+        expired = super().expire(time)
+        for key, _ in expired:
+            self._on_drop(key)
+        return expired
+
 
 class TombstoneSet:
     """In-process tombstones with a TTL and a count cap (a :class:`TombstoneStore`).
@@ -83,7 +120,7 @@ class TombstoneSet:
         ValueError: ``ttl`` or ``cap`` is negative or not finite.
     """
 
-    __slots__ = ("_cache", "_clock", "_ttl")
+    __slots__ = ("_cache", "_clock", "_next", "_order", "_position", "_ttl")
 
     def __init__(
         self, *, ttl: float, cap: int, clock: Callable[[], float] = time.monotonic
@@ -95,9 +132,15 @@ class TombstoneSet:
         # The value is the expiry (clock seconds), for remaining_ttl; the cache
         # applies the same expiry itself. None with cap 0: cachetools refuses
         # maxsize 0 for a store, and a cap of 0 means "keep nothing".
-        self._cache: Final[TTLCache[str, float] | None] = (
-            TTLCache(maxsize=int(cap), ttl=self._ttl, timer=clock) if cap > 0 else None
+        self._cache: Final[_Cache | None] = (
+            _Cache(int(cap), self._ttl, clock, self._forget) if cap > 0 else None
         )
+        # The order tombstones were set in, for the admin listing's pages: position
+        # -> sid, and sid -> (position, expiry). Kept in step with the cache (its
+        # own drops come through _forget), so it never holds more than ``cap``.
+        self._order: Final[SortedDict[int, str]] = SortedDict()
+        self._position: Final[dict[str, tuple[int, float]]] = {}
+        self._next: Final = itertools.count()
 
     @property
     def ttl(self) -> float:
@@ -112,11 +155,20 @@ class TombstoneSet:
         # One clock reading for the stored expiry and the cache's own.
         with cache.timer as now:
             cache[sid] = now + self._ttl
+        if sid not in cache:
+            return  # a TTL of 0: expired at once
+        # After the insertion, whose own expiry and eviction may have dropped sid's
+        # previous position: a re-added tombstone moves to the end.
+        self._forget(sid)
+        position = next(self._next)
+        self._order[position] = sid
+        self._position[sid] = (position, now + self._ttl)
 
     def discard(self, sid: str) -> None:
         """Drop the tombstone of ``sid``, if any."""
         if self._cache is not None:
             self._cache.pop(sid, None)
+            self._forget(sid)
 
     def remaining_ttl(self, sid: str) -> float | None:
         """Seconds until the tombstone of ``sid`` expires, or ``None`` if it has none."""
@@ -145,6 +197,33 @@ class TombstoneSet:
             # items() of a TTLCache skips expired entries; the expiry check here
             # keeps a tombstone expiring between the two readings out as well.
             return [(sid, expires - now) for sid, expires in cache.items() if expires > now]
+
+    def page(self, after: int, limit: int) -> tuple[list[tuple[str, float]], int | None]:
+        """Up to ``limit`` tombstones set after position ``after`` (see :class:`TombstoneStore`).
+
+        Raises:
+            ValueError: ``limit`` < 1.
+        """
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit!r}")
+        cache = self._cache
+        if cache is None:
+            return [], None
+        with cache.timer as now:
+            cache.expire(now)  # each tombstone is dropped once: amortised O(1)
+            keys = self._order.irange(minimum=after, inclusive=(False, True))
+            picked = list(itertools.islice(keys, limit + 1))
+            out = []
+            for position in picked[:limit]:
+                sid = self._order[position]
+                out.append((sid, self._position[sid][1] - now))
+        return out, picked[limit - 1] if len(picked) > limit else None
+
+    def _forget(self, sid: str) -> None:
+        """Drop ``sid`` from the listing order (it left the cache, or is set again)."""
+        known = self._position.pop(sid, None)
+        if known is not None:
+            del self._order[known[0]]
 
 
 def _check_non_negative(name: str, value: float) -> None:

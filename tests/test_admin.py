@@ -222,7 +222,7 @@ async def test_admin_from_non_loopback_needs_the_token(
         bearer = {"Authorization": f"Bearer {TOKEN}"}
         async with http_other.get(h.url + "/admin/sessions", headers=bearer) as resp:
             assert resp.status == 200
-            assert await resp.json() == {"sessions": []}
+            assert await resp.json() == {"sessions": [], "next_cursor": None}
         async with http_other.get(h.url + "/admin/exchanges", headers=bearer) as resp:
             assert resp.status == 200
         # The scheme is case-insensitive (RFC 9110 section 11.1).

@@ -266,6 +266,15 @@ async def test_sessions_stick_to_a_node_and_a_stopped_node_moves_only_its_own(
         await _until(streaming, "the slow stream started")
         stopper = asyncio.create_task(asyncio.to_thread(leaving.stop))
         await _until(lambda: _get(leaving, "/readyz")[0] == 503, "readiness 503", within=5)
+        # Draining, it still listens and answers a new request 503 (never sent upstream):
+        # the doc's proxy_next_upstream (http_503 non_idempotent) retries the POST on
+        # another node, so the client never sees that 503. nginx's $upstream_addr lists
+        # every node tried: the leaving one first, then the one that answered.
+        status, _, tried = await _post(http, nginx.url, "route-0")
+        assert not slow.done(), "the drain ended before the request through nginx"
+        first, *rest = tried.split(", ")
+        assert (status, first) == (200, placed["route-0"]), tried
+        assert rest and rest[-1] != placed["route-0"], tried
         status, body, _ = await slow  # the grace period let it finish
         assert status == 200 and "data: [DONE]" in body
         assert await stopper == 0

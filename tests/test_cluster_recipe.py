@@ -120,3 +120,24 @@ def test_the_recipe_runs_as_pasted_and_stops_by_pid_files(tmp_path: Path) -> Non
             if _alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+def _next_upstream(block: str) -> set[str]:
+    (line,) = re.findall(r"^ *proxy_next_upstream ([^;]+);", block, re.MULTILINE)
+    return set(line.split())
+
+
+def test_the_nginx_blocks_retry_a_draining_nodes_503_on_the_next_node() -> None:
+    """docs/cluster.md's nginx block (the one the cluster tests run) and docs/deploy.md's
+    both pass a draining node's 503 to the next node, POSTs included (issue 20, item 9)."""
+    (cluster,) = _blocks("nginx")
+    (deploy,) = [
+        body
+        for k, body in re.findall(
+            r"```(\w+)\n(.*?)```", (DOCS.parent / "deploy.md").read_text(), re.S
+        )
+        if k == "nginx"
+    ]
+    wanted = {"error", "timeout", "http_503", "non_idempotent"}
+    assert _next_upstream(cluster) == wanted
+    assert _next_upstream(deploy) == wanted

@@ -533,7 +533,7 @@ async def test_a_closed_session_stays_visible_and_its_cut_streams_say_session_cl
             assert answer.status == 404
             assert await answer.json() == {"error": "no such session"}
         async with http.get(f"{h.url}/admin/sessions?tombstoned=true") as answer:
-            assert await answer.json() == {"sessions": []}
+            assert await answer.json() == {"sessions": [], "next_cursor": None}
 
 
 class StuckPrepare(Plugin):
