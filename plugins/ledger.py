@@ -865,12 +865,13 @@ class LedgerPlugin(Plugin):
     def _outage_over(self, sent: list[GateRun]) -> None:
         outage, self._outage = self._outage, None
         if outage is not None:
+            # What was sent now plus what the sender sends next, without waiting.
             log.warning(
                 "ledger: Redis answers again after %.1fs; %d commit(s) of %d session(s) "
-                "applied, %d dropped",
+                "held during the outage are being applied, %d dropped",
                 time.monotonic() - outage.began,
-                sum(run.commits for run in sent),
-                len(sent),
+                sum(run.commits for run in sent) + self.gate_held,
+                len({run.session_id for run in sent} | self._held.keys() | self._doubt.keys()),
                 self.gate_dropped,
             )
 
