@@ -277,3 +277,24 @@ async def test_a_hung_redis_costs_no_commit_and_the_ledger_catches_up(
     assert len(warnings) == 2, [r.getMessage() for r in warnings]
     assert "unreachable" in warnings[0].getMessage()
     assert "answers again" in warnings[1].getMessage()
+
+
+async def test_a_shutdown_during_the_hang_is_bounded_and_counts_what_it_lost(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    from proxy.testing import make_record
+
+    ledger = LedgerPlugin(path=":memory:", redis_url=redis_server.url, redis_timeout=TIMEOUT)
+    await ledger.startup()
+    _hang(redis_server)
+    try:
+        for n in range(5):
+            await ledger.commit(make_record(session_id=f"s{n % 2}", wire_digest=f"{n:032x}"))
+        assert ledger.gate_held == 5 and ledger.gate_sessions_held == 2
+        began = time.monotonic()
+        await ledger.shutdown()
+        assert time.monotonic() - began < 20 * TIMEOUT  # 3 x redis_timeout, then gives up
+    finally:
+        _resume(redis_server)
+    assert ledger.gate_dropped == 5 and ledger.gate_held == 0
+    assert any("5 commit(s) of 2 session(s)" in r.getMessage() for r in caplog.records)
