@@ -489,9 +489,11 @@ class LedgerPlugin(Plugin):
         self.cache_sessions: Final = cache_sessions
         self.lock_timeout: Final = float(lock_timeout)
         self.writes = 0
-        """Transactions committed (one per flush that had something to write)."""
+        """Transactions committed (one per flush that had something to write); in
+        cluster mode, gate changes applied in Redis."""
         self.write_errors = 0
-        """Flush transactions that failed (their sessions stay unsaved and are retried)."""
+        """Flush transactions that failed (their sessions stay unsaved and are retried);
+        in cluster mode, round trips to Redis that failed (their runs stay held)."""
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently active first
         self._unsaved: dict[str, None] = {}  # an ordered set: sessions ahead of the disk
         self._timer: asyncio.Task[None] | None = None  # the pending debounce flush
