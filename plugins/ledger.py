@@ -41,9 +41,23 @@ unless the ``[plugin.ledger]`` table sets it): the gate is the proxy's shared
 :class:`proxy.LedgerGate` from :func:`proxy.open_ledger_gate`, one Redis hash
 per session passed in one atomic step, so two nodes committing for one session
 at once still bump ``revision_epoch`` once. SQLite is not used then;
-an identical retry writes nothing at all (its counters are not kept), and a
-commit while Redis is unreachable is logged, counted in ``write_errors`` and
-skipped (the request itself is unaffected). Durability is Redis's (enable AOF).
+an identical retry writes nothing at all (its counters are not kept).
+Durability is Redis's (enable AOF).
+
+A commit in cluster mode never waits for Redis (write-behind, like the SQLite
+debounce): it folds the exchange into the session's *held run*
+(:class:`proxy.GateRun`, constant size however many commits it holds) and
+returns; one background task sends every held run, one pipelined round trip
+for all sessions, and sends again whatever arrived meanwhile. So a slow or
+hung Redis holds no session lock and costs no other plugin its commit, and a
+hot session's commits are not paced by Redis round trips. While Redis does not
+answer (the gate's breaker is open, see ``proxy/_cluster/ledger.py``), the runs
+stay held and are retried every ``redis_timeout``; the first answer applies
+them all, exactly as if each commit had gone through on time. Held runs are
+bounded by ``cache_sessions`` sessions: past it the oldest session's run is
+dropped and counted (``gate_dropped``). One warning starts an outage, a summary
+line with counts follows every 10 s while it lasts, one line ends it. What a
+shutdown during an outage cannot send is counted in the log line it writes.
 """
 
 from __future__ import annotations
@@ -51,10 +65,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import itertools
 import logging
 import math
 import os
 import sqlite3
+import time
 import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -65,6 +81,7 @@ from cachetools import LRUCache
 from proxy import (
     ClusterUnavailable,
     ExchangeRecord,
+    GateRun,
     LedgerGate,
     Outcome,
     Plugin,
@@ -84,9 +101,10 @@ _T = TypeVar("_T")
 #: Values of the ``sync`` option: debounced writes (the default), or one per commit.
 _SYNC_MODES: Final = ("debounced", "commit")
 
-# Seconds per Redis command in cluster mode; a commit runs after the answer was
-# sent, so a slow Redis delays bookkeeping, never a client.
-_REDIS_TIMEOUT: Final = 1.0
+# Cluster mode: sessions' held runs sent per round trip, and seconds between two
+# summary lines of one outage.
+_RUNS_PER_TRIP: Final = 512
+_OUTAGE_SUMMARY_EVERY: Final = 10.0
 
 # Column order of the ``sessions`` table and of every row tuple below.
 _COLUMNS: Final = (
@@ -418,6 +436,17 @@ def _translate(path: str, exc: sqlite3.Error) -> LedgerError:
     return LedgerError(f"ledger database {path} {kind}: {exc} ({code or type(exc).__name__})")
 
 
+class _Outage:
+    """One Redis outage as the ledger's sender sees it (monotonic seconds)."""
+
+    __slots__ = ("attempts", "began", "reported")
+
+    def __init__(self, began: float) -> None:
+        self.began = began
+        self.reported = began
+        self.attempts = 1
+
+
 class LedgerPlugin(Plugin):
     """Per-session hash gate with debounced SQLite persistence (see the module docstring).
 
@@ -447,6 +476,9 @@ class LedgerPlugin(Plugin):
     ``redis_url`` (str or None)
         Keep the gate in Redis instead of SQLite (cluster mode, see above);
         ``path`` is then unused. Default: the proxy's ``redis_url`` setting.
+    ``redis_timeout`` (float, seconds, > 0)
+        Cluster mode: per Redis command, and between two attempts while Redis
+        does not answer. Default: the proxy's ``redis_timeout`` setting (0.5).
 
     Raises:
         ValueError: on construction, for an out-of-range option (the proxy
@@ -464,6 +496,7 @@ class LedgerPlugin(Plugin):
         lock_timeout: float = 5.0,
         redis_url: str | None = None,
         sync: str = "debounced",
+        redis_timeout: float = 0.5,
     ) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError("path: expected a non-empty string")
@@ -482,9 +515,11 @@ class LedgerPlugin(Plugin):
         self.lock_timeout: Final = float(lock_timeout)
         self.sync: Final = sync
         self.writes = 0
-        """Transactions committed (one per flush that had something to write)."""
+        """Transactions committed (one per flush that had something to write); in
+        cluster mode, gate changes applied in Redis."""
         self.write_errors = 0
-        """Flush transactions that failed (their sessions stay unsaved and are retried)."""
+        """Flush transactions that failed (their sessions stay unsaved and are retried);
+        in cluster mode, round trips to Redis that failed (their runs stay held)."""
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently active first
         self._unsaved: dict[str, None] = {}  # an ordered set: sessions ahead of the disk
         self._timer: asyncio.Task[None] | None = None  # the pending debounce flush
@@ -494,7 +529,22 @@ class LedgerPlugin(Plugin):
         if redis_url is not None and not isinstance(redis_url, str):
             raise ValueError("redis_url: expected a redis:// URL or nothing")
         self.redis_url: Final = redis_url
+        if not (isinstance(redis_timeout, int | float) and 0 < redis_timeout < math.inf):
+            raise ValueError(f"redis_timeout: expected seconds > 0, got {redis_timeout!r}")
+        self.redis_timeout: Final = float(redis_timeout)
         self._gate: LedgerGate | None = None  # cluster mode: the gate shared by every node
+        # Cluster mode: the runs not in Redis yet, oldest session first, and their sender.
+        self._held: OrderedDict[str, GateRun] = OrderedDict()
+        # Runs sent whose answer is not in yet: resent as they are (same seq) until it is.
+        self._doubt: dict[str, GateRun] = {}
+        self._writer = os.urandom(8).hex()  # this start's name in the session hashes
+        self._seq = 0
+        self._wake = asyncio.Event()
+        self._sender: asyncio.Task[None] | None = None
+        self._outage: _Outage | None = None
+        self.gate_dropped = 0
+        """Cluster mode: commits whose held run was dropped (over ``cache_sessions``
+        sessions held) or could not be sent at shutdown."""
         # Cluster mode: the last gate state seen per session, for session_state().
         self._seen: LRUCache[str, dict[str, Scalar]] = LRUCache(maxsize=cache_sessions)
 
@@ -521,7 +571,10 @@ class LedgerPlugin(Plugin):
         if self._executor is not None or self._gate is not None:
             raise LedgerError(f"ledger {self.path}: startup() called twice")
         if self.redis_url is not None:
-            self._gate = open_ledger_gate(self.redis_url, timeout=_REDIS_TIMEOUT)
+            self._gate = open_ledger_gate(self.redis_url, timeout=self.redis_timeout)
+            self._sender = asyncio.get_running_loop().create_task(
+                self._send_held(self._gate), name="ledger-gate-sender"
+            )
             log.info("ledger: hash gate in Redis (cluster mode)")
             return
         # One thread: SQLite work is serialized in submission order, so a read
@@ -561,7 +614,7 @@ class LedgerPlugin(Plugin):
         if sid is None or record.outcome is not Outcome.OK:
             return
         if self._gate is not None:
-            await self._commit_shared(self._gate, sid, record)
+            self._hold(sid, record)
             return
         entry = await self._lookup(sid)
         if entry is None:
@@ -645,6 +698,7 @@ class LedgerPlugin(Plugin):
                 the message says how many sessions were lost).
         """
         if self._gate is not None:
+            await self._stop_sending()
             gate, self._gate = self._gate, None
             await gate.close()
             return
@@ -698,9 +752,19 @@ class LedgerPlugin(Plugin):
         called is on disk when it returns. Safe to call concurrently; a
         cancelled caller does not cancel the write.
 
+        In cluster mode: wait until every held run is in Redis, at most a few
+        attempts (``3 x redis_timeout``); runs still held then stay held.
+
         Raises:
-            LedgerError: a write failed (its sessions stay unsaved).
+            LedgerError: a write failed (its sessions stay unsaved); in cluster
+                mode, runs are still held after the wait.
         """
+        if self._gate is not None:
+            if not await self._settle_held(3 * self.redis_timeout):
+                raise LedgerError(
+                    f"ledger: Redis unreachable, {self.gate_sessions_held} session(s) held"
+                )
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -732,10 +796,25 @@ class LedgerPlugin(Plugin):
 
     # -- internals -------------------------------------------------------------------------
 
-    async def _commit_shared(self, gate: LedgerGate, sid: str, record: ExchangeRecord) -> None:
-        """The shared gate in one atomic step (across nodes); an outage skips it."""
-        try:
-            outcome, epoch, dirty = await gate.apply(
+    @property
+    def gate_held(self) -> int:
+        """Cluster mode: commits not confirmed in Redis yet (held or in doubt)."""
+        runs = itertools.chain(self._held.values(), self._doubt.values())
+        return sum(run.commits for run in runs)
+
+    @property
+    def gate_sessions_held(self) -> int:
+        """Cluster mode: sessions with commits not confirmed in Redis yet."""
+        return len(self._held.keys() | self._doubt.keys())
+
+    def _hold(self, sid: str, record: ExchangeRecord) -> None:
+        """Fold ``record`` into the session's held run (O(1)) and wake the sender."""
+        run = self._held.get(sid)
+        if run is None:
+            if len(self._held) >= self.cache_sessions:
+                _, oldest = self._held.popitem(last=False)
+                self.gate_dropped += oldest.commits
+            self._held[sid] = GateRun(
                 sid,
                 digest=record.wire_digest,
                 comparable=record.comparable,
@@ -743,18 +822,128 @@ class LedgerPlugin(Plugin):
                 response_bytes=record.response_bytes,
                 last_activity=record.started_at + record.duration_s,
             )
-        except ClusterUnavailable as exc:
-            self.write_errors += 1
-            log.warning("ledger: Redis unreachable (%s); this commit skipped the gate", exc)
+        else:
+            run.append(
+                digest=record.wire_digest,
+                comparable=record.comparable,
+                request_bytes=record.request_bytes,
+                response_bytes=record.response_bytes,
+                last_activity=record.started_at + record.duration_s,
+            )
+        self._wake.set()
+
+    async def _send_held(self, gate: LedgerGate) -> None:
+        """The sender: held runs to Redis, one pipelined round trip per batch of
+        sessions; on an outage retry every ``redis_timeout``.
+
+        A run is *in doubt* from the moment it is sent until Redis answers: a timed
+        out command may still run when a hung Redis resumes. In-doubt runs are
+        resent, with their sequence number (Redis skips a copy it already applied),
+        before any newer run of theirs is sent; newer commits meanwhile fold into
+        the held run. So a session holds at most two runs, and each commit is
+        applied exactly once.
+        """
+        while True:  # until shutdown cancels it; each pass waits for work or a retry delay
+            await self._wake.wait()
+            self._wake.clear()
+            while self._doubt or self._held:  # bounded: each pass sends or waits
+                if not self._doubt:  # the held runs, numbered, become in doubt
+                    while self._held and len(self._doubt) < _RUNS_PER_TRIP:
+                        sid, run = self._held.popitem(last=False)
+                        self._seq += 1
+                        run.seq = self._seq
+                        self._doubt[sid] = run
+                runs = list(itertools.islice(self._doubt.values(), _RUNS_PER_TRIP))
+                try:
+                    verdicts = await gate.apply_runs(self._writer, runs)
+                except ClusterUnavailable as exc:
+                    self.write_errors += 1
+                    self._outage_step(str(exc))
+                    await asyncio.sleep(self.redis_timeout)
+                    continue
+                for run in runs:
+                    del self._doubt[run.session_id]
+                self._outage_over(runs)
+                for run, verdict in zip(runs, verdicts, strict=True):
+                    self.writes += (verdict.outcome != GateOutcome.IDENTICAL.value) + run.requests
+                    self._seen[run.session_id] = {
+                        "digest": run.digest[:12],
+                        "comparable": run.comparable,
+                        "revision_epoch": verdict.revision_epoch,
+                        "dirty": verdict.dirty,
+                        "gate": verdict.outcome,
+                    }
+
+    def _outage_step(self, cause: str) -> None:
+        """One failed attempt: a warning at the first, a summary every so often."""
+        now = time.monotonic()
+        outage = self._outage
+        if outage is None:
+            self._outage = _Outage(now)
+            log.warning(
+                "ledger: Redis unreachable (%s); holding gate decisions in memory "
+                "(%d commit(s) of %d session(s)), retrying every %.1fs",
+                cause,
+                self.gate_held,
+                self.gate_sessions_held,
+                self.redis_timeout,
+            )
             return
-        self.writes += outcome != GateOutcome.IDENTICAL.value
-        self._seen[sid] = {
-            "digest": record.wire_digest[:12],
-            "comparable": record.comparable,
-            "revision_epoch": epoch,
-            "dirty": dirty,
-            "gate": outcome,
-        }
+        outage.attempts += 1
+        if now - outage.reported >= _OUTAGE_SUMMARY_EVERY:
+            outage.reported = now
+            log.warning(
+                "ledger: Redis still unreachable after %.1fs (%d attempt(s)): "
+                "%d commit(s) of %d session(s) held, %d dropped",
+                now - outage.began,
+                outage.attempts,
+                self.gate_held,
+                self.gate_sessions_held,
+                self.gate_dropped,
+            )
+
+    def _outage_over(self, sent: list[GateRun]) -> None:
+        outage, self._outage = self._outage, None
+        if outage is not None:
+            # What was sent now plus what the sender sends next, without waiting.
+            log.warning(
+                "ledger: Redis answers again after %.1fs; %d commit(s) of %d session(s) "
+                "held during the outage are being applied, %d dropped",
+                time.monotonic() - outage.began,
+                sum(run.commits for run in sent) + self.gate_held,
+                len({run.session_id for run in sent} | self._held.keys() | self._doubt.keys()),
+                self.gate_dropped,
+            )
+
+    async def _settle_held(self, within: float) -> bool:
+        """Wait up to ``within`` seconds until no run is held or in flight."""
+        deadline = time.monotonic() + within
+        while self._held or self._doubt:  # bounded by the deadline
+            if time.monotonic() >= deadline or self._sender is None or self._sender.done():
+                return False
+            self._wake.set()
+            await asyncio.sleep(0.005)
+        return True
+
+    async def _stop_sending(self) -> None:
+        """At shutdown: send what is held (bounded), then stop the sender."""
+        await self._settle_held(3 * self.redis_timeout)
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.cancel()
+            await asyncio.wait([sender])
+        lost = self.gate_held
+        if lost:
+            self.gate_dropped += lost
+            log.warning(
+                "ledger: Redis unreachable at shutdown; %d commit(s) of %d session(s) "
+                "not confirmed in the gate (%d of them sent, perhaps applied)",
+                lost,
+                self.gate_sessions_held,
+                sum(run.commits for run in self._doubt.values()),
+            )
+            self._held.clear()
+            self._doubt.clear()
 
     def _run(self, fn: Callable[..., _T], *args: object) -> asyncio.Future[_T]:
         if self._executor is None:

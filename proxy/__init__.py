@@ -24,7 +24,7 @@ from ._plugins import (
     open_ledger_gate,
 )
 from ._protocols import Protocol
-from ._shared import ClusterUnavailable, GateVerdict, LedgerGate
+from ._shared import ClusterUnavailable, GateRun, GateVerdict, LedgerGate
 from ._structure import BodyView, EditConflict, Node
 from ._wire import WireError, WireMetadata
 
@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "EditConflict",
     "ExchangeRecord",
+    "GateRun",
     "GateVerdict",
     "LedgerGate",
     "Node",

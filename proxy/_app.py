@@ -533,7 +533,11 @@ def build_app(
             settings.plugin,
             timeout=settings.plugin_timeout,
             # Cluster mode: a plugin taking redis_url (the ledger) shares the proxy's Redis.
-            shared={"redis_url": settings.redis_url} if settings.redis_url else None,
+            shared=(
+                {"redis_url": settings.redis_url, "redis_timeout": settings.redis_timeout}
+                if settings.redis_url
+                else None
+            ),
         )
     return ProxyApp(AppState(settings, host, clock=clock))
 

@@ -17,11 +17,13 @@ flushed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Final
 
 from prometheus_client import CollectorRegistry
@@ -34,18 +36,31 @@ __all__ = ["CommitTracker"]
 
 log = logging.getLogger("context_proxy.commits")
 
-#: ``run(record)``: books one record (the app's: session lock, then the plugins' hooks).
+#: ``run(record)``: books one record (the app's: the plugins' commit hooks).
 CommitRunner = Callable[[ExchangeRecord], Awaitable[None]]
+#: ``lock(record)``: what ``run`` must hold (the app's: the session's lock), entered
+#: before the budget starts.
+CommitLock = Callable[[ExchangeRecord], AbstractAsyncContextManager[object]]
+
+
+def _no_lock(record: ExchangeRecord) -> AbstractAsyncContextManager[object]:
+    return contextlib.nullcontext()
 
 
 class CommitTracker:
     """The pending commits of one proxy instance.
 
     Args:
-        run: awaited with each record, once, in a task of its own.
-        timeout: seconds one commit may take in all (waiting for the session
-            lock included) before it is cancelled and counted ``timed_out``;
-            ``math.inf`` for no bound.
+        run: awaited with each record, once, in a task of its own, inside
+            ``lock(record)``.
+        timeout: seconds ``run`` may take (the hooks' time) before it is
+            cancelled and counted ``timed_out``; ``math.inf`` for no bound. The
+            wait to enter ``lock`` is not counted: a queue of commits behind a
+            slow one (one session's commits run one at a time) must not spend
+            the budget of the ones at its end, or a single slow hook would cost
+            every plugin the commits queued behind it. That wait is bounded by
+            the holders ahead, each bounded by its own budget.
+        lock: the context each ``run`` holds (the session's lock); default none.
         registry: the Prometheus registry the ``context_proxy_commits`` counter
             (label ``event``: ``started``, ``finished``, ``failed``,
             ``timed_out``) is registered in.
@@ -59,7 +74,16 @@ class CommitTracker:
     commit).
     """
 
-    __slots__ = ("_by_session", "_counters", "_pending", "_run", "_tally", "hooked", "timeout")
+    __slots__ = (
+        "_by_session",
+        "_counters",
+        "_lock",
+        "_pending",
+        "_run",
+        "_tally",
+        "hooked",
+        "timeout",
+    )
 
     def __init__(
         self,
@@ -68,8 +92,10 @@ class CommitTracker:
         timeout: float,
         registry: CollectorRegistry,
         hooked: bool = True,
+        lock: CommitLock = _no_lock,
     ) -> None:
         self._run = run
+        self._lock = lock
         self.hooked: Final = hooked
         self.timeout = timeout if timeout > 0 else math.inf
         self._pending: set[asyncio.Task[None]] = set()
@@ -138,8 +164,10 @@ class CommitTracker:
         logs.SESSION_ID.set(record.session_id)
         began = time.monotonic()
         try:
-            async with asyncio.timeout(self.timeout if math.isfinite(self.timeout) else None):
-                await self._run(record)
+            async with self._lock(record):
+                began = time.monotonic()  # the budget starts with the hooks
+                async with asyncio.timeout(self.timeout if math.isfinite(self.timeout) else None):
+                    await self._run(record)
         except TimeoutError:
             self._bump("timed_out")
             log.warning(
@@ -163,8 +191,8 @@ class CommitTracker:
         (all of them when ``None``), including any that start while waiting.
 
         Returns the number still pending afterwards (0: all booked). Never
-        cancels a commit: one that outlives the wait goes on, bounded by
-        :attr:`timeout`.
+        cancels a commit: one that outlives the wait goes on, its hooks bounded
+        by :attr:`timeout`.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
         for _ in range(100):  # bounded: each pass waits for the commits seen in it

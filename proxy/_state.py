@@ -42,8 +42,9 @@ class AppState:
     and idle times; tests inject one to expire tombstones without sleeping.
 
     ``commits`` owns every pending commit (see :mod:`proxy._commits`): one
-    commit may take ``plugin_timeout`` per plugin plus as much again for the
-    session lock, and session close and the drain wait for that long at most.
+    commit's hooks may take ``plugin_timeout`` per plugin plus as much again,
+    counted from the moment it holds the session lock (not while it queues for
+    it); session close and the drain wait for that long at most.
     """
 
     __slots__ = (
@@ -97,14 +98,18 @@ class AppState:
         self.metrics: Final = Metrics(self)  # it reads the state when registering
         per_hook = settings.plugin_timeout if settings.plugin_timeout > 0 else math.inf
         self.commits: Final = CommitTracker(
-            self._book,
+            host.run_commit,
             timeout=per_hook * (len(host.plugins) + 1),
             registry=self.metrics.registry,
             hooked=bool(host.implementing("commit")),
+            lock=self._commit_lock,
         )
 
-    async def _book(self, record: ExchangeRecord) -> None:
-        """Run the commit hooks for ``record`` under its session's lock (docs/design.md §6, rule 2).
+    def _commit_lock(
+        self, record: ExchangeRecord
+    ) -> contextlib.AbstractAsyncContextManager[object]:
+        """What the commit hooks for ``record`` run under: its session's lock
+        (docs/design.md §6, rule 2).
 
         A session whose shutdown has already completed (its commit outlived the
         wait, see :meth:`_session_commits`) is not recreated for it: entering
@@ -116,8 +121,9 @@ class AppState:
         """
         sid = record.session_id
         refused = record.outcome == Outcome.REJECTED and record.error == "session_closed"
-        async with self.registry.locked(sid) if sid and not refused else contextlib.nullcontext():
-            await self.host.run_commit(record)
+        if sid and not refused:
+            return self.registry.locked(sid)
+        return contextlib.nullcontext()
 
     async def _session_commits(self, sid: str) -> None:
         """Before a session is archived: wait for its pending commits (bounded)."""

@@ -535,13 +535,17 @@ async def test_the_ledger_gate_in_redis_is_shared_and_atomic(
         await ledger.startup()
     try:
         one, two = ledgers
+        # A commit folds into the session's held run; flush() waits until it is in Redis.
         await one.commit(make_record(session_id="s", wire_digest="d0", comparable=True))
+        await one.flush()
         # A reformat on the other node: the digest moves, nothing is dirty.
         await two.commit(make_record(session_id="s", wire_digest="d1", comparable=True))
+        await two.flush()
         assert two.session_state("s")["dirty"] is False
         # Both nodes see the same flip at once: the epoch moves once.
         flip = make_record(session_id="s", wire_digest="d2", comparable=False)
         await asyncio.gather(one.commit(flip), two.commit(flip))
+        await asyncio.gather(one.flush(), two.flush())
         gates = sorted(str(ledger.session_state("s")["gate"]) for ledger in ledgers)
         assert gates == ["identical", "revision"]
         assert {ledger.session_state("s")["revision_epoch"] for ledger in ledgers} == {1}
@@ -551,6 +555,7 @@ async def test_the_ledger_gate_in_redis_is_shared_and_atomic(
         assert (state["dirty"], state["revision_epoch"], state["digest"]) == ("0", "1", "d2")
         # Outcomes other than ok and records without a session never reach the gate.
         await one.commit(make_record(session_id="s", wire_digest="d9", outcome="client_gone"))
+        await one.flush()
         assert (await store.ledger_state("s"))["digest"] == "d2"
     finally:
         for ledger in ledgers:

@@ -278,3 +278,52 @@ async def test_shutdown_waits_for_pending_commits_before_the_plugins_stop(tmp_pa
     # Leaving the harness drained the proxy: the commit ran before the plugins stopped.
     assert stopped == [1]
     assert len(gate.booked) == 1
+
+
+class Hung(Plugin):
+    """A commit hook on a dependency that never answers: the host cuts it at ``plugin_timeout``."""
+
+    name = "hung"
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        await asyncio.Event().wait()
+
+
+class Tally(Plugin):
+    """Counts the commits it sees (a bookkeeping plugin that needs nothing slow)."""
+
+    name = "tally"
+
+    def __init__(self) -> None:
+        self.booked = 0
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        self.booked += 1
+
+
+async def test_commits_queued_behind_a_hung_hook_are_not_timed_out_while_they_wait() -> None:
+    # Budget: plugin_timeout x (plugins + 1) = 1.5 s of hook time per commit. Each commit
+    # of the session runs after the one before, and each spends 0.5 s in the hung hook:
+    # the fourth would have waited 1.5 s for the session lock. Counting that wait timed
+    # out every commit from the fourth on, and the tally never saw them.
+    hung, tally = Hung(), Tally()
+    commits = 6
+    async with proxy_with_emulator(plugins=[hung, tally], plugin_timeout=0.5) as h:
+        client = await RawClient.connect(h.url)
+        try:
+            for _ in range(commits):
+                await client.request(
+                    "POST",
+                    CHAT_PATH,
+                    stream_body(CHAT_PATH, stream=False),
+                    headers=[("x-session-id", "queued")],
+                )
+                head = await client.read_head()
+                assert head.status == 200
+                await client.read_body(head)
+        finally:
+            await client.close()
+        await h.settle(within=60.0)
+        assert tally.booked == commits
+        assert h.state.commits.count("timed_out") == 0
+        assert h.state.commits.count("finished") == commits

@@ -17,6 +17,7 @@ __all__ = [
     "BEGIN_CLOSE",
     "DEREGISTER",
     "LEDGER_GATE",
+    "LEDGER_GATE_RUN",
     "LEDGER_MARK_CLEAN",
     "PRUNE",
     "REFRESH",
@@ -165,4 +166,68 @@ if saved[1] ~= '1' then return 0 end
 if ARGV[1] ~= '' and saved[2] ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'dirty', 0)
 return 1
+"""
+
+LEDGER_GATE_RUN: Final = """
+-- KEYS: ledger. ARGV: the run's first commit as LEDGER_GATE takes it (digest, comparable,
+-- request_bytes, response_bytes, last_activity), then the rest of the run (requests,
+-- bytes_in, bytes_out, flips, digest, comparable, last_activity): see proxy.GateRun;
+-- then the sender's field and the run's sequence number. One pass of the whole run,
+-- atomic. last_activity only moves forward. A run is applied at most once: the
+-- sender's field holds the newest sequence number it applied, and a run resent after
+-- a timeout (Redis may have run the first copy) at or below it changes nothing.
+-- Returns {outcome of the first commit, revision_epoch, dirty, 1 if a duplicate}.
+local done = redis.call('HGET', KEYS[1], ARGV[13])
+if done and tonumber(done) >= tonumber(ARGV[14]) then
+  local now = redis.call('HMGET', KEYS[1], 'revision_epoch', 'dirty')
+  return {'identical', tonumber(now[1]), tonumber(now[2]), 1}
+end
+local saved = redis.call('HMGET', KEYS[1], 'digest', 'comparable', 'last_activity')
+local outcome
+if not saved[1] then
+  outcome = 'first'
+  redis.call('HSET', KEYS[1], 'digest', ARGV[1], 'comparable', ARGV[2],
+             'revision_epoch', 0, 'dirty', 0)
+elseif saved[1] == ARGV[1] then
+  outcome = 'identical'
+elseif saved[2] == ARGV[2] then
+  outcome = 'reformat'
+  redis.call('HSET', KEYS[1], 'digest', ARGV[1])
+else
+  outcome = 'revision'
+  redis.call('HSET', KEYS[1], 'digest', ARGV[1], 'comparable', ARGV[2], 'dirty', 1)
+  redis.call('HINCRBY', KEYS[1], 'revision_epoch', 1)
+end
+local requests = tonumber(ARGV[6])
+local bytes_in = tonumber(ARGV[7])
+local bytes_out = tonumber(ARGV[8])
+local newest = nil
+if outcome ~= 'identical' then
+  requests = requests + 1
+  bytes_in = bytes_in + tonumber(ARGV[3])
+  bytes_out = bytes_out + tonumber(ARGV[4])
+  newest = ARGV[5]
+end
+if tonumber(ARGV[6]) > 0 then
+  redis.call('HSET', KEYS[1], 'digest', ARGV[10], 'comparable', ARGV[11])
+  local flips = tonumber(ARGV[9])
+  if flips > 0 then
+    redis.call('HINCRBY', KEYS[1], 'revision_epoch', flips)
+    redis.call('HSET', KEYS[1], 'dirty', 1)
+  end
+  if newest == nil or tonumber(ARGV[12]) > tonumber(newest) then newest = ARGV[12] end
+end
+if requests > 0 then
+  redis.call('HINCRBY', KEYS[1], 'requests', requests)
+  redis.call('HINCRBY', KEYS[1], 'bytes_in', bytes_in)
+  redis.call('HINCRBY', KEYS[1], 'bytes_out', bytes_out)
+  if not saved[3] or tonumber(newest) > tonumber(saved[3]) then
+    redis.call('HSET', KEYS[1], 'last_activity', newest)
+  end
+end
+if outcome ~= 'identical' or requests > 0 then
+  redis.call('HSET', KEYS[1], ARGV[13], ARGV[14])
+end
+local now = redis.call('HMGET', KEYS[1], 'revision_epoch', 'dirty')
+return {outcome, tonumber(now[1]), tonumber(now[2]), 0}
 """

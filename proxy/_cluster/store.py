@@ -29,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
 # Defined beside the public LedgerGate (plugins catch it without importing redis).
-from .._shared import ClusterUnavailable
+from .._shared import ClusterUnavailable, GateRun
 from . import scripts
 from .keys import CLOSE_STREAM, SessionKeys
 
@@ -180,6 +180,7 @@ class RedisStore:
             "begin_close": register(scripts.BEGIN_CLOSE),
             "prune": register(scripts.PRUNE),
             "ledger_gate": register(scripts.LEDGER_GATE),
+            "ledger_gate_run": register(scripts.LEDGER_GATE_RUN),
             "ledger_mark_clean": register(scripts.LEDGER_MARK_CLEAN),
         }
 
@@ -383,6 +384,43 @@ class RedisStore:
             (digest, int(comparable), request_bytes, response_bytes, repr(last_activity)),
         )
         return str(outcome), int(epoch), int(dirty) == 1
+
+    async def ledger_gate_runs(
+        self, writer: str, runs: Sequence[GateRun]
+    ) -> list[tuple[str, int, bool]]:
+        """Each :class:`~proxy.GateRun` through its session's gate (one script each, all
+        pipelined in one round trip): ``(outcome of its first commit, revision_epoch,
+        dirty)`` per run, in order. ``writer`` and each run's ``seq`` make a resent run
+        a no-op (see :meth:`proxy.LedgerGate.apply_runs`)."""
+        if not runs:
+            return []
+        script = self._scripts["ledger_gate_run"]
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for run in runs:
+                    args: list[str | int] = [
+                        run.first_digest,
+                        int(run.first_comparable),
+                        run.first_bytes_in,
+                        run.first_bytes_out,
+                        repr(run.first_last_activity),
+                        run.requests,
+                        run.bytes_in,
+                        run.bytes_out,
+                        run.flips,
+                        run.digest,
+                        int(run.comparable),
+                        repr(run.last_activity),
+                        f"run:{writer}",
+                        -1 if run.seq is None else run.seq,
+                    ]
+                    await script(keys=[SessionKeys(run.session_id).ledger], args=args, client=pipe)
+                answers: Any = await pipe.execute()
+        except ResponseError:
+            raise
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+        return [(str(o), int(e), int(d) == 1) for o, e, d, _dup in answers]
 
     async def ledger_mark_clean(self, sid: str, epoch: int | None) -> bool:
         """Clear the ledger's ``dirty`` flag (only at ``epoch`` if given); whether it was."""
