@@ -388,7 +388,8 @@ async def test_upstream_holding_the_body_open_after_the_final_event_does_not_hol
     assert status == 200
     events = sse_events(raw)
     assert len(events) == total and is_final(path, events[-1])
-    assert took < 2.0
+    # Within the grace (0.5 s), not the upstream idle timeout (300 s); generous for load.
+    assert took < 4.0
 
 
 REPLAYED_EVENTS: Final = (

@@ -159,18 +159,20 @@ def test_a_body_under_the_mmap_threshold_trims_when_released() -> None:
 
 async def test_idle_trims_once_nothing_ended_for_idle_after() -> None:
     libc = FakeLibC()
-    alloc = Allocator(libc, idle_after=0.05)
+    # idle_after is 50 of the loop's 10 ms steps: a step a loaded machine wakes up to 0.49 s
+    # late is still not a quiet period.
+    alloc = Allocator(libc, idle_after=0.5)
     loop = asyncio.get_running_loop()
     alloc.idle()
     started = loop.time()
-    # Answers keep ending for 150 ms: each pushes the trim back, none trims.
-    while loop.time() - started < 0.15:
+    # Answers keep ending for 0.6 s (longer than idle_after): each pushes the trim back.
+    while loop.time() - started < 0.6:
         await asyncio.sleep(0.01)
         alloc.idle()
         assert libc.trims == 0
     async with asyncio.timeout(5):
         await libc.trimmed.wait()
-    assert loop.time() - started >= 0.15 + 0.05 - 0.005  # the loop's clock granularity
+    assert loop.time() - started >= 0.6 + 0.5 - 0.005  # the loop's clock granularity
     assert libc.trims == 1
     await asyncio.sleep(0.1)
     assert libc.trims == 1  # one trim per quiet period, not a periodic timer

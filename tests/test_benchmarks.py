@@ -10,9 +10,13 @@ what it held, and the naive proxy costs more memory than this one.
 
 from __future__ import annotations
 
+import datetime
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -326,3 +330,60 @@ def test_overhead_benchmark_runs_and_its_tables_fit_80_columns(
     assert "5/5" in printed  # every idle stream opened, for both proxies
     assert 40 < _widest_table(printed) <= 80, printed
     assert (tmp_path / "overhead.json").stat().st_size > 0
+
+
+def test_throughput_table_says_n_a_when_the_naive_proxy_cpu_reads_zero() -> None:
+    # A short round of the naive proxy could read 0 s of CPU (10 ms ticks): the table said
+    # ZeroDivisionError. A zero baseline is too few samples: "n/a", and the row misses.
+    ours = overhead.Throughput(requests=20, wall_s=0.5, cpu_s=0.004)
+    naive = overhead.Throughput(requests=20, wall_s=0.5, cpu_s=0.0)
+    results = overhead.Results(
+        sequential={},
+        concurrent={},
+        streams=[],
+        throughput={"json": {"ours": ours, "naive": naive}},
+        wall_s=1.0,
+        started=datetime.datetime.now(datetime.UTC),
+    )
+    args = SimpleNamespace(
+        concurrency=5, throughput_bytes=1024, throughput_requests=20, event_loop="asyncio"
+    )
+    table = overhead._throughput_table(results, args)
+    rows = {row[1]: row for row in table.rows if len(row) > 1}
+    cpu = rows["CPU µs/request"]
+    assert cpu[2:5] == ("200", "0", "n/a") and cpu[-1] == rpt.MISS
+    rps = rows["requests/s"]  # the same rates: a ratio of 1.00, a pass
+    assert rps[4] == "1.00" and rps[-1] == rpt.PASS
+
+
+_BURN = """
+import sys, time
+sys.stdout.write("ready\\n"); sys.stdout.flush()
+sys.stdin.readline()
+start = time.process_time()
+while time.process_time() - start < 0.005:
+    pass
+sys.stdout.write("done\\n"); sys.stdout.flush()
+sys.stdin.readline()
+"""
+
+
+def test_cpu_seconds_of_another_process_resolves_less_than_a_tick() -> None:
+    # The child burns 5 ms of its own CPU time (a CPU clock: load does not stretch it).
+    # /proc/PID/stat's 10 ms ticks read that as 0 or 10 ms; the proxy's CPU-time clock
+    # reads 5 ms plus the child's few microseconds of pipe work.
+    child = subprocess.Popen(
+        [sys.executable, "-c", _BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline() == "ready\n"
+        before = overhead._cpu_seconds(child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"
+        spent = overhead._cpu_seconds(child.pid) - before
+        assert 0.005 <= spent < 0.0095, spent
+    finally:
+        child.stdin.close()
+        child.wait(30)

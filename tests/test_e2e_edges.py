@@ -27,6 +27,7 @@ from tests.test_e2e_support import (
     CHAT_PATH,
     RESPONSES_PATH,
     SECRET,
+    WAIT_S,
     RawClient,
     sse_events,
     stream_body,
@@ -95,9 +96,9 @@ async def test_client_gone_aborts_the_upstream_request(
     client = await RawClient.connect(harness.url)
     await client.request("POST", path, stream_body(path), [("x-emulator", script)])
     if phase == "upstream_headers":
-        await emulator.wait_received(1, 2.0)
+        await emulator.wait_received(1, WAIT_S)
     elif phase == "first_byte":
-        record = await emulator.wait_holding(1, 2.0)
+        record = await emulator.wait_holding(1, WAIT_S)
         assert record.headers_sent and record.events_sent == 0
     else:
         head = await client.read_head()
@@ -107,12 +108,12 @@ async def test_client_gone_aborts_the_upstream_request(
             got += chunk
             if FIRST_DELTA_TEXT in got:
                 break
-        await emulator.wait_holding(1, 2.0)
+        await emulator.wait_holding(1, WAIT_S)
     if hangup == "reset":
         client.abort()
     else:
         await client.close()
-    record = await emulator.wait_aborted(1, 1.0)
+    record = await emulator.wait_aborted(1, WAIT_S)
     assert not record.finished
     await assert_serves_normally(harness, http)
 
@@ -127,7 +128,7 @@ async def test_emulator_sent_digest_is_what_a_client_reads(
     """The yardstick of the byte-identity tests below (emulator alone, no proxy)."""
     async with await start_emulator() as emulator:
         raw = await fetch(http, emulator.url, ANTHROPIC_PATH, script)
-        record = await emulator.wait_closed(1, 2.0)
+        record = await emulator.wait_closed(1, WAIT_S)
     assert record.sent_digest == xxhash.xxh3_128_hexdigest(raw)
     assert (record.bytes_sent == len(raw)) is ("gzip" not in script)
 
@@ -167,7 +168,7 @@ async def test_sse_edge_cases_are_relayed_byte_identical(
     harness: Harness, http: aiohttp.ClientSession, path: str, script: str, marker: bytes
 ) -> None:
     proxied = await fetch(http, harness.url, path, script)
-    record = await harness.emulator.wait_closed(1, 2.0)
+    record = await harness.emulator.wait_closed(1, WAIT_S)
     assert record.finished and record.status == 200
     assert len(proxied) == record.bytes_sent
     assert xxhash.xxh3_128_hexdigest(proxied) == record.sent_digest
@@ -238,7 +239,7 @@ async def test_slow_client_backpressures_the_upstream(
         await client.request("POST", CHAT_PATH, stream_body(CHAT_PATH), [("x-emulator", script)])
         head = await client.read_head()
         assert head.status == 200
-        await emulator.wait_events(1, 2, 2.0)  # the huge delta is being written
+        await emulator.wait_events(1, 2, WAIT_S)  # the huge delta is being written
         # Nothing signals "the writes stopped"; watch the emulator's byte count
         # until it stays still for 0.3 s (bounded: 5 s).
         stalled_at, still_since = -1, time.monotonic()
@@ -267,7 +268,7 @@ async def test_slow_client_backpressures_the_upstream(
     async for chunk in client.iter_body(head):
         received += chunk
     await client.close()
-    record = await emulator.wait_closed(1, 2.0)
+    record = await emulator.wait_closed(1, WAIT_S)
     assert record.finished
     assert len(received) == record.bytes_sent > ANSWER_BYTES
     assert xxhash.xxh3_128_hexdigest(received) == record.sent_digest

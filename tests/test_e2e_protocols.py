@@ -36,6 +36,7 @@ from tests.test_e2e_support import (
     COUNT_TOKENS_PATH,
     RESPONSES_PATH,
     SECRET,
+    WAIT_S,
     LogWaiter,
     RawClient,
     sse_events,
@@ -217,7 +218,7 @@ async def test_root_answers_at_once_without_the_upstream(
         )
     )
     try:
-        await harness.emulator.wait_received(1, 2.0)
+        await harness.emulator.wait_received(1, WAIT_S)
         loop = asyncio.get_running_loop()
         started = loop.time()
         async with http.head(harness.url + "/") as head:
@@ -497,8 +498,9 @@ async def test_no_upstream_headers_in_time_is_504_and_aborts_upstream(
         ) as resp:
             assert resp.status == 504
             check(await resp.json())
-        assert 0.5 <= loop.time() - started < 2.5
-        record = await h.emulator.wait_aborted(1, 1.0)
+        # The 0.5 s header timeout, not the 5 s stall (upper bound generous for load).
+        assert 0.5 <= loop.time() - started < 4.0
+        record = await h.emulator.wait_aborted(1, WAIT_S)
         assert not record.headers_sent
 
 
@@ -557,7 +559,7 @@ async def test_upstream_errors_pass_through(
             script.rsplit("retry_after=", 1)[1] if "retry_after" in script else None
         )
         assert resp.content_type == ("text/plain" if "plain" in script else "application/json")
-    record = await harness.emulator.wait_closed(1, 2.0)
+    record = await harness.emulator.wait_closed(1, WAIT_S)
     assert record.status == status and record.finished
     assert len(body) == record.bytes_sent
     assert xxhash.xxh3_128_hexdigest(body) == record.sent_digest

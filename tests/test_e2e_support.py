@@ -31,6 +31,7 @@ __all__ = [
     "COUNT_TOKENS_PATH",
     "RESPONSES_PATH",
     "SECRET",
+    "WAIT_S",
     "Event",
     "LogWaiter",
     "RawClient",
@@ -57,6 +58,10 @@ Event = tuple[str | None, str]
 
 _T = TypeVar("_T")
 
+# How long a test waits for something that must happen (an event reached, a state left), in
+# seconds. It bounds a failing test, it is not a measure: on a loaded 2-core machine with other
+# suites running, a loopback round trip can take a second, so it is far above the ~ms it takes.
+WAIT_S: Final = 10.0
 _IO_TIMEOUT: Final = 10.0  # seconds; any single raw read/write step taking longer is a failure
 
 
@@ -160,7 +165,7 @@ def streamed_text(path: str, events: list[Event]) -> str:
     return "".join(out)
 
 
-async def wait_until(condition: Callable[[], bool], what: str, within: float = 2.0) -> None:
+async def wait_until(condition: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
     """Poll ``condition`` every 5 ms until true; ``TimeoutError`` after ``within`` seconds.
 
     Only for proxy-internal state that has no event to wait on (e.g. the

@@ -25,7 +25,7 @@ BODY = b"x" * (_BODY_HIGH_WATER + 100)  # over the high water in the read that e
 async def _unread_then_next() -> list[bytes]:
     async def not_found(request: Request) -> web.Response:
         if request.method == "POST":
-            for _ in range(100):  # bounded: the body arrives, and is not read
+            for _ in range(1000):  # bounded (10 s): the body arrives, and is not read
                 if request.content.is_eof():
                     break
                 await asyncio.sleep(0.01)

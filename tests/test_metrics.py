@@ -200,7 +200,7 @@ async def test_every_family_scraped_after_traffic_in_cluster_mode_is_in_the_read
                 await resp.content.readany()
                 resp.close()  # hang up mid-stream
             await h.settle()
-            for _ in range(100):  # bounded: the hang-up is counted once the handler ends
+            for _ in range(200):  # bounded (10 s): the hang-up is counted once the handler ends
                 if h.metric("context_proxy_client_disconnects_total", phase="streaming"):
                     break
                 await asyncio.sleep(0.05)

@@ -42,7 +42,7 @@ async def _dead_first_address() -> tuple[float, int]:
                 return await real(host, *args, **kwargs)
 
             loop.getaddrinfo = resolve  # type: ignore[method-assign]
-            pool = UpstreamPool(connect_timeout=4.0, idle_read=5.0, max_connections=0)
+            pool = UpstreamPool(connect_timeout=10.0, idle_read=5.0, max_connections=0)
             started = time.monotonic()
             try:
                 answer = await pool.request(
@@ -59,4 +59,5 @@ def test_a_dead_first_address_is_raced_on_uvloop() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         took, status = runner.run(_dead_first_address())
     assert status == 200
-    assert took < 2.0, f"{took:.1f} s to connect"
+    # The race (0.25 s delay), not the dead address's whole 10 s connect timeout.
+    assert took < 5.0, f"{took:.1f} s to connect"

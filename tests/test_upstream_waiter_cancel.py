@@ -96,7 +96,7 @@ async def test_requests_queued_at_shutdown_get_503_not_500() -> None:
                 client = await RawClient.connect(url)
                 await client.request("POST", "/v1/chat/completions", STREAM_BODY, AUTH)
                 queued.append(client)
-            for _ in range(50):  # bounded: until all three wait in the pool
+            for _ in range(500):  # bounded (10 s): until all three wait in the pool
                 if len(pool_of(app)._waiters) == QUEUED:
                     break
                 await asyncio.sleep(0.02)
@@ -148,7 +148,7 @@ async def test_200_waiters_with_random_hang_ups_get_no_500_and_leak_no_place() -
             await client.close()
 
         await asyncio.gather(*(one() for _ in range(200)))
-        for _ in range(100):  # bounded: the hung-up handlers finish
+        for _ in range(500):  # bounded (10 s): the hung-up handlers finish
             if pool.connections_in_use == 0 and not pool._waiters:
                 break
             await asyncio.sleep(0.02)
