@@ -27,7 +27,7 @@ from . import _logs as logs
 from . import _protocols as protocols
 from . import _wire as wire
 from ._admin import admin_guard, admin_routes
-from ._body import BodyBusy, BodyError, check_content_length, read_body
+from ._body import BodyBusy, BodyError, BodyMemory, check_content_length, read_body
 from ._cancel import orderly_cancel_reason
 from ._config import Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
@@ -100,6 +100,8 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
         ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
         if exc.kind == "incomplete":
             _gone_mid_body(state, ex)
+        elif isinstance(exc, BodyMemory):
+            _memory_refused(state)
         resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
         # The rest of the body was never read: close rather than drain it.
         resp.force_close()
@@ -143,6 +145,10 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
         else:
             _client_gone(state, ex)
         raise
+    except MemoryError:
+        # Past the body read (its own MemoryError is a BodyMemory): parsing the body,
+        # a plugin's prepare, the relay. Pressure, not a bug: a 503 to retry.
+        return _out_of_memory(request, state, ex)
     except Exception as exc:
         return _internal_error(request, state, ex, exc)
     finally:
@@ -195,6 +201,34 @@ def _internal_error(
     resp = error_response(
         ex.protocol, 500, f"internal proxy error (exchange {ex.id})", code="internal_error"
     )
+    resp.force_close()  # the request may not have been read to its end
+    return resp
+
+
+def _memory_refused(state: AppState) -> None:
+    """Count a request refused for want of memory; log it (one line per 10 s, no request data)."""
+    state.metrics.memory_refused.inc()
+    state.memory_refusals.hit()
+
+
+def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Response:
+    """A ``MemoryError`` in an exchange outside its body read: 503 with ``Retry-After``.
+
+    Counted and logged as :func:`_memory_refused`. The exchange's buffers go
+    with it (``ex.close()`` in the handler's ``finally``). Once the answer has
+    begun a status can no longer be sent: the connection is closed (a cut
+    answer, as after an internal error).
+    """
+    _memory_refused(state)
+    ex.conclude(503, Outcome.ERROR, BodyMemory.kind)
+    if ex.phase is Phase.STREAMING:
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        cut = web.Response(status=503)
+        cut.force_close()
+        return cut
+    resp = _reject(ex.protocol, 503, BodyMemory().message, state, code=BodyMemory.kind)
     resp.force_close()  # the request may not have been read to its end
     return resp
 
