@@ -46,6 +46,9 @@ log = logging.getLogger("context_proxy")
 
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
+#: Answered even on a connection accepted from the descriptor reserve (they need none).
+_PROBES: Final = frozenset({"/healthz", "/readyz", "/metrics"})
+
 
 def _reject(
     protocol: Protocol,
@@ -526,6 +529,31 @@ class ProxyApp:
             return _answer(_route_error(request, 405, allow))
         return handler(request, state)
 
+    def shed(self, request: Request) -> Awaitable[Answer]:
+        """The answer on a connection accepted from the descriptor reserve (proxy/_fdlimit.py).
+
+        ``/healthz``, ``/readyz`` and ``/metrics`` are answered as ever (they need
+        no descriptor); anything else gets a 503 with ``Retry-After`` in its
+        protocol's shape, counted in ``context_proxy_fd_exhausted_total``, and
+        the connection closes (its body, if any, is not read).
+        """
+        state = self.state
+        if request.path in _PROBES and request.method in ("GET", "HEAD"):
+            return self.dispatch(request)
+        route = protocols.route(request.method, request.path, request.headers)
+        protocol = route.protocol if route is not None else _path_protocol(request.path)
+        state.metrics.fd_exhausted.inc()
+        resp = _reject(protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve")
+        resp.force_close()
+        return _answer(resp)
+
+    def upstream_sockets(self) -> int:
+        """Upstream sockets the pool holds (in use or idle): descriptors already spent."""
+        upstream = self.state.upstream
+        if upstream is None:
+            return 0
+        return upstream.pool.connections_in_use + upstream.pool.idle_connections
+
     async def startup(self) -> None:
         """Start the plugins, open the upstream pool, join the cluster (in that order).
 
@@ -590,6 +618,10 @@ async def running(app: ProxyApp, host: str, port: int) -> AsyncIterator[int]:
         # Trims the heap once no answer has ended for a while (proxy/_alloc.py).
         on_request_done=state.allocator.idle,
         draining=lambda: state.draining,
+        fd_budget=fdlimit.FdBudget(
+            state.settings.fd_reserve, upstream_sockets=app.upstream_sockets
+        ),
+        shed_handler=app.shed,
     )
     try:
         bound = await server.start(host, port)
