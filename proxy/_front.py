@@ -21,7 +21,10 @@ each usable alone:
   (docs/design.md §3; a slowloris client is closed without an answer) and an
   idle keep-alive connection closed after ``keepalive_timeout`` seconds.
 * :class:`FrontServer`: the listener and its connections, with a bounded
-  shutdown (idle connections close at once, busy ones after their answer).
+  shutdown (idle connections close at once, busy ones after their answer). It
+  accepts by itself so that it can keep descriptors free
+  (:class:`proxy._fdlimit.FdBudget`): below the floor a connection gets one
+  answer (a probe's, or a 503), and accepting pauses before ``accept`` fails.
 
 A handler gets a :class:`Request` (head, :class:`BodyStream`, the transport)
 and returns an answer: an ``aiohttp.web.Response`` (a small, complete one; it
