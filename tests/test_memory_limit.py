@@ -18,11 +18,16 @@ import resource
 import signal
 import zlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
+from proxy import ExchangeRecord, Plugin
+from proxy import _app as app_module
 from proxy._emulator import EmulatorServer, start_emulator
+from proxy.testing import proxy_with_emulator
 from tests.process_support import Proc
+from tests.test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RawClient, stream_body
 
 BOUND_S = 20.0
 MiB = 1024 * 1024
@@ -175,3 +180,50 @@ async def test_a_body_whose_memory_cannot_be_reserved_is_a_503_with_retry_after(
     assert "internal error" not in proc.output
     assert "Traceback" not in proc.output
     assert MARKER.decode() not in proc.output
+
+
+class _Recorder(Plugin):
+    """Keeps every committed record."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.records: list[ExchangeRecord] = []
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        self.records.append(record)
+
+
+def _no_memory(*args: Any, **kwargs: Any) -> Any:
+    raise MemoryError
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, ANTHROPIC_PATH])
+async def test_a_memory_error_after_the_body_read_is_a_503_not_a_500(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process: a ``MemoryError`` past the body read (here resolving the session) is
+    the same 503 with ``Retry-After``, counted, and booked once, not an internal error."""
+    recorder = _Recorder()
+    async with proxy_with_emulator(plugins=[recorder]) as h:
+        monkeypatch.setattr(app_module, "resolve_session_id", _no_memory)
+        client = await RawClient.connect(h.url)
+        try:
+            await client.request("POST", path, stream_body(path, stream=True))
+            head = await client.read_head()
+            body = await client.read_body(head)
+        finally:
+            await client.close()
+        await h.settle()
+        metrics = h.state.metrics.render().decode()
+    assert head.status == 503
+    assert head.headers["Retry-After"] == "5"
+    answer = json.loads(body)
+    if path == ANTHROPIC_PATH:
+        assert answer["type"] == "error" and "memory" in answer["error"]["message"]
+    else:
+        assert answer["error"]["code"] == "memory"
+    (record,) = recorder.records
+    assert (record.status, record.error) == (503, "memory")
+    assert re.search(r"^context_proxy_memory_refused_total 1\.0$", metrics, re.M)
+    assert not re.search(r"^context_proxy_internal_errors_total\{.*\} [1-9]", metrics, re.M)
