@@ -27,7 +27,7 @@ from . import _logs as logs
 from . import _protocols as protocols
 from . import _wire as wire
 from ._admin import admin_guard, admin_routes
-from ._body import BodyBusy, BodyError, check_content_length, read_body
+from ._body import BodyBusy, BodyError, BodyMemory, check_content_length, read_body
 from ._cancel import orderly_cancel_reason
 from ._config import Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
@@ -45,6 +45,9 @@ __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 log = logging.getLogger("context_proxy")
 
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
+
+#: Answered even on a connection accepted from the descriptor reserve (they need none).
+_PROBES: Final = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 def _reject(
@@ -100,6 +103,8 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
         ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
         if exc.kind == "incomplete":
             _gone_mid_body(state, ex)
+        elif isinstance(exc, BodyMemory):
+            _memory_refused(state)
         resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
         # The rest of the body was never read: close rather than drain it.
         resp.force_close()
@@ -143,6 +148,10 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
         else:
             _client_gone(state, ex)
         raise
+    except MemoryError:
+        # Past the body read (its own MemoryError is a BodyMemory): parsing the body,
+        # a plugin's prepare, the relay. Pressure, not a bug: a 503 to retry.
+        return _out_of_memory(request, state, ex)
     except Exception as exc:
         return _internal_error(request, state, ex, exc)
     finally:
@@ -195,6 +204,34 @@ def _internal_error(
     resp = error_response(
         ex.protocol, 500, f"internal proxy error (exchange {ex.id})", code="internal_error"
     )
+    resp.force_close()  # the request may not have been read to its end
+    return resp
+
+
+def _memory_refused(state: AppState) -> None:
+    """Count a request refused for want of memory; log it (one line per 10 s, no request data)."""
+    state.metrics.memory_refused.inc()
+    state.memory_refusals.hit()
+
+
+def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Response:
+    """A ``MemoryError`` in an exchange outside its body read: 503 with ``Retry-After``.
+
+    Counted and logged as :func:`_memory_refused`. The exchange's buffers go
+    with it (``ex.close()`` in the handler's ``finally``). Once the answer has
+    begun a status can no longer be sent: the connection is closed (a cut
+    answer, as after an internal error).
+    """
+    _memory_refused(state)
+    ex.conclude(503, Outcome.ERROR, BodyMemory.kind)
+    if ex.phase is Phase.STREAMING:
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+        cut = web.Response(status=503)
+        cut.force_close()
+        return cut
+    resp = _reject(ex.protocol, 503, BodyMemory().message, state, code=BodyMemory.kind)
     resp.force_close()  # the request may not have been read to its end
     return resp
 
@@ -492,6 +529,31 @@ class ProxyApp:
             return _answer(_route_error(request, 405, allow))
         return handler(request, state)
 
+    def shed(self, request: Request) -> Awaitable[Answer]:
+        """The answer on a connection accepted from the descriptor reserve (proxy/_fdlimit.py).
+
+        ``/healthz``, ``/readyz`` and ``/metrics`` are answered as ever (they need
+        no descriptor); anything else gets a 503 with ``Retry-After`` in its
+        protocol's shape, counted in ``context_proxy_fd_exhausted_total``, and
+        the connection closes (its body, if any, is not read).
+        """
+        state = self.state
+        if request.path in _PROBES and request.method in ("GET", "HEAD"):
+            return self.dispatch(request)
+        route = protocols.route(request.method, request.path, request.headers)
+        protocol = route.protocol if route is not None else _path_protocol(request.path)
+        state.metrics.fd_exhausted.inc()
+        resp = _reject(protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve")
+        resp.force_close()
+        return _answer(resp)
+
+    def upstream_sockets(self) -> int:
+        """Upstream sockets the pool holds (in use or idle): descriptors already spent."""
+        upstream = self.state.upstream
+        if upstream is None:
+            return 0
+        return upstream.pool.connections_in_use + upstream.pool.idle_connections
+
     async def startup(self) -> None:
         """Start the plugins, open the upstream pool, join the cluster (in that order).
 
@@ -560,6 +622,10 @@ async def running(app: ProxyApp, host: str, port: int) -> AsyncIterator[int]:
         # Trims the heap once no answer has ended for a while (proxy/_alloc.py).
         on_request_done=state.allocator.idle,
         draining=lambda: state.draining,
+        fd_budget=fdlimit.FdBudget(
+            state.settings.fd_reserve, upstream_sockets=app.upstream_sockets
+        ),
+        shed_handler=app.shed,
     )
     try:
         bound = await server.start(host, port)

@@ -56,6 +56,7 @@ __all__ = [
     "BodyEncodingError",
     "BodyError",
     "BodyIncomplete",
+    "BodyMemory",
     "BodyTimeout",
     "BodyTooLarge",
     "ReadResult",
@@ -117,6 +118,23 @@ class BodyBusy(BodyError):
 
     def __init__(self) -> None:
         super().__init__("too many request bodies are being read at once; retry later")
+
+
+class BodyMemory(BodyError):
+    """503: memory for the body could not be had (its reservation or a growth failed).
+
+    ``MemoryError`` from the buffer (a declared ``Content-Length`` reserves that
+    much address space at the first body byte; a chunked or coded body grows)
+    or from a decoder, typically under an address-space limit (``ulimit -v``,
+    ``RLIMIT_AS``) or when ``mmap`` fails. Retryable: answer with ``Retry-After``.
+    By the time it is raised the partial buffer is freed.
+    """
+
+    status = 503
+    kind = "memory"
+
+    def __init__(self) -> None:
+        super().__init__("the proxy could not reserve memory for the request body; retry later")
 
 
 def _detached(exc: BodyError) -> BodyError:
@@ -262,6 +280,8 @@ async def read_body(
             not complete after ``body_timeout`` seconds.
         BodyEncodingError: 415 for an unknown coding (before reading), 400 for
             corrupt or truncated coded data.
+        BodyMemory: 503, the buffer's reservation or growth (or a decoder's
+            allocation) raised ``MemoryError``; the partial buffer is freed.
         asyncio.CancelledError: propagated unchanged (the handler was cancelled,
             usually because the client hung up); the caller logs it.
         ValueError: ``limit``, ``idle_timeout`` or ``chunk_bytes`` out of range.
@@ -360,10 +380,14 @@ async def _pump(
                 if wire > wire_cap:
                     return BodyTooLarge(limit), wire
                 held = sink.size
-                if decoder is None:
-                    sink.write(chunk)
-                else:
-                    decoder.feed(chunk)
+                try:
+                    if decoder is None:
+                        sink.write(chunk)
+                    else:
+                        decoder.feed(chunk)
+                except MemoryError:
+                    # Not the client's fault and not a bug: a 503 to retry, not a 500.
+                    return BodyMemory(), wire
                 chunk = b""
                 if on_growth is not None and sink.size > held:
                     on_growth(sink.size - held)
@@ -373,7 +397,10 @@ async def _pump(
             return BodyIncomplete(), wire
         if decoder is not None:
             held = sink.size
-            decoder.finish()
+            try:
+                decoder.finish()
+            except MemoryError:
+                return BodyMemory(), wire
             if on_growth is not None and sink.size > held:
                 on_growth(sink.size - held)
     except TimeoutError:

@@ -62,6 +62,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     upstream_idle_read_timeout: _Seconds = 300.0
     upstream_max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
 
+    # File descriptors (docs/deploy.md, "File descriptors"): kept free for probes, 503s and
+    # upstream sockets; a new connection is served only if this many stay free after its
+    # two (client + upstream), shed below, and accepting pauses under a quarter of it.
+    fd_reserve: Annotated[int, msgspec.Meta(ge=4, le=1_000_000)] = 16
+
     # Exchange lifetime (docs/design.md §1 and §2).
     max_refolds: Annotated[int, msgspec.Meta(ge=0, le=16)] = 2
     fake_completion_retries: Annotated[int, msgspec.Meta(ge=0, le=8)] = 0

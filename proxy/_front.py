@@ -21,7 +21,10 @@ each usable alone:
   (docs/design.md §3; a slowloris client is closed without an answer) and an
   idle keep-alive connection closed after ``keepalive_timeout`` seconds.
 * :class:`FrontServer`: the listener and its connections, with a bounded
-  shutdown (idle connections close at once, busy ones after their answer).
+  shutdown (idle connections close at once, busy ones after their answer). It
+  accepts by itself so that it can keep descriptors free
+  (:class:`proxy._fdlimit.FdBudget`): below the floor a connection gets one
+  answer (a probe's, or a 503), and accepting pauses before ``accept`` fails.
 
 A handler gets a :class:`Request` (head, :class:`BodyStream`, the transport)
 and returns an answer: an ``aiohttp.web.Response`` (a small, complete one; it
@@ -44,8 +47,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
+import errno
 import http
 import logging
+import socket
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -56,7 +61,9 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
+from ._fdlimit import EXHAUSTED_MESSAGE, FdBudget, Verdict
 from ._protocols import Protocol, error_body
+from ._ratelog import RateLimitedWarning
 
 __all__ = [
     "END",
@@ -125,6 +132,21 @@ _SHUTDOWN_TURNS: Final = 20
 
 _BODY_HIGH_WATER: Final = 256 * 1024
 """Unread body bytes buffered for a request before reading pauses (backpressure on the client)."""
+
+SHED_TIMEOUT: Final = 5.0
+"""Seconds a connection accepted from the descriptor reserve may take to send its request
+head (and stay idle before it), instead of ``header_timeout`` / ``keepalive_timeout``: the
+reserve is a few descriptors, a silent client must not hold one for long."""
+
+_ACCEPT_BATCH: Final = 64
+"""Connections accepted per readiness of the listening socket (the loop's other work runs
+between batches)."""
+
+_RESUME_CHECK_S: Final = 0.05
+"""Seconds between checks of the descriptors while accepting is paused (a closed connection
+checks at once; descriptors freed elsewhere, an idle upstream socket closing, are seen so)."""
+
+_ACCEPT_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class MalformedRequest(Exception):
@@ -799,6 +821,18 @@ def _internal_error_answer() -> bytes:
     return _error_answer(500, body)
 
 
+async def _shed_answer(request: Request) -> Answer:
+    """A request on a connection accepted from the descriptor reserve, with no
+    ``shed_handler`` given: 503 (OpenAI shape) with ``Retry-After``."""
+    resp = web.Response(
+        status=503,
+        body=error_body(Protocol.OPENAI, 503, EXHAUSTED_MESSAGE),
+        headers={"Content-Type": "application/json", "Retry-After": "5"},
+    )
+    resp.force_close()
+    return resp
+
+
 def _error_answer(status: int, body: bytes) -> bytes:
     return (
         _head_bytes(
@@ -840,11 +874,14 @@ class _Connection(asyncio.Protocol):
         "_timer",
         "_write_paused",
         "request_version",
+        "shed",
         "transport",
     )
 
-    def __init__(self, server: FrontServer) -> None:
+    def __init__(self, server: FrontServer, *, shed: bool = False) -> None:
         self._server = server
+        # Accepted from the descriptor reserve: one answer (a probe's, or a 503), then closed.
+        self.shed = shed
         self._loop = server.loop
         self.transport: asyncio.Transport | None = None
         self._framing = RequestFraming()
@@ -879,12 +916,14 @@ class _Connection(asyncio.Protocol):
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
         self.transport = transport = cast(asyncio.Transport, transport)
         self._server.connections.add(self)
+        if not self.shed:
+            self._server.served += 1
         # Only where max_size is the CPython class attribute the read loop uses:
         # an instance attribute then overrides it for this connection alone.
         if isinstance(getattr(type(transport), "max_size", None), int):
             self._sized = True
             transport.max_size = HEAD_READ_BYTES  # type: ignore[attr-defined]
-        self._set_deadline(self._server.keepalive_timeout)
+        self._set_deadline(SHED_TIMEOUT if self.shed else self._server.keepalive_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._broken is not None or self.transport is None or self._lingering:
@@ -1087,6 +1126,8 @@ class _Connection(asyncio.Protocol):
         self._deadline = 0.0
         self._head_clock = False
         self.request_version = request.head.version
+        if self.shed:
+            self._close_after = True  # the reserve is for one answer at a time
         self._task = self._loop.create_task(self._serve(request))
 
     async def _serve(self, request: Request) -> None:
@@ -1097,8 +1138,9 @@ class _Connection(asyncio.Protocol):
             self._finished(request)
 
     async def _answer(self, request: Request) -> None:
+        server = self._server
         try:
-            answer = await self._server.handler(request)
+            answer = await (server.shed_handler if self.shed else server.handler)(request)
         except asyncio.CancelledError:
             self._close()
             raise
@@ -1221,7 +1263,8 @@ class _Connection(asyncio.Protocol):
     def _start_header_clock(self) -> None:
         """The next request's head came in part: it must be complete within ``header_timeout``."""
         self._head_clock = True
-        self._set_deadline(self._server.header_timeout)
+        timeout = self._server.header_timeout
+        self._set_deadline(min(timeout, SHED_TIMEOUT) if self.shed else timeout)
 
     def _set_deadline(self, seconds: float) -> None:
         loop = self._loop
@@ -1274,6 +1317,15 @@ class _Connection(asyncio.Protocol):
 class FrontServer:
     """The listener and its client connections.
 
+    Accepting is the server's own (not ``asyncio.Server``'s), so that it can
+    stop and resume: with an :class:`~proxy._fdlimit.FdBudget`, each waiting
+    connection is served, shed (accepted from the descriptor reserve: its
+    request goes to ``shed_handler``, the connection closes after the answer
+    and may take :data:`SHED_TIMEOUT` seconds for its head) or left in the
+    kernel's queue while descriptors are too few (accepting resumes as a
+    connection closes, or within :data:`_RESUME_CHECK_S` seconds of
+    descriptors freeing elsewhere). ``EMFILE`` on ``accept`` pauses it too.
+
     Args:
         handler: answers each request (:data:`Handler`).
         header_timeout: seconds from a request head's first incomplete piece to
@@ -1281,21 +1333,33 @@ class FrontServer:
         keepalive_timeout: seconds an idle keep-alive connection is kept.
         on_request_done: called (no arguments) after every answer is finished.
         draining: whether the proxy is draining (answers then close their connection).
+        fd_budget: admission by free descriptors; None: every connection is served.
+        shed_handler: answers a request on a shed connection (default: a 503,
+            OpenAI shape, ``Retry-After: 5``); it must need no descriptor.
 
     Raises:
         ValueError: a timeout is not positive.
     """
 
     __slots__ = (
+        "_adopting",
         "_emptied",
-        "_listener",
+        "_listening",
+        "_made_pending",
+        "_paused",
+        "_resume_timer",
+        "_shed_log",
+        "_sockets",
         "connections",
         "draining",
+        "fd_budget",
         "handler",
         "header_timeout",
         "keepalive_timeout",
         "loop",
         "on_request_done",
+        "served",
+        "shed_handler",
     )
 
     def __init__(
@@ -1306,6 +1370,8 @@ class FrontServer:
         keepalive_timeout: float = KEEPALIVE_TIMEOUT,
         on_request_done: Callable[[], object] | None = None,
         draining: Callable[[], bool] = lambda: False,
+        fd_budget: FdBudget | None = None,
+        shed_handler: Handler | None = None,
     ) -> None:
         if header_timeout <= 0 or keepalive_timeout <= 0:
             raise ValueError("header_timeout and keepalive_timeout must be > 0 seconds")
@@ -1314,27 +1380,163 @@ class FrontServer:
         self.keepalive_timeout = keepalive_timeout
         self.on_request_done = on_request_done
         self.draining = draining
+        self.fd_budget = fd_budget
+        self.shed_handler: Handler = shed_handler or _shed_answer
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
-        self._listener: asyncio.Server | None = None
+        #: Client connections open and served (not shed), for the descriptor budget.
+        self.served = 0
+        self._made_pending = 0
+        self._sockets: list[socket.socket] = []
+        self._listening = False
+        self._paused = False
+        self._resume_timer: asyncio.Handle | None = None
+        # Accepted sockets whose transport is being made (referenced until it is).
+        self._adopting: set[asyncio.Task[None]] = set()
+        self._shed_log = RateLimitedWarning(
+            log,
+            "file descriptors low: new connections answered 503 (probes answered), "
+            "accepting paused below the floor (fd_reserve)",
+        )
         # Set by shutdown: resolved when the last connection is lost.
         self._emptied: asyncio.Future[None] | None = None
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port`` (0: an ephemeral port); the bound port.
 
+        Every address ``host`` resolves to gets a socket (IPv6 ones IPv6 only),
+        as ``loop.create_server`` binds them.
+
         Raises:
             OSError: the address cannot be bound.
         """
-        self._listener = await self.loop.create_server(
-            lambda: _Connection(self), host, port, reuse_address=True, backlog=1024
+        infos = await self.loop.getaddrinfo(
+            host, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
-        return int(self._listener.sockets[0].getsockname()[1])
+        seen: set[tuple[int, object]] = set()
+        try:
+            for family, kind, proto, _, address in infos:
+                if (family, address) in seen:
+                    continue
+                seen.add((family, address))
+                sock = socket.socket(family, kind, proto)
+                self._sockets.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(1024)
+                sock.setblocking(False)
+        except BaseException:
+            self._close_sockets()
+            raise
+        if not self._sockets:
+            raise OSError(f"no address to listen on for {host!r}")
+        self._listening = True
+        self._watch()
+        return int(self._sockets[0].getsockname()[1])
+
+    # -- accepting
+
+    def _watch(self) -> None:
+        for sock in self._sockets:
+            self.loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _unwatch(self) -> None:
+        for sock in self._sockets:
+            self.loop.remove_reader(sock.fileno())
+
+    def _accept(self, sock: socket.socket) -> None:
+        budget = self.fd_budget
+        for _ in range(_ACCEPT_BATCH):  # bounded: the loop's other work runs between batches
+            verdict = Verdict.SERVE if budget is None else budget.verdict(self._serving())
+            if verdict is Verdict.PAUSE:
+                self._shed_log.hit()
+                self._pause()
+                return
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if exc.errno not in _ACCEPT_ERRNOS:
+                    raise  # the loop logs it; the reader stays
+                # Out of descriptors anyway (opened elsewhere): wait for some to free.
+                self._shed_log.hit()
+                self._pause()
+                return
+            if budget is not None:
+                budget.accepted()
+            shed = verdict is Verdict.SHED
+            if shed:
+                self._shed_log.hit()
+            else:
+                self._made_pending += 1
+            conn.setblocking(False)
+            task = self.loop.create_task(self._adopt(conn, shed))
+            self._adopting.add(task)
+            task.add_done_callback(self._adopting.discard)
+
+    def _serving(self) -> int:
+        """Served connections, those whose transport is still being made included."""
+        return self.served + self._made_pending
+
+    async def _adopt(self, conn: socket.socket, shed: bool) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: _Connection(self, shed=shed), conn)
+        except (OSError, RuntimeError):
+            # The client left before its transport was made (or the loop is closing).
+            conn.close()
+        finally:
+            if not shed:
+                self._made_pending -= 1
+            self._resume_soon()
+
+    def _pause(self) -> None:
+        if self._paused or not self._listening:
+            return
+        self._paused = True
+        self._unwatch()
+        self._resume_timer = self.loop.call_later(_RESUME_CHECK_S, self._resume_check)
+
+    def _resume_soon(self) -> None:
+        if self._paused and self._listening:
+            if self._resume_timer is not None:
+                self._resume_timer.cancel()
+            self._resume_timer = self.loop.call_soon(self._resume_check)
+
+    def _resume_check(self) -> None:
+        self._resume_timer = None
+        if not self._paused or not self._listening:
+            return
+        budget = self.fd_budget
+        if budget is not None and budget.verdict(self._serving()) is Verdict.PAUSE:
+            self._resume_timer = self.loop.call_later(_RESUME_CHECK_S, self._resume_check)
+            return
+        self._paused = False
+        self._watch()  # a connection waiting in the queue makes the socket readable at once
+
+    def _close_sockets(self) -> None:
+        if self._listening and not self._paused:
+            self._unwatch()
+        self._listening = False
+        if self._resume_timer is not None:
+            self._resume_timer.cancel()
+            self._resume_timer = None
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
+        self._shed_log.close()
 
     def lost(self, conn: _Connection) -> None:
         """``conn`` is closed (connection side: its ``connection_lost``)."""
         connections = self.connections
+        if conn in connections and not conn.shed:
+            self.served -= 1
         connections.discard(conn)
+        self._resume_soon()
         emptied = self._emptied
         if not connections and emptied is not None and not emptied.done():
             emptied.set_result(None)
@@ -1343,9 +1545,7 @@ class FrontServer:
         """Stop listening, close idle connections, give busy ones ``grace`` seconds
         to finish their answer (its last bytes taken by the client), then drop every
         connection left."""
-        listener = self._listener
-        if listener is not None:
-            listener.close()
+        self._close_sockets()
         loop = self.loop
         deadline = loop.time() + grace
         busy = [c.task for c in list(self.connections) if not c.close_idle()]
@@ -1367,5 +1567,3 @@ class FrontServer:
             if not self.connections:
                 break
             await asyncio.sleep(0)
-        if listener is not None:
-            await listener.wait_closed()

@@ -218,6 +218,10 @@ class Metrics:
             "context_proxy_fd_exhausted",
             "Requests answered 503 because the process ran out of file descriptors",
         )
+        self.memory_refused = CounterTally(
+            "context_proxy_memory_refused",
+            "Requests answered 503 because memory could not be reserved (MemoryError)",
+        )
         self.in_flight = GaugeTally("context_proxy_in_flight", "In-flight exchanges")
         self.releases = CounterTally(
             "context_proxy_releases", "Exchanges whose buffers were released"
@@ -257,6 +261,7 @@ class Metrics:
                     self.duration,
                     self.body_size,
                     self.fd_exhausted,
+                    self.memory_refused,
                     self.in_flight,
                     self.releases,
                     self.refolds,
