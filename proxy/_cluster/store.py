@@ -42,6 +42,15 @@ STREAM_MAXLEN: Final = 100_000
 
 _T = TypeVar("_T")
 
+#: Seconds between two ticks of the loop-lag clock (:class:`_LoopLag`) while Redis
+#: calls are in flight.
+_LAG_TICK: Final = 0.05
+#: Lateness of one tick that is not counted (timer and scheduler jitter), seconds.
+_LAG_JITTER: Final = 0.01
+#: A call's deadline, credited with the loop's lag, never passes this many times
+#: its budget: a hung Redis on an overloaded node still fails in bounded time.
+_LAG_CREDIT_CAP: Final = 4.0
+
 
 class _ConnectionQueue:
     """At most ``size`` Redis calls at once (one pooled connection each); the others
@@ -102,6 +111,47 @@ class _ConnectionQueue:
                 )
 
 
+class _LoopLag:
+    """Seconds this event loop ran late while Redis calls were in flight, summed.
+
+    A ticker every :data:`_LAG_TICK` seconds adds how late each tick ran (beyond
+    :data:`_LAG_JITTER`). It runs
+    only while a call holds it (:meth:`hold` / :meth:`let_go`), so an idle node
+    has no timer. :meth:`RedisStore._call` credits the lag a call saw to its
+    deadline: a node whose loop was too busy to read an answer in time has not
+    seen Redis fail to answer (docs/cluster.md, "When Redis hangs").
+    """
+
+    __slots__ = ("_expected", "_handle", "_holders", "total")
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._holders = 0
+        self._expected = 0.0
+        self._handle: asyncio.TimerHandle | None = None
+
+    def hold(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One more call in flight (starts the ticker for the first)."""
+        self._holders += 1
+        if self._handle is None:
+            self._expected = loop.time() + _LAG_TICK
+            self._handle = loop.call_at(self._expected, self._tick, loop)
+
+    def let_go(self) -> None:
+        """One call fewer in flight (stops the ticker after the last)."""
+        self._holders -= 1
+        if self._holders == 0 and self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        now = loop.time()
+        # A tick a few ms late is the scheduler's jitter, not a loop too busy to read.
+        self.total += max(0.0, now - self._expected - _LAG_JITTER)
+        self._expected = now + _LAG_TICK
+        self._handle = loop.call_at(self._expected, self._tick, loop)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CloseCommand:
     """One entry of the close stream: close ``sid``, giving exchanges ``timeout`` s."""
@@ -152,7 +202,7 @@ class RedisStore:
     not caught: that is a defect, not an outage.
     """
 
-    __slots__ = ("_client", "_pool", "_queue", "_scripts", "timeout", "url")
+    __slots__ = ("_client", "_lag", "_pool", "_queue", "_scripts", "timeout", "url")
 
     def __init__(self, url: str, *, timeout: float, max_connections: int) -> None:
         self.url: Final = url
@@ -161,8 +211,13 @@ class RedisStore:
             url,
             max_connections=max_connections,
             timeout=timeout,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
+            # No socket timeouts of redis-py's own: :meth:`_call`'s deadline bounds
+            # connecting and the command together. redis-py's would cancel a read
+            # whose answer the socket already holds when the loop is busy (its timer
+            # runs in the same pass as the reader, before the read resumes), and a
+            # loaded node is not an outage.
+            socket_timeout=None,
+            socket_connect_timeout=None,
             # One retry, on a fresh connection, for a connection that broke while
             # idle (Redis restarted); a timeout is never retried.
             retry=_retry(1),
@@ -172,6 +227,7 @@ class RedisStore:
         # In front of the pool: a call waits here, never in the pool, whose own wait
         # (``timeout`` above) is a bound the queue keeps from ever being reached.
         self._queue: Final = _ConnectionQueue(max_connections)
+        self._lag: Final = _LoopLag()
         register = self._client.register_script
         self._scripts: Final = {
             "admit": register(scripts.ADMIT),
@@ -203,18 +259,50 @@ class RedisStore:
         script = self._scripts[name]
         return await self._call(lambda: script(keys=list(keys), args=list(args)))
 
-    async def _call(self, op: Callable[[], Awaitable[_T]]) -> _T:
+    async def _call(self, op: Callable[[], Awaitable[_T]], budget: float | None = None) -> _T:
         """``op()`` (one round trip) holding one of the pool's places.
 
         Waits its turn in the queue while every pooled connection is busy (a burst,
         not an outage). A failure to reach Redis, or an answer that did not come
-        within ``timeout``, is raised as :class:`ClusterUnavailable` and fails
-        every call still queued the same way: the server did not answer, they
-        would each wait for their own timeout only to learn it again.
+        within ``budget`` seconds (default ``timeout``; connecting included), is
+        raised as :class:`ClusterUnavailable` and fails every call still queued the
+        same way: the server did not answer, they would each wait for their own
+        timeout only to learn it again.
+
+        The deadline counts Redis's time, not this loop's: when it fires, the time
+        the loop ran late meanwhile (:class:`_LoopLag`) is added once more, up to
+        :data:`_LAG_CREDIT_CAP` x ``budget`` in all; then ``op`` is cancelled one
+        loop pass later, so an answer that reached the socket in time, whose
+        reader callback is queued ahead of the timer in that pass, is read. A
+        busy node is not an outage; against a hung Redis an idle loop's call
+        costs ``budget``.
         """
         await self._queue.acquire()
+        loop = asyncio.get_running_loop()
+        lag = self._lag
+        lag.hold(loop)
+        began = loop.time()
+        seconds = self.timeout if budget is None else budget
+        lag_seen = lag.total
         try:
-            return await op()
+            async with asyncio.timeout(None) as deadline:
+                fire: asyncio.TimerHandle | None = None
+
+                def expire() -> None:
+                    nonlocal lag_seen, fire
+                    now = loop.time()
+                    late = lag.total - lag_seen
+                    lag_seen = lag.total
+                    if late > 0.0 and now - began < _LAG_CREDIT_CAP * seconds:
+                        fire = loop.call_at(now + late, expire)
+                    else:
+                        deadline.reschedule(now)  # cancels op on the next pass
+
+                fire = loop.call_at(began + seconds, expire)
+                try:
+                    return await op()
+                finally:
+                    fire.cancel()  # the newest timer: each expire() replaced the last
         except ResponseError:
             raise
         except (RedisError, OSError, TimeoutError) as exc:
@@ -222,6 +310,7 @@ class RedisStore:
             self._queue.fail_waiting(reason)
             raise ClusterUnavailable(reason) from exc
         finally:
+            lag.let_go()
             self._queue.release()
 
     async def reset(self) -> None:
@@ -292,7 +381,9 @@ class RedisStore:
                     await script(keys=[k.tombstone, k.in_flight], args=args, client=pipe)
                 await pipe.execute()
 
-        await self._call(pipelined)
+        # Redis runs one REFRESH in ~10-20 us: a budget per 10,000 sessions keeps a
+        # node with many streams from reading a long pipeline as an outage.
+        await self._call(pipelined, self.timeout * (1 + len(entries) // 10_000))
 
     async def begin_close(self, sid: str, close_id: str, tombstone_ttl: float) -> CloseStart:
         """Set the tombstone (if none) and reset the tally; see :class:`CloseStart`."""
@@ -395,7 +486,8 @@ class RedisStore:
         if not runs:
             return []
         script = self._scripts["ledger_gate_run"]
-        try:
+
+        async def pipelined() -> Any:
             async with self._client.pipeline(transaction=False) as pipe:
                 for run in runs:
                     args: list[str | int] = [
@@ -415,11 +507,9 @@ class RedisStore:
                         -1 if run.seq is None else run.seq,
                     ]
                     await script(keys=[SessionKeys(run.session_id).ledger], args=args, client=pipe)
-                answers: Any = await pipe.execute()
-        except ResponseError:
-            raise
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise ClusterUnavailable(f"redis: {type(exc).__name__}") from exc
+                return await pipe.execute()
+
+        answers: Any = await self._call(pipelined)
         return [(str(o), int(e), int(d) == 1) for o, e, d, _dup in answers]
 
     async def ledger_mark_clean(self, sid: str, epoch: int | None) -> bool:
