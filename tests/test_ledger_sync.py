@@ -77,7 +77,12 @@ async def test_kill_9_right_after_the_commits_finished(
                 while await _finished_commits(http, child.url) < N_ANSWERS:  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
             os.kill(child.pid, signal.SIGKILL)
-            assert await child.stop() == -signal.SIGKILL
+            status = await child.stop()
+            # Killed, not stopped: no shutdown ran (it would write every pending change).
+            # 255 is asyncio's child watcher finding the pid already reaped (seen once
+            # in a full run), not an exit of the proxy's own.
+            assert status in (-signal.SIGKILL, 255), status
+            assert "context-proxy stopped" not in child.output
     finally:
         await emulator.close()
     assert _saved_requests(db, "kill9") == saved
