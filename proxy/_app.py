@@ -44,6 +44,11 @@ __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 
 log = logging.getLogger("context_proxy")
 
+#: Requests refused for want of memory: this line once per 10 s, then a count.
+_MEMORY_REFUSED: Final = (
+    "request refused with 503: memory could not be reserved (an address-space limit?)"
+)
+
 _BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 #: Answered even on a connection accepted from the descriptor reserve (they need none).
@@ -211,7 +216,7 @@ def _internal_error(
 def _memory_refused(state: AppState) -> None:
     """Count a request refused for want of memory; log it (one line per 10 s, no request data)."""
     state.metrics.memory_refused.inc()
-    state.memory_refusals.hit()
+    state.memory_refusals.event(_MEMORY_REFUSED, _MEMORY_REFUSED)
 
 
 def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Response:
@@ -370,6 +375,18 @@ async def _run_exchange(
         ex.conclude(400, Outcome.REJECTED, "session_required")
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
     assert state.upstream is not None
+    backlog = settings.max_pending_commits
+    if sid is not None and backlog and state.commits.pending_for(sid) >= backlog:
+        # The session's commits are booked one at a time under its lock: a hook slower
+        # than the session's request rate would queue records without bound.
+        ex.conclude(503, Outcome.REJECTED, "commit_backlog")
+        return _reject(
+            ex.protocol,
+            503,
+            f"the session's bookkeeping is behind ({backlog} commits pending)",
+            state,
+            code="commit_backlog",
+        )
     # Cluster admission (one Redis round trip), then the local one; both refuse a
     # tombstoned session. Nothing below, the stream included, calls Redis.
     async with state.admitted(sid, ex, task):

@@ -124,6 +124,11 @@ class CommitTracker:
         self._tally[event] += 1
         self._counters[event].inc()
 
+    def pending_for(self, session_id: str) -> int:
+        """How many commits of ``session_id`` are not booked yet (queued or running)."""
+        tasks = self._by_session.get(session_id)
+        return 0 if tasks is None else len(tasks)
+
     def count_unbooked(self) -> None:
         """Count one commit with no hook to run (``hooked`` is false): started and finished.
 

@@ -62,8 +62,8 @@ from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
 from ._fdlimit import EXHAUSTED_MESSAGE, FdBudget, Verdict
+from ._logs import LogLimiter
 from ._protocols import Protocol, error_body
-from ._ratelog import RateLimitedWarning
 
 __all__ = [
     "END",
@@ -88,6 +88,12 @@ __all__ = [
 ]
 
 log = logging.getLogger("context_proxy.server")
+
+#: The descriptor floor's warning (and its summaries' subject), once per 10 s.
+_FD_LOW: Final = (
+    "file descriptors low: new connections answered 503 (probes answered), "
+    "accepting paused below the floor (fd_reserve)"
+)
 
 MAX_LINE_BYTES: Final = 8190
 """Longest request target, and longest header field (name and value), in bytes (aiohttp's)."""
@@ -1393,11 +1399,7 @@ class FrontServer:
         self._resume_timer: asyncio.Handle | None = None
         # Accepted sockets whose transport is being made (referenced until it is).
         self._adopting: set[asyncio.Task[None]] = set()
-        self._shed_log = RateLimitedWarning(
-            log,
-            "file descriptors low: new connections answered 503 (probes answered), "
-            "accepting paused below the floor (fd_reserve)",
-        )
+        self._shed_log = LogLimiter(log)
         # Set by shutdown: resolved when the last connection is lost.
         self._emptied: asyncio.Future[None] | None = None
 
@@ -1451,7 +1453,7 @@ class FrontServer:
         for _ in range(_ACCEPT_BATCH):  # bounded: the loop's other work runs between batches
             verdict = Verdict.SERVE if budget is None else budget.verdict(self._serving())
             if verdict is Verdict.PAUSE:
-                self._shed_log.hit()
+                self._shed_log.event(_FD_LOW, _FD_LOW)
                 self._pause()
                 return
             try:
@@ -1464,14 +1466,14 @@ class FrontServer:
                 if exc.errno not in _ACCEPT_ERRNOS:
                     raise  # the loop logs it; the reader stays
                 # Out of descriptors anyway (opened elsewhere): wait for some to free.
-                self._shed_log.hit()
+                self._shed_log.event(_FD_LOW, _FD_LOW)
                 self._pause()
                 return
             if budget is not None:
                 budget.accepted()
             shed = verdict is Verdict.SHED
             if shed:
-                self._shed_log.hit()
+                self._shed_log.event(_FD_LOW, _FD_LOW)
             else:
                 self._made_pending += 1
             conn.setblocking(False)
@@ -1528,7 +1530,7 @@ class FrontServer:
         for sock in self._sockets:
             sock.close()
         self._sockets = []
-        self._shed_log.close()
+        self._shed_log.flush()
 
     def lost(self, conn: _Connection) -> None:
         """``conn`` is closed (connection side: its ``connection_lost``)."""

@@ -20,9 +20,9 @@ from ._cancel import SHUTDOWN_CANCEL
 from ._commits import CommitTracker
 from ._config import Settings
 from ._exchange import Exchange
+from ._logs import LogLimiter
 from ._metrics import Metrics
 from ._plugins import ExchangeRecord, Outcome, PluginHost
-from ._ratelog import RateLimitedWarning
 from ._relay import Upstream
 from ._sessions import SessionRegistry, Tracking
 
@@ -98,11 +98,8 @@ class AppState:
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
         self.metrics: Final = Metrics(self)  # it reads the state when registering
-        #: Requests refused for want of memory (503): one WARNING per 10 s, with a count.
-        self.memory_refusals: Final = RateLimitedWarning(
-            log,
-            "request refused with 503: memory could not be reserved (an address-space limit?)",
-        )
+        #: Requests refused for want of memory (503): one WARNING, then a count per 10 s.
+        self.memory_refusals: Final = LogLimiter(log)
         per_hook = settings.plugin_timeout if settings.plugin_timeout > 0 else math.inf
         self.commits: Final = CommitTracker(
             host.run_commit,

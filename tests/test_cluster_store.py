@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.exceptions
 from redis.crc import key_slot
 
 from proxy._cluster import ClusterNode, ClusterUnavailable, RedisStore
@@ -312,6 +313,63 @@ async def test_a_loop_too_busy_to_read_in_time_is_not_an_outage(
             with pytest.raises(ClusterUnavailable):
                 await store.ping()
             assert time.monotonic() - began < 0.3 * 4  # the lag credit's cap at most
+    finally:
+        await store.close()
+
+
+async def test_scripts_asked_for_in_one_pass_share_one_round_trip(
+    redis_server: RedisServer,
+) -> None:
+    """200 admissions and deregistrations started together go out as one pipelined trip
+    each (not 400 commands), every caller gets its own answer, a wrong-type key fails
+    only its own script, a caller cancelled before the trip sends nothing, and the
+    scripts Redis lost in a restart are loaded again."""
+    store = RedisStore(redis_server.url, timeout=2.0, max_connections=8)
+    calls = 0
+    real_call = store._call
+
+    async def counted(op: Any, budget: float | None = None) -> Any:
+        nonlocal calls
+        calls += 1
+        return await real_call(op, budget)
+
+    store._call = counted  # type: ignore[method-assign]
+    try:
+        await store.admit("warm", "n|b|e", ttl=5.0)  # loads the script
+        calls = 0
+        admitted = await asyncio.gather(
+            *(store.admit(f"pass-{n}", "n|b|e", ttl=30.0) for n in range(200))
+        )
+        assert admitted == [None] * 200
+        assert calls == 1
+        # The members are really there, each in its own session's set.
+        removed = await asyncio.gather(
+            *(store.deregister(f"pass-{n}", "n|b|e", cancelled=False) for n in range(200))
+        )
+        assert removed == [True] * 200
+        assert calls == 2
+        # A script that fails in Redis fails alone.
+        await store._client.set(SessionKeys("wrong").in_flight, "a string, not a zset")
+        results = await asyncio.gather(
+            store.admit("right", "n|b|e", ttl=30.0),
+            store.admit("wrong", "n|b|e", ttl=30.0),
+            return_exceptions=True,
+        )
+        assert results[0] is None
+        assert isinstance(results[1], redis.exceptions.ResponseError)
+        # Cancelled before its trip: never sent.
+        lost = asyncio.ensure_future(store.admit("cancelled", "n|b|e", ttl=30.0))
+        kept = asyncio.ensure_future(store.admit("kept", "n|b|e", ttl=30.0))
+        await asyncio.sleep(0)  # both queued for this pass's trip
+        lost.cancel()
+        assert await kept is None
+        assert await store._client.exists(SessionKeys("cancelled").in_flight) == 0
+        # Scripts flushed (a restarted Redis): loaded again, every caller answered.
+        await store._client.script_flush()
+        again = await asyncio.gather(
+            *(store.admit(f"flushed-{n}", "n|b|e", ttl=30.0) for n in range(5))
+        )
+        assert again == [None] * 5
     finally:
         await store.close()
 

@@ -327,3 +327,60 @@ async def test_commits_queued_behind_a_hung_hook_are_not_timed_out_while_they_wa
         assert tally.booked == commits
         assert h.state.commits.count("timed_out") == 0
         assert h.state.commits.count("finished") == commits
+
+
+async def test_a_sessions_commit_backlog_is_bounded_and_refused_in_protocol_shape() -> None:
+    # A hook that never returns in time: without a bound, every request of the session
+    # queues one more record (and task) behind it, for as long as the client goes on.
+    gate = Gate()
+    async with proxy_with_emulator(
+        plugins=[gate], plugin_timeout=60.0, max_pending_commits=3
+    ) as h:
+        client = await RawClient.connect(h.url)
+        try:
+            statuses = []
+            for _ in range(5):
+                await client.request(
+                    "POST",
+                    CHAT_PATH,
+                    stream_body(CHAT_PATH, stream=False),
+                    headers=[("x-session-id", "backlogged")],
+                )
+                head = await client.read_head()
+                body = json.loads(await client.read_body(head))
+                statuses.append(head.status)
+            # Three admitted (their commits wait in the hook), then refused while they do.
+            assert statuses == [200, 200, 200, 503, 503]
+            assert head.headers.get("Retry-After") == "5"
+            assert body["error"]["code"] == "commit_backlog"
+            assert h.state.commits.pending_for("backlogged") == 3
+            # Another session is not held back by this one's backlog.
+            await client.request(
+                "POST",
+                CHAT_PATH,
+                stream_body(CHAT_PATH, stream=False),
+                headers=[("x-session-id", "other")],
+            )
+            head = await client.read_head()
+            await client.read_body(head)
+            assert head.status == 200
+            # Once the hook catches up, the session is served again; nothing was lost.
+            gate.opened.set()
+            await h.settle(within=30.0)
+            await client.request(
+                "POST",
+                CHAT_PATH,
+                stream_body(CHAT_PATH, stream=False),
+                headers=[("x-session-id", "backlogged")],
+            )
+            head = await client.read_head()
+            await client.read_body(head)
+            assert head.status == 200
+        finally:
+            await client.close()
+        await h.settle(within=30.0)
+        # 3 + "other" + the last; the refused ones were booked as refusals (no hook ran
+        # for them twice, none is missing).
+        admitted = [r for r in gate.booked if r.outcome == "ok"]
+        assert len(admitted) == 5
+        assert h.state.commits.count("timed_out") == 0

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from proxy._fdlimit import FdBudget, Verdict
-from proxy._ratelog import RateLimitedWarning
 
 
 class _Counts:
@@ -67,17 +64,3 @@ def test_far_from_the_limit_descriptors_are_counted_once_a_second_near_it_every_
 def test_a_reserve_under_four_is_refused() -> None:
     with pytest.raises(ValueError, match="fd_reserve"):
         FdBudget(3)
-
-
-def test_a_recurring_warning_is_one_line_per_window_then_a_count(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    now = [0.0]
-    warning = RateLimitedWarning(logging.getLogger("t"), "low", window=10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, "t"):
-        assert warning.hit()
-        assert not warning.hit()
-        assert not warning.hit()
-        now[0] = 10.0
-        assert warning.hit()
-    assert [r.getMessage() for r in caplog.records] == ["low", "low (3 in the last 10s)"]
