@@ -44,6 +44,10 @@ __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 
 log = logging.getLogger("context_proxy")
 
+#: The error code of a request refused because its session's commits are behind
+#: (``max_pending_commits``); such a refusal is the one exchange that is not booked.
+_COMMIT_BACKLOG: Final = "commit_backlog"
+
 #: Requests refused for want of memory: this line once per 10 s, then a count.
 _MEMORY_REFUSED: Final = (
     "request refused with 503: memory could not be reserved (an address-space limit?)"
@@ -169,7 +173,11 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
             # cannot cancel it, and the keep-alive connection's next request does not
             # wait for it. Synchronous with leaving the session's track() span, so a
             # session shutdown that waited for this exchange finds its commit pending.
-            if state.commits.hooked:
+            if ex.error == _COMMIT_BACKLOG:
+                # Refused because its session's commits are behind: booking the refusal
+                # would queue one more record behind them, so the bound would not hold.
+                ex.skip_commit()
+            elif state.commits.hooked:
                 state.commits.start(ex.begin_commit())
             else:
                 ex.skip_commit()  # no plugin books anything: no record, no task
@@ -379,13 +387,13 @@ async def _run_exchange(
     if sid is not None and backlog and state.commits.pending_for(sid) >= backlog:
         # The session's commits are booked one at a time under its lock: a hook slower
         # than the session's request rate would queue records without bound.
-        ex.conclude(503, Outcome.REJECTED, "commit_backlog")
+        ex.conclude(503, Outcome.REJECTED, _COMMIT_BACKLOG)
         return _reject(
             ex.protocol,
             503,
             f"the session's bookkeeping is behind ({backlog} commits pending)",
             state,
-            code="commit_backlog",
+            code=_COMMIT_BACKLOG,
         )
     # Cluster admission (one Redis round trip), then the local one; both refuse a
     # tombstoned session. Nothing below, the stream included, calls Redis.

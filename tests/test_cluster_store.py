@@ -318,7 +318,7 @@ async def test_a_loop_too_busy_to_read_in_time_is_not_an_outage(
 
 
 async def test_scripts_asked_for_in_one_pass_share_one_round_trip(
-    redis_server: RedisServer,
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """200 admissions and deregistrations started together go out as one pipelined trip
     each (not 400 commands), every caller gets its own answer, a wrong-type key fails
@@ -326,16 +326,17 @@ async def test_scripts_asked_for_in_one_pass_share_one_round_trip(
     scripts Redis lost in a restart are loaded again."""
     store = RedisStore(redis_server.url, timeout=2.0, max_connections=8)
     calls = 0
-    real_call = store._call
+    real_call = RedisStore._call
 
-    async def counted(op: Any, budget: float | None = None) -> Any:
+    async def counted(self: RedisStore, op: Any, budget: float | None = None) -> Any:
         nonlocal calls
         calls += 1
-        return await real_call(op, budget)
+        return await real_call(self, op, budget)
 
-    store._call = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(RedisStore, "_call", counted)
     try:
-        await store.admit("warm", "n|b|e", ttl=5.0)  # loads the script
+        await store.admit("warm", "n|b|e", ttl=5.0)  # loads the scripts
+        await store.deregister("warm", "n|b|e", cancelled=False)
         calls = 0
         admitted = await asyncio.gather(
             *(store.admit(f"pass-{n}", "n|b|e", ttl=30.0) for n in range(200))
@@ -366,10 +367,12 @@ async def test_scripts_asked_for_in_one_pass_share_one_round_trip(
         assert await store._client.exists(SessionKeys("cancelled").in_flight) == 0
         # Scripts flushed (a restarted Redis): loaded again, every caller answered.
         await store._client.script_flush()
+        calls = 0
         again = await asyncio.gather(
             *(store.admit(f"flushed-{n}", "n|b|e", ttl=30.0) for n in range(5))
         )
         assert again == [None] * 5
+        assert calls == 3  # the trip that met NOSCRIPT, one SCRIPT LOAD, the trip again
     finally:
         await store.close()
 

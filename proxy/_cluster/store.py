@@ -301,24 +301,20 @@ class RedisStore:
             task.add_done_callback(self._trips.discard)
 
     async def _send_trip(self, batch: list[_Scripted]) -> None:
-        """One round trip for ``batch``; each future gets its script's answer or error."""
+        """One round trip for ``batch``; each future gets its script's answer or error.
+
+        Scripts Redis does not know (first use, or a restarted Redis) are loaded,
+        once each, and the scripts that met ``NOSCRIPT`` are sent again together.
+        """
         try:
-            if len(batch) == 1:
-                script, keys, args, _ = batch[0]
-                answers: list[Any] = [
-                    await self._call(lambda: script(keys=keys, args=args))
-                ]
-            else:
-
-                async def pipelined() -> list[Any]:
-                    async with self._client.pipeline(transaction=False) as pipe:
-                        for script, keys, args, _ in batch:
-                            # evalsha itself: a Script in a pipeline costs a SCRIPT
-                            # EXISTS round trip per execute (redis-py).
-                            pipe.evalsha(script.sha, len(keys), *keys, *args)
-                        return list(await pipe.execute(raise_on_error=False))
-
-                answers = await self._call(pipelined)
+            answers = await self._trip(batch)
+            missed = [n for n, answer in enumerate(answers) if isinstance(answer, NoScriptError)]
+            if missed:
+                for source in {batch[n][0].script for n in missed}:
+                    await self._call(functools.partial(self._client.script_load, source))
+                resent = await self._trip([batch[n] for n in missed])
+                for n, answer in zip(missed, resent, strict=True):
+                    answers[n] = answer
         except (ClusterUnavailable, ResponseError) as exc:
             for *_, turn in batch:
                 if not turn.done():
@@ -328,19 +324,39 @@ class RedisStore:
             for *_, turn in batch:
                 turn.cancel()
             raise
-        for (script, keys, args, turn), answer in zip(batch, answers, strict=True):
-            if isinstance(answer, NoScriptError):
-                # Redis restarted and lost the scripts: this one alone, loading it.
-                try:
-                    answer = await self._call(functools.partial(script, keys=keys, args=args))
-                except (ClusterUnavailable, ResponseError) as exc:
-                    answer = exc
+        for (*_, turn), answer in zip(batch, answers, strict=True):
             if turn.done():
-                continue
+                continue  # its caller left after the trip was sent
             if isinstance(answer, BaseException):
                 turn.set_exception(answer)
             else:
                 turn.set_result(answer)
+
+    async def _trip(self, batch: list[_Scripted]) -> list[Any]:
+        """``EVALSHA`` of each script in ``batch`` in one round trip: each one's answer,
+        or the ``ResponseError`` it met (``NoScriptError`` included), in order.
+
+        ``evalsha`` itself: a redis-py ``Script`` in a pipeline costs a ``SCRIPT
+        EXISTS`` round trip on every execute.
+
+        Raises:
+            ClusterUnavailable: as :meth:`_call`.
+        """
+        if len(batch) == 1:
+            script, keys, args, _ = batch[0]
+            try:
+                call = functools.partial(self._client.evalsha, script.sha, len(keys), *keys, *args)
+                return [await self._call(call)]
+            except ResponseError as exc:
+                return [exc]
+
+        async def pipelined() -> list[Any]:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for script, keys, args, _ in batch:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                return list(await pipe.execute(raise_on_error=False))
+
+        return await self._call(pipelined)
 
     async def _call(self, op: Callable[[], Awaitable[_T]], budget: float | None = None) -> _T:
         """``op()`` (one round trip) holding one of the pool's places.
