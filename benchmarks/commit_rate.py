@@ -31,6 +31,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -96,6 +97,7 @@ async def _rate(
                     headers={"x-session-id": "rate"},
                 ) as resp:
                     await resp.read()
+                    assert resp.status == 200, resp.status  # none refused, none lost
 
         began = time.monotonic()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -211,19 +213,45 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         redis = start_redis(binary, port, tmp / "redis")
         url = f"redis://127.0.0.1:{port}/0"
         try:
-            single, single_answers = await _rate(None, args.requests, args.concurrency, tmp)
-            cluster, cluster_answers = await _rate(url, args.requests, args.concurrency, tmp)
-            path_single = await _commit_path(None, args.requests, tmp)
-            path_cluster = await _commit_path(url, args.requests, tmp)
+            # Single and cluster alternate, round after round, and each figure is the
+            # median of its rounds: this machine's speed drifts by tens of percent
+            # within a minute, and a ratio of neighbours cancels most of it.
+            rounds = []
+            for _ in range(args.rounds):
+                rounds.append(
+                    (
+                        await _rate(None, args.requests, args.concurrency, tmp),
+                        await _rate(url, args.requests, args.concurrency, tmp),
+                    )
+                )
+            single = statistics.median(s for (s, _), _c in rounds)
+            single_answers = statistics.median(a for (_, a), _c in rounds)
+            cluster = statistics.median(c for _s, (c, _) in rounds)
+            cluster_answers = statistics.median(a for _s, (_, a) in rounds)
+            round_ratios = [round(c / s, 3) for (s, _), (c, _) in rounds]
+            paths = []
+            for _ in range(args.rounds):
+                paths.append(
+                    (
+                        await _commit_path(None, args.requests, tmp),
+                        await _commit_path(url, args.requests, tmp),
+                    )
+                )
+            path_single = statistics.median(s for s, _ in paths)
+            path_cluster = statistics.median(c for _, c in paths)
+            path_ratios = [round(c / s, 3) for s, c in paths]
             out: dict[str, Any] = {
                 "commit_path_single_per_s": round(path_single, 1),
                 "commit_path_cluster_per_s": round(path_cluster, 1),
-                "commit_path_ratio": round(path_cluster / path_single, 3),
+                "commit_path_ratio": round(statistics.median(path_ratios), 3),
+                "commit_path_round_ratios": path_ratios,
                 "single_commits_per_s": round(single, 1),
                 "single_answers_per_s": round(single_answers, 1),
                 "cluster_commits_per_s": round(cluster, 1),
                 "cluster_answers_per_s": round(cluster_answers, 1),
-                "ratio": round(cluster / single, 3),
+                # The median of the rounds' own ratios (cluster / single, neighbours).
+                "ratio": round(statistics.median(round_ratios), 3),
+                "round_ratios": round_ratios,
                 # Commits keep up with answers (1.0: none queued behind the last answer).
                 "single_commits_per_answer_rate": round(single / single_answers, 3),
                 "cluster_commits_per_answer_rate": round(cluster / cluster_answers, 3),
@@ -244,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.commit_rate")
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="single/cluster pairs, alternating (median)"
+    )
     parser.add_argument("--hang", type=float, default=0.0, help="seconds of SIGSTOP (0: none)")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--rate", type=float, default=5.0, help="requests/s per session")

@@ -78,7 +78,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Commits of one session not booked yet (docs/plugins.md, "Time budgets"): at this
     # many its next request is refused with 503 + Retry-After instead of queueing more;
     # 0 = no bound.
-    max_pending_commits: Annotated[int, msgspec.Meta(ge=0)] = 1_000
+    max_pending_commits: Annotated[int, msgspec.Meta(ge=0)] = 10_000
 
     # Sessions (docs/design.md §6).
     session_headers: list[str] = msgspec.field(
