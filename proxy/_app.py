@@ -29,7 +29,7 @@ from . import _wire as wire
 from ._admin import admin_guard, admin_routes
 from ._body import BodyBusy, BodyError, BodyMemory, check_content_length, read_body
 from ._cancel import orderly_cancel_reason
-from ._config import Settings
+from ._config import ConfigError, Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
 from ._front import Answer, FrontServer, Request, StreamAnswer
 from ._headers import forward_headers
@@ -391,7 +391,8 @@ async def _run_exchange(
         return _reject(
             ex.protocol,
             503,
-            f"the session's bookkeeping is behind ({backlog} commits pending)",
+            f"the session's bookkeeping is behind ({backlog} pending commit"
+            f"{'' if backlog == 1 else 's'})",
             state,
             code=_COMMIT_BACKLOG,
         )
@@ -668,12 +669,20 @@ async def running(app: ProxyApp, host: str, port: int) -> AsyncIterator[int]:
 
 
 async def serve(settings: Settings) -> None:
-    """Run the proxy until SIGTERM/SIGINT or ``POST /admin/shutdown``, then drain and exit."""
+    """Run the proxy until SIGTERM/SIGINT or ``POST /admin/shutdown``, then drain and exit.
+
+    Raises:
+        ConfigError: ``fd_reserve`` leaves too little of the descriptor limit to serve.
+        OSError: the address cannot be bound.
+    """
     app = build_app(settings)
     state = app.state
     # Process-wide, so only here (not in build_app: tests embed apps in their runner).
     state.allocator.tune()
     before, limit = fdlimit.raise_nofile_limit()
+    fd_problem = fdlimit.reserve_problem(settings.fd_reserve, limit)
+    if fd_problem is not None:
+        raise ConfigError(fd_problem)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 
 from ._config import check_settings
+from ._fdlimit import reachable_nofile_limit, reserve_problem
 from ._plugins import PluginError, load_plugins, unclaimed_tables
 
 __all__ = ["CheckReport", "check_config"]
@@ -46,6 +47,9 @@ def check_config(
     settings, problems = check_settings(config_path, environ=environ)
     if settings is None:
         return CheckReport(tuple(problems), "")
+    fd_problem = reserve_problem(settings.fd_reserve, reachable_nofile_limit())
+    if fd_problem is not None:
+        problems.append(fd_problem)
     constructed: list[str] = []
     for spec in settings.plugins:
         try:

@@ -89,6 +89,8 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
         run_loop(serve_app(settings), settings.event_loop)
     except PluginError as exc:
         raise click.ClickException(str(exc)) from None
+    except ConfigError as exc:  # a setting that only the running process can judge
+        raise click.ClickException(f"bad setting: {exc}") from None
     except OSError as exc:
         raise _cannot_listen(settings.host, settings.port, exc) from None
 

@@ -173,6 +173,29 @@ def _soft_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
+def reserve_problem(fd_reserve: int, limit: int) -> str | None:
+    """Why ``fd_reserve`` cannot work under a descriptor ``limit``, or ``None``.
+
+    The server serves a connection only while ``fd_reserve`` descriptors stay
+    free after its two, and stops accepting under a quarter of it: a reserve of
+    half the limit or more leaves (almost) nothing to serve with, and a proxy
+    that starts with it answers no connection at all, probes included.
+    """
+    if fd_reserve * 2 > limit:
+        return (
+            f"fd_reserve: {fd_reserve} leaves too few of the {limit} file descriptors "
+            "this process may open to serve with (keep it under half of the limit)"
+        )
+    return None
+
+
+def reachable_nofile_limit() -> int:
+    """The soft ``RLIMIT_NOFILE`` :func:`raise_nofile_limit` would set (nothing changed)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    return max(target, soft) if soft != resource.RLIM_INFINITY else target
+
+
 def raise_nofile_limit() -> tuple[int, int]:
     """Raise the soft ``RLIMIT_NOFILE`` to the hard limit; return ``(before, after)``.
 

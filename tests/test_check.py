@@ -132,3 +132,37 @@ def test_an_unimportable_plugin_is_one_problem_and_its_table_is_not_reported_aga
     assert "cannot import no_such_module:Counter" in lines[0]
     assert "nosuchplugin" in lines[1]
     assert "no plugin in the plugins list takes this table" not in result.output
+
+
+def test_a_descriptor_reserve_the_limit_cannot_hold_is_a_problem_for_check_and_serve(
+    tmp_path: Path,
+) -> None:
+    """``fd_reserve`` over half the descriptor limit (the limit ``serve`` raises to):
+    ``check`` names it and ``serve`` refuses to start, instead of listening and then
+    answering no connection at all, probes included (seen: fd_reserve 100000 under a
+    limit of 20000)."""
+    import resource
+    import subprocess
+    import sys
+
+    config = tmp_path / "proxy.toml"
+    config.write_text("fd_reserve = 100000\nport = 0\nplugins = []\n")
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (20_000, 20_000))
+
+    for command in ("check", "serve"):
+        done = subprocess.run(
+            [sys.executable, "-m", "proxy", command, "--config", str(config)],
+            preexec_fn=limited,  # the limit is the child's only
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        output = done.stdout + done.stderr
+        assert "fd_reserve: 100000 leaves too few of the 20000 file descriptors" in output
+        assert "listening" not in output
+    config.write_text("fd_reserve = 16\nplugins = []\n")
+    assert _check(config).exit_code == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy._fdlimit import FdBudget, Verdict
+from proxy._fdlimit import FdBudget, Verdict, reserve_problem
 
 
 class _Counts:
@@ -64,3 +64,10 @@ def test_far_from_the_limit_descriptors_are_counted_once_a_second_near_it_every_
 def test_a_reserve_under_four_is_refused() -> None:
     with pytest.raises(ValueError, match="fd_reserve"):
         FdBudget(3)
+
+
+def test_a_reserve_of_half_the_limit_or_more_is_a_problem() -> None:
+    assert reserve_problem(16, 256) is None
+    assert reserve_problem(128, 256) is None
+    problem = reserve_problem(129, 256)
+    assert problem is not None and "fd_reserve: 129" in problem and "256" in problem
