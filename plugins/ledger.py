@@ -861,6 +861,13 @@ class LedgerPlugin(Plugin):
                     self._outage_step(str(exc))
                     await asyncio.sleep(self.redis_timeout)
                     continue
+                except Exception as exc:
+                    # Redis refused a run (a wrong-type key: a defect, not an outage).
+                    # The sender must outlive it: find the run, drop it, send the rest.
+                    self.write_errors += 1
+                    if not await self._isolate(gate, runs, exc):
+                        await asyncio.sleep(self.redis_timeout)
+                    continue
                 for run in runs:
                     del self._doubt[run.session_id]
                 self._outage_over(runs)
@@ -873,6 +880,32 @@ class LedgerPlugin(Plugin):
                         "dirty": verdict.dirty,
                         "gate": verdict.outcome,
                     }
+
+    async def _isolate(self, gate: LedgerGate, runs: list[GateRun], first: Exception) -> bool:
+        """After a trip Redis refused: send ``runs`` one by one and drop each that Redis
+        refuses alone (counted in ``gate_dropped``, logged by exception class only), so
+        one bad key costs its own session's commits, not every session's. Whether every
+        run got an answer (``False``: Redis stopped answering meanwhile; the rest stay
+        in doubt and the sender retries them as for an outage).
+        """
+        dropped = 0
+        for run in runs:
+            try:
+                await gate.apply_runs(self._writer, [run])
+            except ClusterUnavailable as exc:
+                self._outage_step(str(exc))
+                return False
+            except Exception:
+                dropped += 1
+                self.gate_dropped += run.commits
+            del self._doubt[run.session_id]
+        log.error(
+            "ledger: Redis refused the gate run of %d session(s) (%s); their commits "
+            "dropped (gate_dropped), the other sessions' runs applied",
+            dropped,
+            type(first).__name__,
+        )
+        return True
 
     def _outage_step(self, cause: str) -> None:
         """One failed attempt: a warning at the first, a summary every so often."""

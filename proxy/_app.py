@@ -384,9 +384,14 @@ async def _run_exchange(
         return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
     assert state.upstream is not None
     backlog = settings.max_pending_commits
-    if sid is not None and backlog and state.commits.pending_for(sid) >= backlog:
+    if (
+        sid is not None
+        and backlog
+        and state.commits.pending_for(sid) + state.registry.in_flight_of(sid) >= backlog
+    ):
         # The session's commits are booked one at a time under its lock: a hook slower
-        # than the session's request rate would queue records without bound.
+        # than the session's request rate would queue records without bound. Its
+        # exchanges in flight count too: each one's commit is on its way.
         ex.conclude(503, Outcome.REJECTED, _COMMIT_BACKLOG)
         return _reject(
             ex.protocol,

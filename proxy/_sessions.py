@@ -731,6 +731,10 @@ class SessionRegistry:
             session.last_activity = self._clock()
             self._unpin(session)
 
+    def in_flight_of(self, sid: str) -> int:
+        """Exchanges of ``sid`` in flight now (admitted, not yet ended)."""
+        return len(self._inflight.get(sid, ()))
+
     @property
     def in_flight_total(self) -> int:
         """Exchanges currently inside a ``track()`` block, all sessions together."""

@@ -384,3 +384,35 @@ async def test_a_sessions_commit_backlog_is_bounded_and_refused_in_protocol_shap
         # 3 + "other" + the last, each once; the two refusals were not booked.
         assert [r.outcome for r in gate.booked] == ["ok"] * 5
         assert h.state.commits.count("timed_out") == 0
+
+
+async def test_a_sessions_backlog_bound_counts_its_exchanges_in_flight() -> None:
+    # Ten requests of one session at once, the commit hook stuck: the bound holds for
+    # concurrent requests too (each exchange in flight has a commit on its way), so
+    # exactly max_pending_commits are admitted and the rest refused.
+    gate = Gate()
+    async with proxy_with_emulator(
+        plugins=[gate], plugin_timeout=60.0, max_pending_commits=3
+    ) as h:
+        clients = [await RawClient.connect(h.url) for _ in range(10)]
+        try:
+            for client in clients:
+                await client.request(
+                    "POST",
+                    CHAT_PATH,
+                    stream_body(CHAT_PATH, stream=False),
+                    headers=[("x-session-id", "crowd")],
+                )
+            statuses = []
+            for client in clients:
+                head = await client.read_head()
+                await client.read_body(head)
+                statuses.append(head.status)
+            assert sorted(statuses) == [200] * 3 + [503] * 7
+            assert h.state.commits.pending_for("crowd") == 3
+        finally:
+            gate.opened.set()
+            for client in clients:
+                await client.close()
+        await h.settle(within=30.0)
+        assert len(gate.booked) == 3

@@ -298,3 +298,65 @@ async def test_a_shutdown_during_the_hang_is_bounded_and_counts_what_it_lost(
         _resume(redis_server)
     assert ledger.gate_dropped == 5 and ledger.gate_held == 0
     assert any("5 commit(s) of 2 session(s)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("fault", ["oom", "wrong-type-key"])
+async def test_an_error_reply_from_redis_does_not_stop_the_ledger(
+    redis_server: RedisServer, fault: str
+) -> None:
+    """An error *reply* (not a timeout) once ended the ledger's sender for good: every
+    session's commits stayed held and were lost at shutdown. Out of memory is a server
+    state (held, retried, applied once Redis recovers); a wrong-type key under one
+    session costs that session's run only, never the other sessions'."""
+    import redis.asyncio as aioredis
+
+    from proxy._cluster.keys import SessionKeys
+
+    ledger = LedgerPlugin(path=":memory:", redis_url=redis_server.url, redis_timeout=TIMEOUT)
+    admin = aioredis.from_url(redis_server.url, decode_responses=True)
+    try:
+        async with (
+            proxy_with_emulator(plugins=[ledger]) as h,
+            aiohttp.ClientSession() as http,
+        ):
+
+            async def send(sid: str, n: int) -> None:
+                for i in range(n):
+                    body = {"model": "m", "messages": [{"role": "user", "content": f"{sid} {i}"}]}
+                    async with http.post(
+                        h.url + CHAT_PATH, json=body, headers={"x-session-id": sid}
+                    ) as resp:
+                        await resp.read()
+                        assert resp.status == 200
+
+            await send("A", 3)
+            await ledger.flush()
+            if fault == "oom":
+                await admin.config_set("maxmemory-policy", "noeviction")
+                await admin.config_set("maxmemory", "1")
+            else:
+                await admin.set(SessionKeys("P").ledger, "not a hash")
+            await send("A", 3)
+            await send("P", 2)
+            await asyncio.sleep(4 * TIMEOUT)  # a few of the sender's attempts
+            if fault == "oom":
+                await admin.config_set("maxmemory", "0")
+            await send("A", 3)
+            await send("B", 3)
+            for _ in range(400):  # bounded: 400 x 25 ms, until the sender caught up
+                if not ledger.gate_held:
+                    break
+                await asyncio.sleep(0.025)
+            sender = ledger._sender  # type: ignore[attr-defined]
+            assert sender is not None and not sender.done()
+            assert ledger.gate_held == 0
+            requests = {
+                sid: await admin.hget(SessionKeys(sid).ledger, "requests") for sid in "AB"
+            }
+            assert requests == {"A": "9", "B": "3"}
+            if fault == "oom":
+                assert await admin.hget(SessionKeys("P").ledger, "requests") == "2"
+            else:
+                assert ledger.gate_dropped == 2  # P's two commits, and only those
+    finally:
+        await admin.aclose()

@@ -35,6 +35,7 @@ from types import TracebackType
 from typing import Any, Final
 
 from cachetools import LRUCache
+from redis.exceptions import ResponseError
 
 from .._sessions import SessionClosed, SessionRegistry, ShutdownResult, shutdown_cause
 from .store import CloseCommand, ClusterUnavailable, RedisStore, read_closes
@@ -332,6 +333,11 @@ class ClusterNode:
         except ClusterUnavailable as exc:
             self._pending_deregs.append((sid, member, cancelled))
             self._set_degraded(exc)
+        except ResponseError as exc:
+            # A wrong-type key (a defect, not an outage): retrying cannot help, and a
+            # task of ours must not end with an exception nobody retrieves. The entry
+            # expires with its heartbeat TTL.
+            log.error("cluster: Redis refused a deregistration: %s", type(exc).__name__)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -27,8 +27,16 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
+from redis.exceptions import (
+    ClusterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 # Defined beside the public LedgerGate (plugins catch it without importing redis).
 from .._shared import ClusterUnavailable, GateRun
@@ -43,6 +51,25 @@ __all__ = ["CloseCommand", "CloseStart", "ClusterUnavailable", "RedisStore", "Ta
 STREAM_MAXLEN: Final = 100_000
 
 _T = TypeVar("_T")
+
+#: Error replies that say what state the server is in, not that a script or key is
+#: wrong: out of memory, a read-only replica after a failover, a failed snapshot, a
+#: script running too long, a replica without its master. redis-py turns some into
+#: classes of their own (the code stripped from the text), the rest keep their code.
+#: They are taken for Redis failing to answer (degraded mode; the ledger's held runs
+#: kept and retried), never for a defect of the caller.
+_SERVER_STATE_CLASSES: Final = (OutOfMemoryError, ReadOnlyError, TryAgainError, ClusterDownError)
+_SERVER_STATE_CODES: Final = ("MISCONF", "BUSY", "NOREPLICAS", "MASTERDOWN")
+
+
+def _server_state(exc: ResponseError) -> ClusterUnavailable | None:
+    """The outage an error reply stands for (see :data:`_SERVER_STATE_CLASSES`), or None."""
+    if isinstance(exc, _SERVER_STATE_CLASSES):
+        return ClusterUnavailable(f"redis: {type(exc).__name__}")
+    code = str(exc).split(" ", 1)[0]
+    if code in _SERVER_STATE_CODES:
+        return ClusterUnavailable(f"redis: {code} reply")
+    return None
 #: One script waiting for its trip: the script, its keys, its args, the caller's future.
 _Scripted = tuple[AsyncScript, list[str], list[Any], "asyncio.Future[Any]"]
 
@@ -327,6 +354,8 @@ class RedisStore:
         for (*_, turn), answer in zip(batch, answers, strict=True):
             if turn.done():
                 continue  # its caller left after the trip was sent
+            if isinstance(answer, ResponseError):
+                answer = _server_state(answer) or answer
             if isinstance(answer, BaseException):
                 turn.set_exception(answer)
             else:
@@ -402,8 +431,12 @@ class RedisStore:
                     return await op()
                 finally:
                     fire.cancel()  # the newest timer: each expire() replaced the last
-        except ResponseError:
-            raise
+        except ResponseError as exc:
+            outage = _server_state(exc)
+            if outage is None:
+                raise  # a script or key is wrong: a defect, not an outage
+            self._queue.fail_waiting(str(outage))
+            raise outage from exc
         except (RedisError, OSError, TimeoutError) as exc:
             reason = f"redis: {type(exc).__name__}"
             self._queue.fail_waiting(reason)
