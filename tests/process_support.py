@@ -54,6 +54,43 @@ class Proc:
         )
         return cls(proc, name)
 
+    @classmethod
+    async def serve(
+        cls,
+        upstream_url: str,
+        *,
+        env: Mapping[str, str] | None = None,
+        preexec_fn: Callable[[], object] | None = None,
+    ) -> tuple[Proc, int]:
+        """``serve`` on an ephemeral port, both upstreams at ``upstream_url``, a 1 s
+        shutdown grace, no access log and no plugins unless ``env`` says otherwise:
+        the child and its port once it listens.
+
+        Raises:
+            AssertionError: it did not say it listens within :data:`BOUND_S` (the
+                child is stopped first).
+        """
+        proc = await cls.start(
+            "proxy",
+            "serve",
+            "--port",
+            "0",
+            "--upstream-openai",
+            upstream_url,
+            "--upstream-anthropic",
+            upstream_url,
+            "--shutdown-grace",
+            "1",
+            env={"CONTEXT_PROXY_ACCESS_LOG": "false", "CONTEXT_PROXY_PLUGINS": "", **(env or {})},
+            preexec_fn=preexec_fn,
+        )
+        try:
+            port = int((await proc.wait_line(r"listening on http://[\d.]+:(\d+)", BOUND_S))[1])
+        except BaseException:
+            await proc.stop()
+            raise
+        return proc, port
+
     async def _read(self, stream: asyncio.StreamReader) -> None:
         # Chunks, not readline(): an over-long line must not stop the draining of
         # the pipe (a full pipe would block the child).

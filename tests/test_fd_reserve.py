@@ -80,22 +80,8 @@ async def _probe(base: str, path: str) -> int:
 async def test_out_of_descriptors_probes_answer_and_the_excess_get_a_fast_503(
     emulator: EmulatorServer,
 ) -> None:
-    proc = await Proc.start(
-        "proxy",
-        "serve",
-        "--port",
-        "0",
-        "--upstream-openai",
-        emulator.url,
-        "--upstream-anthropic",
-        emulator.url,
-        "--shutdown-grace",
-        "1",
-        env={"CONTEXT_PROXY_ACCESS_LOG": "false", "CONTEXT_PROXY_PLUGINS": ""},
-        preexec_fn=_limit,
-    )
+    proc, port = await Proc.serve(emulator.url, preexec_fn=_limit)
     try:
-        port = int((await proc.wait_line(r"listening on http://[\d.]+:(\d+)", BOUND_S))[1])
         base = f"http://127.0.0.1:{port}"
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=90)

@@ -76,22 +76,8 @@ async def _stream(http: aiohttp.ClientSession, url: str, script: str) -> tuple[i
 async def test_out_of_descriptors_the_excess_get_503_the_log_stays_short_then_all_is_well(
     emulator: EmulatorServer,
 ) -> None:
-    proc = await Proc.start(
-        "proxy",
-        "serve",
-        "--port",
-        "0",
-        "--upstream-openai",
-        emulator.url,
-        "--upstream-anthropic",
-        emulator.url,
-        "--shutdown-grace",
-        "1",
-        env={"CONTEXT_PROXY_ACCESS_LOG": "false", "CONTEXT_PROXY_PLUGINS": ""},
-        preexec_fn=lambda: _limit(FD_LIMIT, FD_LIMIT),
-    )
+    proc, port = await Proc.serve(emulator.url, preexec_fn=lambda: _limit(FD_LIMIT, FD_LIMIT))
     try:
-        port = int((await proc.wait_line(r"listening on http://[\d.]+:(\d+)", BOUND_S))[1])
         base = f"http://127.0.0.1:{port}"
         connector = aiohttp.TCPConnector(limit=0)
         timeout = aiohttp.ClientTimeout(total=90)

@@ -106,26 +106,12 @@ def _rss_bytes(pid: int) -> int:
 async def test_a_body_whose_memory_cannot_be_reserved_is_a_503_with_retry_after(
     emulator: EmulatorServer,
 ) -> None:
-    proc = await Proc.start(
-        "proxy",
-        "serve",
-        "--port",
-        "0",
-        "--upstream-openai",
+    proc, port = await Proc.serve(
         emulator.url,
-        "--upstream-anthropic",
-        emulator.url,
-        "--shutdown-grace",
-        "1",
-        env={
-            "CONTEXT_PROXY_ACCESS_LOG": "false",
-            "CONTEXT_PROXY_PLUGINS": "",
-            "CONTEXT_PROXY_MAX_BODY_BYTES": str(1024 * MiB),
-        },
+        env={"CONTEXT_PROXY_MAX_BODY_BYTES": str(1024 * MiB)},
         preexec_fn=_limit_address_space,
     )
     try:
-        port = int((await proc.wait_line(r"listening on http://[\d.]+:(\d+)", BOUND_S))[1])
         pid = proc.proc.pid
         # The first bytes of the body: the reservation happens when they arrive.
         start = b'{"model":"m","messages":[],"x":"' + MARKER + b" " * 4096
