@@ -397,9 +397,9 @@ class RedisStore:
         same way: the server did not answer, they would each wait for their own
         timeout only to learn it again.
 
-        The deadline counts Redis's time, not this loop's: when it fires, the time
-        the loop ran late meanwhile (:class:`_LoopLag`) is added once more, up to
-        :data:`_LAG_CREDIT_CAP` x ``budget`` in all; then ``op`` is cancelled one
+        The deadline counts Redis's time, not this loop's: each time it fires, the
+        time the loop ran late since the last (:class:`_LoopLag`) moves it on by as
+        much, up to :data:`_LAG_CREDIT_CAP` x ``budget`` in all; then ``op`` is cancelled one
         loop pass later, so an answer that reached the socket in time, whose
         reader callback is queued ahead of the timer in that pass, is read. A
         busy node is not an outage; against a hung Redis an idle loop's call
