@@ -208,17 +208,24 @@ def _internal_error(
     state.metrics.internal_errors.labels(str(ex.protocol)).inc()
     ex.conclude(500, Outcome.ERROR, "internal_error")
     if ex.phase is Phase.STREAMING:
-        transport = request.transport
-        if transport is not None:
-            transport.close()
-        cut = web.Response(status=500)
-        cut.force_close()
-        return cut
+        return _cut(request, 500)
     resp = error_response(
         ex.protocol, 500, f"internal proxy error (exchange {ex.id})", code="internal_error"
     )
     resp.force_close()  # the request may not have been read to its end
     return resp
+
+
+def _cut(request: Request, status: int) -> web.Response:
+    """An answer already begun that cannot go on: the connection is closed, so the
+    client sees a cut answer (a status line can no longer be sent); ``status`` is
+    the exchange's, for the books."""
+    transport = request.transport
+    if transport is not None:
+        transport.close()
+    cut = web.Response(status=status)
+    cut.force_close()
+    return cut
 
 
 def _memory_refused(state: AppState) -> None:
@@ -238,12 +245,7 @@ def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Respo
     _memory_refused(state)
     ex.conclude(503, Outcome.ERROR, BodyMemory.kind)
     if ex.phase is Phase.STREAMING:
-        transport = request.transport
-        if transport is not None:
-            transport.close()
-        cut = web.Response(status=503)
-        cut.force_close()
-        return cut
+        return _cut(request, 503)
     resp = _reject(ex.protocol, 503, BodyMemory().message, state, code=BodyMemory.kind)
     resp.force_close()  # the request may not have been read to its end
     return resp

@@ -2,7 +2,8 @@
 
 ``proxy.pytest_plugin`` provides the ``context_proxy`` fixture (a proxy plus
 the upstream emulator with the plugins a test passes), the same fixture plugin
-authors use; loading it here tests it the way they load it.
+authors use; loading it here tests it the way they load it. ``emulator`` is the
+emulator alone, for tests that run a proxy of their own (a child process) against it.
 
 Hypothesis profiles (pick one with ``--hypothesis-profile NAME``):
 
@@ -13,9 +14,22 @@ Hypothesis profiles (pick one with ``--hypothesis-profile NAME``):
   (minutes per property: the suite's 120 s per-test timeout must be lifted).
 """
 
+from collections.abc import AsyncIterator
+
+import pytest
 from hypothesis import HealthCheck, settings
 
+from proxy.testing import EmulatorServer, start_emulator
+
 pytest_plugins = ["proxy.pytest_plugin"]
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[EmulatorServer]:
+    """The project's emulator on an ephemeral loopback port, closed after the test."""
+    async with await start_emulator() as server:
+        yield server
+
 
 settings.register_profile(
     "ci",

@@ -14,7 +14,6 @@ import datetime
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,7 +35,7 @@ from benchmarks._workload import (
 from benchmarks.naive import build_naive_app
 from benchmarks.plugins import Marker
 from proxy import PrepareContext
-from proxy._emulator import EmulatorServer, start_emulator
+from proxy._emulator import EmulatorServer
 from proxy._protocols import Protocol
 from proxy._wire import compute_wire_metadata, digest_bytes
 
@@ -140,12 +139,6 @@ async def test_marker_leaves_a_body_without_user_message_alone() -> None:
 
 
 # --------------------------------------------------------------------------- naive baseline
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    async with await start_emulator() as server:
-        yield server
 
 
 async def test_naive_proxy_streams_the_answer_and_forwards_the_parsed_body(

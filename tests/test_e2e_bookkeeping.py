@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import sqlite3
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,7 +28,7 @@ from plugins.ledger import LedgerPlugin
 from plugins.usage import UsagePlugin
 from proxy import ExchangeRecord, Outcome, Plugin, PrepareContext, WireMetadata
 from proxy._cli import main as cli_main
-from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
+from proxy._emulator import DEFAULT_TEXT, EmulatorServer
 from proxy.testing import ProxyProcess, ProxyStartError, proxy_process, proxy_with_emulator
 
 SECRET: Final = "sk-bookkeeping-0c7e1d5a9b3f42e8a6d0c4b2f1e9a7d3"
@@ -174,12 +173,6 @@ def write_config(path: Path, emulator: EmulatorServer, db: Path, **ledger: Any) 
     ]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    async with await start_emulator() as server:
-        yield server
 
 
 # -- the hash gate across a restart ------------------------------------------------------------

@@ -18,12 +18,11 @@ import re
 import resource
 import signal
 import time
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
-from proxy._emulator import EmulatorServer, start_emulator
+from proxy._emulator import EmulatorServer
 from tests.process_support import Proc
 
 BOUND_S = 20.0
@@ -38,15 +37,6 @@ ANSWER_WITHIN_S = 10.0
 
 def _limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    server = await start_emulator()
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 async def _stream(

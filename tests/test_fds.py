@@ -8,12 +8,11 @@ import json
 import re
 import resource
 import signal
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 
-from proxy._emulator import EmulatorServer, start_emulator
+from proxy._emulator import EmulatorServer
 from proxy._fdlimit import is_fd_exhaustion
 from tests.process_support import Proc
 
@@ -55,15 +54,6 @@ def test_exhaustion_is_recognised_through_aiohttps_wrapping() -> None:
 FD_LIMIT = 96
 FIRST = 20
 BURST = 100
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    server = await start_emulator()
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 async def _stream(http: aiohttp.ClientSession, url: str, script: str) -> tuple[int, bytes]:

@@ -12,7 +12,6 @@ import json
 import logging
 import signal
 import sys
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anthropic
@@ -20,7 +19,7 @@ import openai
 import pytest
 
 from proxy import Plugin
-from proxy._emulator import EmulatorServer, start_emulator
+from proxy._emulator import EmulatorServer
 from proxy._logs import BurstFilter
 from proxy._plugins import ExchangeRecord
 from tests.process_support import Proc
@@ -39,15 +38,6 @@ class FailingCommit(Plugin):
 
     async def commit(self, record: ExchangeRecord) -> None:
         raise RuntimeError("bookkeeping failed on purpose")
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    server = await start_emulator()
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 async def _serve(upstream: str, **env: str) -> tuple[Proc, str]:

@@ -17,14 +17,13 @@ import re
 import resource
 import signal
 import zlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from proxy import ExchangeRecord, Plugin
 from proxy import _app as app_module
-from proxy._emulator import EmulatorServer, start_emulator
+from proxy._emulator import EmulatorServer
 from proxy.testing import proxy_with_emulator
 from tests.process_support import Proc
 from tests.test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RawClient, stream_body
@@ -43,15 +42,6 @@ MARKER = b"body-marker-7f3a"
 
 def _limit_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    server = await start_emulator()
-    try:
-        yield server
-    finally:
-        await server.close()
 
 
 def _gzip_zeros(nbytes: int) -> bytes:
