@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -163,6 +163,25 @@ class RedisServer:
     def kill(self) -> None:
         """``kill -9``: no goodbye to the clients."""
         _stop(self.proc, signal.SIGKILL)
+
+    def pause(self) -> None:
+        """``SIGSTOP``: connections stay open, nothing answers (a partition, no RST)."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """``SIGCONT`` (harmless when not paused or no longer running)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def hung(self) -> Iterator[None]:
+        """Paused for the block, resumed on the way out whatever happened."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
 
 class NginxServer:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -202,18 +200,6 @@ async def test_an_unreachable_redis_raises_cluster_unavailable_within_the_timeou
         await s.close()
 
 
-@contextlib.contextmanager
-def _hung(server: RedisServer) -> Iterator[None]:
-    """Redis stopped (SIGSTOP): connections stay open, nothing answers (a partition,
-    no RST); resumed (SIGCONT) on the way out, whatever happened."""
-    assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.proc.pid, signal.SIGCONT)
-
-
 async def test_a_command_against_a_hung_redis_costs_one_timeout(
     redis_server: RedisServer,
 ) -> None:
@@ -239,7 +225,7 @@ async def test_a_command_against_a_hung_redis_costs_one_timeout(
                 await call
             return time.monotonic() - began
 
-        with _hung(redis_server):
+        with redis_server.hung():
             # Concurrently: one timeout's worth of wall time for all of them.
             costs = await asyncio.gather(
                 took(store.admit("s", "n|b|e2", ttl=5.0)),
@@ -286,17 +272,15 @@ async def test_a_loop_too_busy_to_read_in_time_is_not_an_outage(
     store = RedisStore(redis_server.url, timeout=0.3, max_connections=2)
     try:
         loop = asyncio.get_running_loop()
-        assert redis_server.proc is not None
-        pid = redis_server.proc.pid
         if connected:
             await store.ping()
             # The command is written to a stopped Redis; 50 ms later Redis resumes
             # and answers while the loop is blocked for 0.8 s (past the 0.3 s
             # timeout): the answer waits in the socket for the loop.
-            os.kill(pid, signal.SIGSTOP)
+            redis_server.pause()
 
             def resume_then_block() -> None:
-                os.kill(pid, signal.SIGCONT)
+                redis_server.resume()
                 time.sleep(0.8)
 
             loop.call_later(0.05, resume_then_block)
@@ -306,9 +290,9 @@ async def test_a_loop_too_busy_to_read_in_time_is_not_an_outage(
         try:
             assert await store.admit("busy", "n|b|e", ttl=5.0) is None
         finally:
-            os.kill(pid, signal.SIGCONT)
+            redis_server.resume()
         # And a hung Redis still fails in one timeout once the loop is free again.
-        with _hung(redis_server):
+        with redis_server.hung():
             began = time.monotonic()
             with pytest.raises(ClusterUnavailable):
                 await store.ping()
@@ -436,7 +420,7 @@ async def test_calls_queued_behind_a_hung_redis_fail_with_the_first_timeout(
                 await store.admit(f"q-{n}", "n|b|e", ttl=5.0)
             return time.monotonic() - began
 
-        with _hung(redis_server):
+        with redis_server.hung():
             costs = await asyncio.gather(*(took(n) for n in range(8)))  # 4 rounds of 2
         assert max(costs) <= 1.1 * timeout, costs
         # Redis back: the queue works as before.

@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
-import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -46,7 +44,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     try:
         yield server
     finally:
-        _resume(server)
+        server.resume()
         server.stop()
 
 
@@ -57,16 +55,6 @@ async def store(redis_server: RedisServer) -> AsyncIterator[RedisStore]:
         yield s
     finally:
         await s.close()
-
-
-def _hang(server: RedisServer) -> None:
-    assert server.proc is not None
-    os.kill(server.proc.pid, signal.SIGSTOP)
-
-
-def _resume(server: RedisServer) -> None:
-    if server.proc is not None and server.proc.poll() is None:
-        os.kill(server.proc.pid, signal.SIGCONT)
 
 
 def _gate_fields(state: dict[str, str]) -> dict[str, str]:
@@ -162,7 +150,7 @@ async def test_the_breaker_fails_fast_while_redis_hangs_and_closes_on_its_answer
     gate = RedisLedgerGate(redis_server.url, timeout=TIMEOUT, max_connections=4)
     try:
         assert not await gate.mark_clean("s")  # connected, healthy
-        _hang(redis_server)
+        redis_server.pause()
         began = time.monotonic()
         with pytest.raises(ClusterUnavailable):
             await gate.mark_clean("s")
@@ -175,14 +163,14 @@ async def test_the_breaker_fails_fast_while_redis_hangs_and_closes_on_its_answer
         with pytest.raises(ClusterUnavailable):
             await gate.mark_clean("s")  # the probe, still hung: open again
         assert gate.breaker.is_open and gate.breaker.opened == 1
-        _resume(redis_server)
+        redis_server.resume()
         await asyncio.sleep(gate.breaker.cool_off)
         assert not await gate.mark_clean("s")  # the probe answers: closed
         assert not gate.breaker.is_open
         assert not await gate.mark_clean("s")
         assert gate.breaker.fast_failures == 1
     finally:
-        _resume(redis_server)
+        redis_server.resume()
         await gate.close()
 
 
@@ -234,7 +222,7 @@ async def test_a_hung_redis_costs_no_commit_and_the_ledger_catches_up(
 
         await asyncio.gather(*(load(sid, 1.0) for sid in sessions))
         await ledger.flush()
-        _hang(redis_server)
+        redis_server.pause()
         hung_from = sum(sent.values())
         try:
             await asyncio.gather(*(load(sid, 3.0) for sid in sessions))
@@ -246,7 +234,7 @@ async def test_a_hung_redis_costs_no_commit_and_the_ledger_catches_up(
             assert ledger._gate is not None and ledger._gate.breaker.is_open  # type: ignore[attr-defined]
         finally:
             resumed = time.monotonic()
-            _resume(redis_server)
+            redis_server.resume()
         for _ in range(2000):  # bounded: until the sender's probe went through
             if ledger.gate_held == 0:
                 break
@@ -286,7 +274,7 @@ async def test_a_shutdown_during_the_hang_is_bounded_and_counts_what_it_lost(
 
     ledger = LedgerPlugin(path=":memory:", redis_url=redis_server.url, redis_timeout=TIMEOUT)
     await ledger.startup()
-    _hang(redis_server)
+    redis_server.pause()
     try:
         for n in range(5):
             await ledger.commit(make_record(session_id=f"s{n % 2}", wire_digest=f"{n:032x}"))
@@ -295,7 +283,7 @@ async def test_a_shutdown_during_the_hang_is_bounded_and_counts_what_it_lost(
         await ledger.shutdown()
         assert time.monotonic() - began < 20 * TIMEOUT  # 3 x redis_timeout, then gives up
     finally:
-        _resume(redis_server)
+        redis_server.resume()
     assert ledger.gate_dropped == 5 and ledger.gate_held == 0
     assert any("5 commit(s) of 2 session(s)" in r.getMessage() for r in caplog.records)
 
@@ -350,9 +338,7 @@ async def test_an_error_reply_from_redis_does_not_stop_the_ledger(
             sender = ledger._sender  # type: ignore[attr-defined]
             assert sender is not None and not sender.done()
             assert ledger.gate_held == 0
-            requests = {
-                sid: await admin.hget(SessionKeys(sid).ledger, "requests") for sid in "AB"
-            }
+            requests = {sid: await admin.hget(SessionKeys(sid).ledger, "requests") for sid in "AB"}
             assert requests == {"A": "9", "B": "3"}
             if fault == "oom":
                 assert await admin.hget(SessionKeys("P").ledger, "requests") == "2"
