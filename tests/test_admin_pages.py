@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from click.testing import CliRunner
+from sortedcontainers import SortedDict
 
 import proxy._cli as cli
 from proxy._admin import SESSIONS_PAGE_DEFAULT, SESSIONS_PAGE_MAX
@@ -87,8 +88,9 @@ async def test_a_page_reads_only_its_own_entries_at_100000_sessions(
         page = registry.page(cursor, SESSIONS_PAGE_MAX)
         slowest = max(slowest, time.perf_counter() - started)
         cursor = page.next_cursor
+    # Printed, not asserted: a wall-clock bound fails on a loaded machine (a full GC
+    # of 100,000 sessions alone takes ~20 ms); the O(page) claim is the count above.
     print(f"slowest page of {SESSIONS_PAGE_MAX} at {MANY} sessions: {slowest * 1000:.2f} ms")
-    assert slowest < 0.25  # generous: the old full listing took ~0.7 s here
 
 
 async def test_pages_list_every_session_once_in_creation_order_while_sessions_go() -> None:
@@ -262,10 +264,23 @@ async def test_the_tombstoned_listing_pages_without_walking_all_tombstones(
         assert status == 400 and "cursor" in answer["error"]
 
 
-def test_a_tombstone_page_at_100000_tombstones_is_quick() -> None:
+def test_a_tombstone_page_at_100000_tombstones_reads_only_its_own_entries() -> None:
     store = TombstoneSet(ttl=600.0, cap=MANY)
     for i in range(MANY):
         store.add(f"t-{i:06d}")
+    reads = 0
+
+    class Counting(SortedDict):  # type: ignore[type-arg]
+        def __getitem__(self, key: int) -> str:
+            nonlocal reads
+            reads += 1
+            value: str = super().__getitem__(key)
+            return value
+
+    store._order = Counting(store._order)  # type: ignore[misc]
+    deep, position = store.page(150 * SESSIONS_PAGE_MAX, 7)
+    assert reads == 7  # deep in 100,000: only the page's own entries
+    assert deep[0][0] == f"t-{150 * SESSIONS_PAGE_MAX + 1:06d}" and position is not None
     slowest, after = 0.0, -1
     for _ in range(20):
         started = time.perf_counter()
@@ -274,5 +289,5 @@ def test_a_tombstone_page_at_100000_tombstones_is_quick() -> None:
         assert len(items) == SESSIONS_PAGE_MAX and position is not None
         after = position
     assert items[-1][0] == f"t-{20 * SESSIONS_PAGE_MAX - 1:06d}"
+    # Printed, not asserted (a loaded machine's wall clock); the count above is the claim.
     print(f"slowest tombstone page of {SESSIONS_PAGE_MAX} at {MANY}: {slowest * 1000:.2f} ms")
-    assert slowest < 0.25  # generous: listing them all took ~0.27 s here
