@@ -98,13 +98,24 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8788, show_default=True, type=int)
-def emulate(host: str, port: int) -> None:
+@click.option(
+    "--context-window-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Reject prompts above N tokens (body bytes // 4) with each protocol's overflow error.",
+)
+def emulate(host: str, port: int, context_window_tokens: int | None) -> None:
     """Run the local upstream emulator (all three protocols, scriptable per request)."""
     from ._emulator import run_emulator
+    from ._emulator_script import Script
 
     setup_logging("INFO")
+    script = None
+    if context_window_tokens is not None:
+        # body bytes > 4N + 3 is exactly body bytes // 4 > N, the emulator's token count.
+        script = Script(overflow_above=4 * context_window_tokens + 3, context=context_window_tokens)
     try:
-        run_emulator(host, port)
+        run_emulator(host, port, default_script=script)
     except OSError as exc:
         raise _cannot_listen(host, port, exc) from None
 

@@ -984,8 +984,8 @@ async def start_emulator(
     return EmulatorServer(runner, app[STATE_KEY], host, bound_port)
 
 
-async def _serve_until_signal(host: str, port: int) -> None:
-    server = await start_emulator(host, port)
+async def _serve_until_signal(host: str, port: int, default_script: Script | None) -> None:
+    server = await start_emulator(host, port, default_script=default_script)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -998,10 +998,10 @@ async def _serve_until_signal(host: str, port: int) -> None:
         await server.close()
 
 
-def run_emulator(host: str, port: int) -> None:
+def run_emulator(host: str, port: int, *, default_script: Script | None = None) -> None:
     """Run an emulator until SIGINT/SIGTERM (blocking; for ``context-proxy emulate``).
 
     Prints ``context-proxy emulator listening on URL`` once bound (port 0 shows
     the real port). Raises ``OSError`` if the address cannot be bound.
     """
-    asyncio.run(_serve_until_signal(host, port))
+    asyncio.run(_serve_until_signal(host, port, default_script))
