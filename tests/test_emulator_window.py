@@ -1,4 +1,4 @@
-"""``context-proxy emulate --context-window-tokens N``: prompts above N tokens get the overflow error."""
+"""`emulate --context-window-tokens N`: prompts above N tokens get the overflow error."""
 
 from __future__ import annotations
 
