@@ -244,9 +244,7 @@ def test_r1_a_terminal_event_whose_data_line_ended_is_the_end_without_its_blank_
     assert forwarded(end) == b"" and end[-1] == Finish()
     whole = gate(protocol)
     as_sent = whole.start() + whole.feed(b"".join(STREAMS[protocol])) + whole.end(clean=True)
-    assert [a for a in end if isinstance(a, Usage)] == [
-        a for a in as_sent if isinstance(a, Usage)
-    ]
+    assert [a for a in end if isinstance(a, Usage)] == [a for a in as_sent if isinstance(a, Usage)]
 
 
 @pytest.mark.parametrize(
@@ -571,7 +569,10 @@ def test_abort_after_the_terminal_event_adds_nothing() -> None:
     g = gate(Protocol.MESSAGES)
     g.start()
     g.feed(MSG_START + MSG_STOP)
-    assert g.abort("proxy shutting down", code="proxy_shutdown") == [Usage(UsageReport(3, 1, None)), Finish()]
+    assert g.abort("proxy shutting down", code="proxy_shutdown") == [
+        Usage(UsageReport(3, 1, None)),
+        Finish(),
+    ]
 
 
 def test_abort_of_a_json_body_cuts_it() -> None:
