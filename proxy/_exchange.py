@@ -64,7 +64,7 @@ from . import _wire as wire
 from ._coding import io_piece_bytes
 from ._plugins import ExchangeRecord, PluginHost, PrepareContext
 from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
-from ._protocols import Protocol
+from ._protocols import Protocol, UsageReport
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
 
@@ -341,7 +341,7 @@ class Exchange:
         #: Bytes the response side holds now (see :meth:`hold_response`).
         self.response_held = 0
         self.ttfb: float | None = None
-        self.usage: tuple[int | None, int | None, int | None] = (None, None, None)
+        self.usage = UsageReport()
 
     # -------------------------------------------------------------------- phase
 
@@ -790,11 +790,10 @@ class Exchange:
         """``nbytes`` more response bytes went to the client."""
         self.response_bytes += nbytes
 
-    def set_usage(
-        self, input_tokens: int | None, output_tokens: int | None, cache_read: int | None
-    ) -> None:
-        """Token usage the upstream reported (``None`` for a count it did not report)."""
-        self.usage = (input_tokens, output_tokens, cache_read)
+    def set_usage(self, tokens: UsageReport) -> None:
+        """Token usage the upstream reported (``None`` for a count it did not report),
+        as :meth:`protocols.UsageMeter.totals` gives it."""
+        self.usage = tokens
 
     def hold_response(self, nbytes: int) -> None:
         """The response side holds ``nbytes`` bytes now (stream head, JSON head,
@@ -821,7 +820,7 @@ class Exchange:
     def commit_record(self) -> ExchangeRecord:
         """The scalars-only record for ``commit`` hooks as of now (no phase change)."""
         meta = self.meta
-        input_tokens, output_tokens, cache_read = self.usage
+        tokens = self.usage
         return ExchangeRecord(
             exchange_id=self.id,
             session_id=self.session_id,
@@ -840,9 +839,12 @@ class Exchange:
             fold_level=self.fold_level,
             refolds=self.refolds,
             retries=self.retries,
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            cache_read_tokens=cache_read,
+            input_tokens=tokens.input_tokens,
+            output_tokens=tokens.output_tokens,
+            cache_read_tokens=tokens.cache_read_tokens,
+            cache_write_tokens=tokens.cache_write_tokens,
+            cache_write_5m_tokens=tokens.cache_write_5m_tokens,
+            cache_write_1h_tokens=tokens.cache_write_1h_tokens,
             response_bytes=self.response_bytes,
             started_at=self.started_wall,
             ttfb_s=self.ttfb,

@@ -174,6 +174,9 @@ class ExchangeRecord:
     input_tokens: int | None
     output_tokens: int | None
     cache_read_tokens: int | None
+    cache_write_tokens: int | None
+    cache_write_5m_tokens: int | None
+    cache_write_1h_tokens: int | None
     response_bytes: int
     started_at: float
     ttfb_s: float | None

@@ -551,9 +551,7 @@ class _Relay:
                 if _finishes(actions, index + 1):
                     for rest in actions[index + 1 : -1]:
                         if isinstance(rest, Usage):
-                            ex.set_usage(
-                                rest.input_tokens, rest.output_tokens, rest.cache_read_tokens
-                            )
+                            ex.set_usage(rest.tokens)
                     await self._write_last(data)
                     return "done"
                 client = self.client
@@ -575,7 +573,7 @@ class _Relay:
                 ex.response_complete()
                 self.linger_until = asyncio.get_running_loop().time() + action.seconds
             elif isinstance(action, Usage):
-                ex.set_usage(action.input_tokens, action.output_tokens, action.cache_read_tokens)
+                ex.set_usage(action.tokens)
             elif isinstance(action, Finish):
                 return "done"
             elif isinstance(action, Fail):

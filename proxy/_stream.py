@@ -184,11 +184,10 @@ class Linger:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Usage:
-    """Token counts the upstream reported for this answer (``None``: not reported)."""
+    """Token counts the upstream reported for this answer (``None``: not reported);
+    see :meth:`protocols.UsageMeter.totals`."""
 
-    input_tokens: int | None
-    output_tokens: int | None
-    cache_read_tokens: int | None
+    tokens: protocols.UsageReport
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -720,8 +719,7 @@ class StreamGate:
         return f"upstream stream failed: {reason}" if reason else "upstream stream failed"
 
     def _usage_action(self) -> Usage:
-        meter = self._usage
-        return Usage(meter.input_tokens, meter.output_tokens, meter.cache_read_tokens)
+        return Usage(self._usage.totals())
 
     def _drop(self) -> None:
         """DONE: let go of every buffer (the head or tail, the JSON head, the framer's)."""

@@ -24,7 +24,7 @@ from proxy._exchange import (
     null_lock,
 )
 from proxy._plugins import PluginHost
-from proxy._protocols import Protocol
+from proxy._protocols import Protocol, UsageReport
 
 BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
 
@@ -216,7 +216,7 @@ def test_bookkeeping_methods_reach_the_record() -> None:
     ex.count_retry()
     ex.count_response_bytes(10)
     ex.count_response_bytes(5)
-    ex.set_usage(3, 4, None)
+    ex.set_usage(UsageReport(3, 4, None, 5, 4, 1))
     ex.set_session("s-1")
     ex.mark_streaming()
     ex.conclude(502, Outcome.UPSTREAM_UNREACHABLE, "upstream unreachable")
@@ -228,6 +228,11 @@ def test_bookkeeping_methods_reach_the_record() -> None:
     )
     assert (record.retries, record.response_bytes, record.session_id) == (1, 15, "s-1")
     assert (record.input_tokens, record.output_tokens, record.cache_read_tokens) == (3, 4, None)
+    assert (
+        record.cache_write_tokens,
+        record.cache_write_5m_tokens,
+        record.cache_write_1h_tokens,
+    ) == (5, 4, 1)
 
 
 def test_response_side_bytes_are_held_bytes_until_close() -> None:

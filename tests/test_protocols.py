@@ -27,6 +27,7 @@ from proxy._protocols import (
     Protocol,
     Route,
     UsageMeter,
+    UsageReport,
     error_body,
     event_type,
     inband_error,
@@ -924,6 +925,64 @@ def test_anthropic_usage_matches_sdk_and_normalizes_input() -> None:
     assert meter.input_tokens == 2125
     assert meter.cache_read_tokens == 2000
     assert meter.output_tokens == delta.usage.output_tokens == 15
+
+
+def test_anthropic_cache_writes_and_their_lifetime_split_are_metered() -> None:
+    """Cache writes are billed apart from reads (1.25x for 5 minutes, 2x for 1 hour):
+    the meter keeps ``cache_creation_input_tokens`` and its ``cache_creation`` split
+    as the SDK reads them."""
+    start = {
+        **ANTHROPIC_MESSAGE_START,
+        "message": {
+            **ANTHROPIC_MESSAGE_START["message"],
+            "usage": {
+                "input_tokens": 25,
+                "cache_creation_input_tokens": 1500,
+                "cache_read_input_tokens": 4000,
+                "cache_creation": {
+                    "ephemeral_5m_input_tokens": 1000,
+                    "ephemeral_1h_input_tokens": 500,
+                },
+                "output_tokens": 1,
+            },
+        },
+    }
+    stream = sse(
+        ("message_start", start),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                           "usage": {"output_tokens": 9}}),
+        ("message_stop", {"type": "message_stop"}),
+    )  # fmt: skip
+    client = anthropic_client(serve(200, stream, "text/event-stream"))
+    events = list(
+        client.messages.create(
+            model="claude-sonnet-4-6",
+            max_tokens=64,
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+        )
+    )
+    sdk = events[0]
+    assert sdk.type == "message_start"
+    split = sdk.message.usage.cache_creation
+    assert split is not None
+    meter = meter_of(Protocol.MESSAGES, frame(stream, chunk=7))
+    assert meter.totals() == UsageReport(
+        input_tokens=25 + 1500 + 4000,
+        output_tokens=9,
+        cache_read_tokens=sdk.message.usage.cache_read_input_tokens,
+        cache_write_tokens=sdk.message.usage.cache_creation_input_tokens,
+        cache_write_5m_tokens=split.ephemeral_5m_input_tokens,
+        cache_write_1h_tokens=split.ephemeral_1h_input_tokens,
+    )
+    assert meter.cache_write_tokens == 1500
+
+
+def test_openai_reports_no_cache_writes() -> None:
+    meter = meter_of(Protocol.CHAT, [one(CHAT_USAGE_CHUNK)])
+    totals = meter.totals()
+    assert totals.cache_read_tokens == meter.cache_read_tokens
+    assert (totals.cache_write_tokens, totals.cache_write_1h_tokens) == (None, None)
 
 
 def test_anthropic_message_delta_cumulative_counts_win() -> None:

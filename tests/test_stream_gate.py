@@ -15,7 +15,7 @@ import pytest
 
 from proxy import _protocols as protocols
 from proxy import _stream as stream
-from proxy._protocols import Protocol
+from proxy._protocols import Protocol, UsageReport
 from proxy._stream import (
     ERROR_BODY_CAP,
     PARTIAL_EVENT_CAP,
@@ -37,7 +37,7 @@ from proxy._stream import (
 )
 
 SSE = "text/event-stream"
-NO_USAGE = Usage(None, None, None)
+NO_USAGE = Usage(UsageReport(None, None, None))
 ENDED_EARLY = "upstream stream ended without its final event"
 
 
@@ -244,9 +244,7 @@ def test_r1_a_terminal_event_whose_data_line_ended_is_the_end_without_its_blank_
     assert forwarded(end) == b"" and end[-1] == Finish()
     whole = gate(protocol)
     as_sent = whole.start() + whole.feed(b"".join(STREAMS[protocol])) + whole.end(clean=True)
-    assert [a for a in end if isinstance(a, Usage)] == [
-        a for a in as_sent if isinstance(a, Usage)
-    ]
+    assert [a for a in end if isinstance(a, Usage)] == [a for a in as_sent if isinstance(a, Usage)]
 
 
 @pytest.mark.parametrize(
@@ -292,7 +290,7 @@ def test_r2_on_an_event_boundary_adds_only_the_error() -> None:
     end = g.end(clean=True)
     assert end == [
         Forward(protocols.inband_error(Protocol.MESSAGES, ENDED_EARLY)),
-        Usage(3, 9, None),
+        Usage(UsageReport(3, 9, None)),
         Fail(ENDED_EARLY),
     ]
 
@@ -412,7 +410,7 @@ def test_an_empty_body_asks_for_a_resend_only_when_it_ended_cleanly() -> None:
         Open(),
         Forward(MSG_START),
         Forward(protocols.inband_error(Protocol.MESSAGES, message)),
-        Usage(3, 1, None),
+        Usage(UsageReport(3, 1, None)),
         Fail(message),
     ]
 
@@ -495,7 +493,7 @@ def test_a_json_answer_is_relayed_and_metered() -> None:
     assert g.start() == [Accept(), Open()]
     assert g.feed(body[:5]) == [Forward(body[:5])]
     assert g.feed(body[5:]) == [Forward(body[5:])]
-    assert g.end(clean=True) == [Usage(11, 4, None), Finish()]
+    assert g.end(clean=True) == [Usage(UsageReport(11, 4, None)), Finish()]
 
 
 def test_a_json_answer_cut_short_is_a_cut_not_a_complete_answer() -> None:
@@ -571,7 +569,10 @@ def test_abort_after_the_terminal_event_adds_nothing() -> None:
     g = gate(Protocol.MESSAGES)
     g.start()
     g.feed(MSG_START + MSG_STOP)
-    assert g.abort("proxy shutting down", code="proxy_shutdown") == [Usage(3, 1, None), Finish()]
+    assert g.abort("proxy shutting down", code="proxy_shutdown") == [
+        Usage(UsageReport(3, 1, None)),
+        Finish(),
+    ]
 
 
 def test_abort_of_a_json_body_cuts_it() -> None:
@@ -609,9 +610,9 @@ def test_methods_out_of_order_raise() -> None:
 @pytest.mark.parametrize(
     ("protocol", "events", "usage"),
     [
-        (Protocol.CHAT, [CHAT_TEXT, CHAT_USAGE, CHAT_DONE], Usage(7, 2, None)),
-        (Protocol.RESPONSES, [RESP_DELTA, RESP_COMPLETED], Usage(5, 1, None)),
-        (Protocol.MESSAGES, [MSG_START, MSG_USAGE, MSG_STOP], Usage(3, 9, None)),
+        (Protocol.CHAT, [CHAT_TEXT, CHAT_USAGE, CHAT_DONE], Usage(UsageReport(7, 2, None))),
+        (Protocol.RESPONSES, [RESP_DELTA, RESP_COMPLETED], Usage(UsageReport(5, 1, None))),
+        (Protocol.MESSAGES, [MSG_START, MSG_USAGE, MSG_STOP], Usage(UsageReport(3, 9, None))),
     ],
 )
 def test_usage_is_metered_from_the_stream(

@@ -82,11 +82,17 @@ def is_output(kind: str | None) -> bool:
     return kind in _OUTPUT_EVENTS
 
 
+class _CacheCreation(msgspec.Struct):
+    ephemeral_5m_input_tokens: int | None = None
+    ephemeral_1h_input_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     input_tokens: int | None = None
     output_tokens: int | None = None
     cache_read_input_tokens: int | None = None
     cache_creation_input_tokens: int | None = None
+    cache_creation: _CacheCreation | None = None
 
 
 class _Message(msgspec.Struct):
@@ -112,11 +118,14 @@ _MESSAGE: Final = msgspec.json.Decoder(_Message, strict=False)
 def _report(usage: _Usage | None) -> UsageReport | None:
     if usage is None:
         return None
+    split = usage.cache_creation
     return UsageReport(
         input_tokens=usage.input_tokens,
         output_tokens=usage.output_tokens,
         cache_read_tokens=usage.cache_read_input_tokens,
         cache_write_tokens=usage.cache_creation_input_tokens,
+        cache_write_5m_tokens=None if split is None else split.ephemeral_5m_input_tokens,
+        cache_write_1h_tokens=None if split is None else split.ephemeral_1h_input_tokens,
     )
 
 

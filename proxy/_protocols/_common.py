@@ -72,14 +72,25 @@ _EXCHANGE: Final = frozenset(
 class UsageReport(NamedTuple):
     """Token counts found in one event or body, as the upstream reported them.
 
-    ``None`` means "not in this message". ``cache_write_tokens`` is only
-    reported by Anthropic (``cache_creation_input_tokens``).
+    ``None`` means "not in this message". ``cache_read_tokens`` is Anthropic's
+    ``cache_read_input_tokens`` or OpenAI's ``prompt_tokens_details`` /
+    ``input_tokens_details.cached_tokens``. The cache writes are only reported by
+    Anthropic: ``cache_write_tokens`` is ``cache_creation_input_tokens``, and
+    ``cache_write_5m_tokens`` / ``cache_write_1h_tokens`` are its
+    ``cache_creation.ephemeral_5m_input_tokens`` / ``ephemeral_1h_input_tokens``
+    split by cache lifetime (written at 1.25x / 2x the input price; see
+    https://docs.anthropic.com/en/docs/build-with-claude/prompt-caching).
+
+    The :class:`UsageMeter` also returns its totals in this shape, with
+    ``input_tokens`` normalized to the whole prompt.
     """
 
     input_tokens: int | None = None
     output_tokens: int | None = None
     cache_read_tokens: int | None = None
     cache_write_tokens: int | None = None
+    cache_write_5m_tokens: int | None = None
+    cache_write_1h_tokens: int | None = None
 
 
 class _Typed(msgspec.Struct):

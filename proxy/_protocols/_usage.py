@@ -28,7 +28,10 @@ class UsageMeter:
       response, so they are decoded at any size (a typed decode that skips
       everything but ``usage``); other events are never decoded.
     * MESSAGES: ``message_start.message.usage`` then ``message_delta.usage``
-      (cumulative). :attr:`input_tokens` is normalized to the total prompt
+      (cumulative), with ``cache_read_input_tokens``,
+      ``cache_creation_input_tokens`` and its ``cache_creation`` split
+      (``ephemeral_5m_input_tokens``, ``ephemeral_1h_input_tokens``).
+      :attr:`input_tokens` is normalized to the total prompt
       size, ``input_tokens + cache_read_input_tokens +
       cache_creation_input_tokens``, because Anthropic's ``input_tokens``
       excludes cached tokens while OpenAI's ``prompt_tokens`` includes them.
@@ -45,6 +48,8 @@ class UsageMeter:
         "_adds_cache",
         "_cache_read",
         "_cache_write",
+        "_cache_write_1h",
+        "_cache_write_5m",
         "_from_body",
         "_from_event",
         "_input",
@@ -62,6 +67,8 @@ class UsageMeter:
         self._output: int | None = None
         self._cache_read: int | None = None
         self._cache_write: int | None = None
+        self._cache_write_5m: int | None = None
+        self._cache_write_1h: int | None = None
 
     @property
     def input_tokens(self) -> int | None:
@@ -79,6 +86,23 @@ class UsageMeter:
     def cache_read_tokens(self) -> int | None:
         """Prompt tokens served from the upstream's prompt cache."""
         return self._cache_read
+
+    @property
+    def cache_write_tokens(self) -> int | None:
+        """Prompt tokens written to the upstream's prompt cache (Anthropic only)."""
+        return self._cache_write
+
+    def totals(self) -> UsageReport:
+        """All counts so far: :attr:`input_tokens` normalized, the cache reads, the
+        cache writes and their 5-minute / 1-hour split (``None``: not reported)."""
+        return UsageReport(
+            input_tokens=self.input_tokens,
+            output_tokens=self._output,
+            cache_read_tokens=self._cache_read,
+            cache_write_tokens=self._cache_write,
+            cache_write_5m_tokens=self._cache_write_5m,
+            cache_write_1h_tokens=self._cache_write_1h,
+        )
 
     def feed_event(self, event: SSEEvent) -> None:
         """Take the usage out of one streamed event, if it carries any."""
@@ -105,3 +129,7 @@ class UsageMeter:
             self._cache_read = report.cache_read_tokens
         if report.cache_write_tokens is not None:
             self._cache_write = report.cache_write_tokens
+        if report.cache_write_5m_tokens is not None:
+            self._cache_write_5m = report.cache_write_5m_tokens
+        if report.cache_write_1h_tokens is not None:
+            self._cache_write_1h = report.cache_write_1h_tokens
