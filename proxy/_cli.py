@@ -21,6 +21,10 @@ from ._plugins import PluginError, discover_plugins
 
 __all__ = ["main"]
 
+_CONFIG_HELP: Final = (
+    "TOML settings file; without it, the file CONTEXT_PROXY_CONFIG names (if set)."
+)
+
 
 def _settings(config: str | None, **flags: Any) -> Settings:
     try:
@@ -46,7 +50,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help=_CONFIG_HELP)
 @click.option("--host", help="Address to listen on [127.0.0.1].")
 @click.option("--port", type=int, help="Port to listen on [8787].")
 @click.option("--upstream-openai", help="OpenAI upstream base URL [https://api.openai.com].")
@@ -300,7 +304,7 @@ def sessions(url: str, token: str | None, as_json: bool) -> None:
 
 
 @main.command()
-@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help=_CONFIG_HELP)
 def check(config: str | None) -> None:
     """Check the settings and plugins `serve` would use, like `nginx -t`; start nothing.
 
@@ -320,7 +324,7 @@ def check(config: str | None) -> None:
 
 
 @main.command()
-@click.option("--config", "config", type=click.Path(dir_okay=False), help="TOML settings file.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), help=_CONFIG_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plugins(config: str | None, as_json: bool) -> None:
     """List the plugins found (config and entry points) with their versions.

@@ -20,6 +20,8 @@ import msgspec
 __all__ = ["ENV_PREFIX", "ConfigError", "Settings", "check_settings", "load_settings"]
 
 ENV_PREFIX = "CONTEXT_PROXY_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"
+"""The environment variable naming the TOML file when no ``--config`` is given."""
 
 MiB = 1024 * 1024
 
@@ -132,14 +134,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path, source: str) -> dict[str, Any]:
+    """The TOML file's table; ``source`` (``config`` or the variable) starts each error."""
     try:
         with path.open("rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"config: file not found: {path}") from None
+        raise ConfigError(f"{source}: file not found: {path}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config: {path}: {exc}") from None
+        raise ConfigError(f"{source}: {path}: {exc}") from None
 
 
 _DEFAULTS = Settings()
@@ -169,7 +172,7 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
     layer: dict[str, Any] = {}
     known = {ENV_PREFIX + name.upper() for name in Settings.__struct_fields__}
     for key in environ:
-        if key.startswith(ENV_PREFIX) and key not in known:
+        if key.startswith(ENV_PREFIX) and key not in known and key != CONFIG_ENV:
             raise ConfigError(f"unknown setting: environment variable {key}")
     for name in Settings.__struct_fields__:
         raw = environ.get(ENV_PREFIX + name.upper())
@@ -202,14 +205,22 @@ def _layers(
     (``CONTEXT_PROXY_PORT``) or the flag (``--port``); a file's settings are
     named by their key, as written in the file.
 
+    The file is ``config_path`` (``--config``) or, when that is ``None``, the
+    one ``CONTEXT_PROXY_CONFIG`` names (an empty value names none).
+
     Raises:
-        ConfigError: the file cannot be read, or an environment variable is unknown.
+        ConfigError: the file cannot be read (one named by the environment says
+            so: ``CONTEXT_PROXY_CONFIG: file not found: ...``), or an
+            environment variable is unknown.
     """
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    environ = os.environ if environ is None else environ
     if config_path is not None:
-        merged.update(_read_toml(Path(config_path)))
-    env = _env_layer(os.environ if environ is None else environ)
+        merged.update(_read_toml(Path(config_path), "config"))
+    elif environ.get(CONFIG_ENV):
+        merged.update(_read_toml(Path(environ[CONFIG_ENV]), CONFIG_ENV))
+    env = _env_layer(environ)
     merged.update(env)
     sources.update({name: ENV_PREFIX + name.upper() for name in env})
     for name, value in (overrides or {}).items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import aiohttp
@@ -88,3 +89,47 @@ async def test_the_proxys_own_404_and_405_are_json() -> None:
             assert resp.content_type == "application/json"
             assert set(resp.headers["Allow"].split(",")) == {"GET", "HEAD"}
         assert h.emulator.stats == []
+
+
+def test_context_proxy_config_names_the_file_when_no_flag_is_given(tmp_path: Path) -> None:
+    config = tmp_path / "proxy.toml"
+    config.write_text('plugins = ["ledger"]\n')
+    result = CliRunner().invoke(
+        main, ["plugins", "--json"], env={"CONTEXT_PROXY_CONFIG": str(config)}
+    )
+    assert result.exit_code == 0, result.output
+    enabled = {p["name"] for p in json.loads(result.output)["plugins"] if p["enabled"]}
+    assert enabled == {"ledger"}
+
+
+def test_the_config_flag_wins_over_context_proxy_config(tmp_path: Path) -> None:
+    from_env = tmp_path / "env.toml"
+    from_env.write_text('port = "eighty"\n')
+    from_flag = tmp_path / "flag.toml"
+    from_flag.write_text("port = 9001\n")
+    result = CliRunner().invoke(
+        main, ["check", "--config", str(from_flag)], env={"CONTEXT_PROXY_CONFIG": str(from_env)}
+    )
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("ok: ")
+
+
+def test_a_bad_file_named_by_context_proxy_config_is_reported_by_check(tmp_path: Path) -> None:
+    config = tmp_path / "proxy.toml"
+    config.write_text('port = "eighty"\n')
+    result = CliRunner().invoke(main, ["check"], env={"CONTEXT_PROXY_CONFIG": str(config)})
+    assert result.exit_code == 1
+    assert "port: Expected `int`" in result.output
+
+
+def test_a_missing_file_named_by_context_proxy_config_is_one_line_naming_the_variable(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "nowhere.toml"
+    env = {"CONTEXT_PROXY_CONFIG": str(missing)}
+    result = CliRunner().invoke(main, ["plugins"], env=env)
+    assert result.exit_code == 1
+    assert f"CONTEXT_PROXY_CONFIG: file not found: {missing}" in result.output
+    check = CliRunner().invoke(main, ["check"], env=env)
+    assert check.exit_code == 1
+    assert check.output.strip() == f"problem: CONTEXT_PROXY_CONFIG: file not found: {missing}"
