@@ -162,7 +162,7 @@ def log_access(ex: Exchange, *, route: str) -> None:
     ``route`` is the request path without its query string (which may carry a
     key). Sizes are bytes: ``request_bytes`` is the decoded body received (one
     refused, e.g. not JSON, too), ``response_bytes`` what was relayed to the
-    client; times are seconds.
+    client from the upstream (0 when the proxy answered itself); times are seconds.
     """
     if not ACCESS_LOG.isEnabledFor(logging.INFO):
         return
