@@ -12,6 +12,8 @@ run it until SIGTERM). Test helpers live in
 :mod:`proxy.testing`; everything else is internal.
 """
 
+from importlib import metadata as _metadata
+
 from ._app import ProxyApp, build_app, running, serve
 from ._config import ConfigError, Settings, load_settings
 from ._plugins import (
@@ -55,4 +57,5 @@ __all__ = [
     "serve",
 ]
 
-__version__ = "0.1.0"
+__version__: str = _metadata.version("context-proxy")
+"""The installed distribution's version; pyproject.toml's ``version`` is its one source."""

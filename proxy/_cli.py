@@ -44,7 +44,9 @@ def _cannot_listen(host: str, port: int, exc: OSError) -> click.ClickException:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="context-proxy")
+@click.version_option(
+    package_name="context-proxy", prog_name="context-proxy", message="%(prog)s %(version)s"
+)
 def main() -> None:
     """context-proxy: a streaming LLM proxy with a strict request-memory lifetime."""
 

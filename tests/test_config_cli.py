@@ -133,3 +133,15 @@ def test_a_missing_file_named_by_context_proxy_config_is_one_line_naming_the_var
     check = CliRunner().invoke(main, ["check"], env=env)
     assert check.exit_code == 1
     assert check.output.strip() == f"problem: CONTEXT_PROXY_CONFIG: file not found: {missing}"
+
+
+def test_version_has_one_source_and_the_cli_prints_it() -> None:
+    import tomllib
+
+    import proxy
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert proxy.__version__ == declared["project"]["version"]
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0
+    assert result.output == f"context-proxy {proxy.__version__}\n"
