@@ -59,6 +59,10 @@ async def test_totals_per_session_and_per_model(
         "input_tokens": 150,
         "output_tokens": 25,
         "cache_read_tokens": 7,
+        "cache_write_tokens": 0,
+        "cache_write_5m_tokens": 0,
+        "cache_write_1h_tokens": 0,
+        "cached_input_share": 7 / 150,
         "requests": 2,
     }
     assert plugin.session_state("s2")["input_tokens"] == 100
@@ -87,6 +91,10 @@ async def test_records_without_usage_or_session_count_where_they_can(
         "input_tokens": 0,
         "output_tokens": 0,
         "cache_read_tokens": 0,
+        "cache_write_tokens": 0,
+        "cache_write_5m_tokens": 0,
+        "cache_write_1h_tokens": 0,
+        "cached_input_share": None,
         "requests": 1,
     }
     assert sample(registry, "input", "anthropic", "claude-test") == 0
@@ -196,3 +204,63 @@ def test_bad_options_are_rejected(option: str) -> None:
     options: dict[str, Any] = {option: 0}
     with pytest.raises(ValueError, match=option):
         UsagePlugin(**options)
+
+
+async def test_cache_reads_and_writes_are_counted_apart_with_the_ttl_split(
+    registry_and_plugin: tuple[CollectorRegistry, UsagePlugin],
+) -> None:
+    registry, plugin = registry_and_plugin
+    # Turn 1 writes the prefix to the cache (5m and 1h breakpoints); turn 2 reads it.
+    await plugin.commit(
+        anthropic_record(
+            input_tokens=1000,
+            cache_read_tokens=0,
+            cache_write_tokens=900,
+            cache_write_5m_tokens=600,
+            cache_write_1h_tokens=300,
+        )
+    )
+    await plugin.commit(anthropic_record(input_tokens=1000, cache_read_tokens=900))
+    # An OpenAI exchange reports cached reads only; writes stay None and add nothing.
+    await plugin.commit(
+        anthropic_record(
+            session_id="s2", protocol="openai_chat", input_tokens=400, cache_read_tokens=100
+        )
+    )
+
+    state = plugin.session_state("s1")
+    assert (state["cache_read_tokens"], state["cache_write_tokens"]) == (900, 900)
+    assert (state["cache_write_5m_tokens"], state["cache_write_1h_tokens"]) == (600, 300)
+    assert state["cached_input_share"] == 0.45
+    assert plugin.session_state("s2")["cached_input_share"] == 0.25
+    assert sample(registry, "cache_read", "anthropic", "claude-test") == 900
+    assert sample(registry, "cache_write", "anthropic", "claude-test") == 900
+    assert sample(registry, "cache_write", "openai_chat", "claude-test") == 0
+
+
+async def test_the_cached_share_histogram_observes_each_exchange_by_model(
+    registry_and_plugin: tuple[CollectorRegistry, UsagePlugin],
+) -> None:
+    registry, plugin = registry_and_plugin
+    for cached in (0, 900, 950, 1000):
+        await plugin.commit(anthropic_record(input_tokens=1000, cache_read_tokens=cached))
+    # No input tokens reported: nothing to take a share of, not observed.
+    await plugin.commit(anthropic_record(input_tokens=None, cache_read_tokens=None))
+
+    labels = {"protocol": "anthropic", "model": "claude-test"}
+
+    def bucket(le: str) -> float | None:
+        return registry.get_sample_value(
+            "context_proxy_cached_input_share_bucket", {**labels, "le": le}
+        )
+
+    assert registry.get_sample_value("context_proxy_cached_input_share_count", labels) == 4
+    assert registry.get_sample_value("context_proxy_cached_input_share_sum", labels) == 2.85
+    assert [bucket(le) for le in ("0.1", "0.85", "0.9", "0.95", "1.0", "+Inf")] == [
+        1,
+        1,
+        2,
+        3,
+        4,
+        4,
+    ]
