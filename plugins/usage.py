@@ -2,14 +2,28 @@
 
 The proxy counts tokens from the protocol's usage events while it relays the
 answer, without keeping any text, and hands the totals to ``commit`` as the
-record's ``input_tokens``, ``output_tokens`` and ``cache_read_tokens`` (``None``
-when the upstream reported none). This plugin adds them up twice:
+record's ``input_tokens``, ``output_tokens``, ``cache_read_tokens`` and
+``cache_write_tokens`` (with Anthropic's 5-minute / 1-hour split where given;
+``None`` when the upstream reported none). This plugin adds them up twice:
 
 * per ``(protocol, model)``, exported as Prometheus counters
-  ``context_proxy_input_tokens_total``, ``context_proxy_output_tokens_total``
-  and ``context_proxy_cache_read_tokens_total`` with labels ``protocol`` and
-  ``model``;
-* per session, for ``GET /admin/sessions/{id}``.
+  ``context_proxy_input_tokens_total``, ``context_proxy_output_tokens_total``,
+  ``context_proxy_cache_read_tokens_total`` and
+  ``context_proxy_cache_write_tokens_total`` with labels ``protocol`` and
+  ``model``; plus the histogram ``context_proxy_cached_input_share`` of each
+  exchange's cached share of its input tokens (cache reads / input tokens, 0..1),
+  same labels;
+* per session, for ``GET /admin/sessions/{id}``: the same totals, the 5m/1h
+  split of cache writes, and ``cached_input_share`` (the session's cache reads
+  over its input tokens, 0..1, or null before any input token was reported).
+
+Cache reads and writes are billed differently (a read costs about a tenth of
+an uncached input token, a write more than one), so they are counted apart.
+Why a histogram and no per-session gauge: a session id label would give every
+session its own series for ever (unbounded cardinality); an operator alerting on
+"the prompt cache stopped hitting" reads the per-model share distribution
+(e.g. the fraction of exchanges below 0.5), and looks at one session's share in
+its admin view. Exchanges that reported no input tokens are not observed.
 
 ``input_tokens`` always means the whole prompt, cached tokens included: the
 proxy's usage meter adds Anthropic's ``cache_read_input_tokens`` and
@@ -30,7 +44,7 @@ from collections.abc import Iterator, Mapping
 from typing import ClassVar, Final
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
 from proxy import ExchangeRecord, Outcome, Plugin, Scalar
 
@@ -43,26 +57,73 @@ METRIC_NAMES: Final = (
     "context_proxy_input_tokens",
     "context_proxy_output_tokens",
     "context_proxy_cache_read_tokens",
+    "context_proxy_cache_write_tokens",
 )
 """The counters' family names (Prometheus adds ``_total`` to each sample)."""
+
+SHARE_METRIC: Final = "context_proxy_cached_input_share"
+"""The histogram of each exchange's cached share of input tokens (a ratio, 0..1)."""
+
+#: Upper bounds of the share histogram's buckets (ratios); ``+Inf`` is added.
+SHARE_BUCKETS: Final = (0.1, 0.25, 0.5, 0.75, 0.85, 0.9, 0.95, 0.99, 1.0)
 
 _HELP: Final = (
     "Input (prompt) tokens reported by the upstream.",
     "Output (completion) tokens reported by the upstream.",
     "Input tokens the upstream served from its prompt cache.",
+    "Input tokens the upstream wrote to its prompt cache.",
 )
+_SHARE_HELP: Final = "Share of an exchange's input tokens served from the prompt cache (0..1)."
 
 
 class _Totals:
     """Token totals of one session or one ``(protocol, model)`` label pair."""
 
-    __slots__ = ("cache_read_tokens", "input_tokens", "output_tokens", "requests")
+    __slots__ = (
+        "cache_read_tokens",
+        "cache_write_1h_tokens",
+        "cache_write_5m_tokens",
+        "cache_write_tokens",
+        "input_tokens",
+        "output_tokens",
+        "requests",
+        "share_buckets",
+        "share_count",
+        "share_sum",
+    )
 
     def __init__(self) -> None:
         self.input_tokens = 0
         self.output_tokens = 0
         self.cache_read_tokens = 0
+        self.cache_write_tokens = 0
+        self.cache_write_5m_tokens = 0
+        self.cache_write_1h_tokens = 0
         self.requests = 0
+        # Share histogram (used for the per-model totals only): non-cumulative
+        # counts per SHARE_BUCKETS bound, observation count and sum.
+        self.share_buckets = [0] * len(SHARE_BUCKETS)
+        self.share_count = 0
+        self.share_sum = 0.0
+
+    def observe_share(self, record: ExchangeRecord) -> None:
+        """Add the record's cached share to the histogram, if it reported input tokens."""
+        inputs = record.input_tokens or 0
+        if inputs <= 0:
+            return
+        share = min(1.0, max(0, record.cache_read_tokens or 0) / inputs)
+        for i, bound in enumerate(SHARE_BUCKETS):
+            if share <= bound:
+                self.share_buckets[i] += 1
+                break
+        self.share_count += 1
+        self.share_sum += share
+
+    def cached_share(self) -> float | None:
+        """Cache reads over input tokens (0..1), None before any input token."""
+        if self.input_tokens <= 0:
+            return None
+        return min(1.0, self.cache_read_tokens / self.input_tokens)
 
     def add(self, record: ExchangeRecord) -> None:
         # None (no usage reported) adds nothing; a negative count is a broken
@@ -70,6 +131,9 @@ class _Totals:
         self.input_tokens += max(0, record.input_tokens or 0)
         self.output_tokens += max(0, record.output_tokens or 0)
         self.cache_read_tokens += max(0, record.cache_read_tokens or 0)
+        self.cache_write_tokens += max(0, record.cache_write_tokens or 0)
+        self.cache_write_5m_tokens += max(0, record.cache_write_5m_tokens or 0)
+        self.cache_write_1h_tokens += max(0, record.cache_write_1h_tokens or 0)
         self.requests += 1
 
 
@@ -144,6 +208,7 @@ class UsagePlugin(Plugin):
         if totals is None:
             totals = self._by_label[key] = _Totals()
         totals.add(record)
+        totals.observe_share(record)
         sid = record.session_id
         if sid is None or _refused_as_closed(record):
             return
@@ -161,7 +226,13 @@ class UsagePlugin(Plugin):
         self._sessions.pop(session_id, None)
 
     def session_state(self, session_id: str) -> Mapping[str, Scalar]:
-        """``{"input_tokens", "output_tokens", "cache_read_tokens", "requests"}``, or ``{}``."""
+        """The session's totals, or ``{}`` for a session not (or no longer) known.
+
+        Keys: ``input_tokens``, ``output_tokens``, ``cache_read_tokens``,
+        ``cache_write_tokens``, ``cache_write_5m_tokens``, ``cache_write_1h_tokens``
+        and ``requests`` (ints), ``cached_input_share`` (float 0..1, or None
+        before any input token was reported).
+        """
         usage = self._sessions.get(session_id)
         if usage is None:
             return {}
@@ -169,6 +240,10 @@ class UsagePlugin(Plugin):
             "input_tokens": usage.input_tokens,
             "output_tokens": usage.output_tokens,
             "cache_read_tokens": usage.cache_read_tokens,
+            "cache_write_tokens": usage.cache_write_tokens,
+            "cache_write_5m_tokens": usage.cache_write_5m_tokens,
+            "cache_write_1h_tokens": usage.cache_write_1h_tokens,
+            "cached_input_share": usage.cached_share(),
             "requests": usage.requests,
         }
 
@@ -180,13 +255,14 @@ class UsagePlugin(Plugin):
 
     # -- Prometheus collector protocol -----------------------------------------------------
 
-    def describe(self) -> Iterator[CounterMetricFamily]:
+    def describe(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
         """The metric families without samples (used by a registry to check names)."""
         for name, help_text in zip(METRIC_NAMES, _HELP, strict=True):
             yield CounterMetricFamily(name, help_text, labels=_LABELS)
+        yield HistogramMetricFamily(SHARE_METRIC, _SHARE_HELP, labels=_LABELS)
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        """The three token counters, one sample per ``(protocol, model)`` seen.
+    def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+        """The token counters and the share histogram, per ``(protocol, model)`` seen.
 
         May be called from a scrape thread: it copies the totals first (a dict
         copy is atomic under the GIL) and only reads ints afterwards.
@@ -196,12 +272,23 @@ class UsagePlugin(Plugin):
             CounterMetricFamily(name, help_text, labels=_LABELS)
             for name, help_text in zip(METRIC_NAMES, _HELP, strict=True)
         ]
+        share = HistogramMetricFamily(SHARE_METRIC, _SHARE_HELP, labels=_LABELS)
         for (protocol, model), totals in sorted(snapshot.items()):
             labels = (protocol, model)
             families[0].add_metric(labels, totals.input_tokens)
             families[1].add_metric(labels, totals.output_tokens)
             families[2].add_metric(labels, totals.cache_read_tokens)
+            families[3].add_metric(labels, totals.cache_write_tokens)
+            counts = list(totals.share_buckets)
+            buckets: list[tuple[str, float]] = []
+            running = 0
+            for bound, count in zip(SHARE_BUCKETS, counts, strict=True):
+                running += count
+                buckets.append((str(bound), running))
+            buckets.append(("+Inf", totals.share_count))
+            share.add_metric(list(labels), buckets, totals.share_sum)
         yield from families
+        yield share
 
     # -- helpers ---------------------------------------------------------------------------
 

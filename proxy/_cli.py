@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -211,15 +212,34 @@ def _admin_get(url: str, token: str | None) -> Any:
 #: Width of the CLI's tables: they fit a classic terminal.
 TABLE_WIDTH: Final = 80
 
+#: Widest an ellipsis column (a session id) gets: the rest of the line is for values.
+ELLIPSIS_WIDTH: Final = 16
 
-def _print_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
-    """A borderless rich table, at most :data:`TABLE_WIDTH` columns wide (long cells fold)."""
+
+def _print_table(
+    columns: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    numeric: frozenset[str] = frozenset(),
+    ellipsis: frozenset[str] = frozenset(),
+) -> None:
+    """A borderless rich table, at most :data:`TABLE_WIDTH` columns wide.
+
+    Columns named in ``numeric`` never wrap (a number is never split across
+    lines); columns in ``ellipsis`` are cut with an ellipsis at
+    :data:`ELLIPSIS_WIDTH` characters; other long cells fold.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False, padding=(0, 1))
     for column in columns:
-        table.add_column(column, overflow="fold")
+        if column in numeric:
+            table.add_column(column, no_wrap=True, justify="right", min_width=len(column))
+        elif column in ellipsis:
+            table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=ELLIPSIS_WIDTH)
+        else:
+            table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*row)
     console = Console(width=TABLE_WIDTH, soft_wrap=False)
@@ -227,6 +247,32 @@ def _print_table(columns: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
         console.print(table)
     # rich pads every cell to its column's width: drop the trailing blanks.
     click.echo("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
+def _age(seconds: float) -> str:
+    """``seconds`` (seconds) ago as a person reads it.
+
+    "just now" under 5 s, then "42 s ago", "3 m ago", "2 h ago", "5 d ago" (floored).
+    """
+    if seconds < 5:
+        return "just now"
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit} ago"
+    return f"{int(seconds)} s ago"
+
+
+def _is_timestamp(key: str) -> bool:
+    """A plugin state key holding Unix seconds (``last_activity``, ``*_at``), shown as an age."""
+    return key == "last_activity" or key.endswith("_at")
+
+
+def _state_cell(key: str, value: object, now: float) -> str:
+    if _is_timestamp(key) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return _age(max(0.0, now - float(value)))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return _cell(value)
 
 
 def _cell(value: object) -> str:
@@ -286,23 +332,34 @@ def sessions(url: str, token: str | None, as_json: bool) -> None:
         click.echo("no sessions")
         return
     rows = []
+    now = time.time()
     for detail in details:
-        state = " ".join(
-            f"{plugin}.{key}={_cell(value)}"
+        # One plugin value per line: a cell folds between entries, never inside a number.
+        # A line per plugin, then one per value: a cell folds between entries,
+        # never inside a number.
+        state = "\n".join(
+            line
             for plugin, values in (detail.get("plugins") or {}).items()
-            for key, value in values.items()
+            for line in [f"{plugin}:"]
+            + [f" {key}={_state_cell(key, value, now)}" for key, value in values.items()]
         )
+        idle = detail.get("idle_s")
         rows.append(
             [
                 str(detail.get("id")),
                 _cell(detail.get("in_flight")),
                 _cell(detail.get("requests")),
-                _cell(detail.get("idle_s")),
+                _age(float(idle)) if isinstance(idle, (int, float)) else "-",
                 _cell(detail.get("tombstoned")),
                 state or "-",
             ]
         )
-    _print_table(["id", "in_flight", "requests", "idle_s", "closed", "plugins"], rows)
+    _print_table(
+        ["id", "in_flight", "requests", "active", "closed", "plugins"],
+        rows,
+        numeric=frozenset({"in_flight", "requests", "active", "closed"}),
+        ellipsis=frozenset({"id"}),
+    )
 
 
 @main.command()

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 from click.testing import CliRunner
 
+from plugins.ledger import LedgerPlugin
+from proxy._cli import _age
 from proxy._cli import main as cli_main
 from proxy.testing import Harness, proxy_with_emulator
 
@@ -158,3 +162,40 @@ def test_every_benchmark_is_a_click_command_under_the_cli(kind: str) -> None:
     bad = runner.invoke(cli_main, ["bench", kind, "--out"])
     assert bad.exit_code == 2
     assert "Error: Option '--out' requires an argument." in bad.output
+
+
+async def test_the_sessions_table_prints_ages_and_keeps_numbers_whole_at_80_columns(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """The ledger's ``last_activity`` (Unix seconds) and ``idle_s`` show as ages; a
+    long id is cut with an ellipsis; no number is split across lines."""
+    ledger = LedgerPlugin(path=str(tmp_path / "ledger.db"), debounce=0.01)
+    sids = ["s-" + "x" * 70, "short-one"]
+    async with proxy_with_emulator(plugins=[ledger]) as h:
+        for sid in sids:
+            async with http.post(h.url + CHAT, json=_body(sid), headers={"x-session-id": sid}) as r:
+                assert r.status == 200
+                await r.read()
+        await h.settle()
+        result = await asyncio.to_thread(
+            CliRunner().invoke, cli_main, ["sessions", "--url", h.url], env={"COLUMNS": "80"}
+        )
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), result.output
+    assert not re.search(r"\d{9,}\.\d", result.output), result.output  # no epoch float
+    assert " last_activity=just now" in result.output, result.output
+    assert "…" in result.output and "short-one" in result.output
+    # Every ledger number sits whole on its line, right after its key.
+    for key in ("requests", "bytes_in", "bytes_out", "revision_epoch"):
+        assert len(re.findall(rf"^ +{key}=\d+$", result.output, re.M)) == 2, result.output
+
+
+def test_ages_read_as_a_person_says_them() -> None:
+    assert [_age(s) for s in (0.2, 42.9, 180.0, 7300.0, 200000.0)] == [
+        "just now",
+        "42 s ago",
+        "3 m ago",
+        "2 h ago",
+        "2 d ago",
+    ]

@@ -467,12 +467,22 @@ async def test_usage_totals_equal_what_the_sdk_reports(protocol: str, stream: bo
         "context_proxy_input_tokens_total": totals[0],
         "context_proxy_output_tokens_total": totals[1],
         "context_proxy_cache_read_tokens_total": totals[2],
+        "context_proxy_cache_write_tokens_total": 0,
+        # Each exchange's cached share of its input tokens, observed once per exchange.
+        "context_proxy_cached_input_share_count": 2,
+        "context_proxy_cached_input_share_sum": pytest.approx(
+            first[2] / first[0] + second[2] / second[0]
+        ),
     }
     assert view is not None
     assert view["plugins"]["usage"] == {
         "input_tokens": totals[0],
         "output_tokens": totals[1],
         "cache_read_tokens": totals[2],
+        "cache_write_tokens": 0,
+        "cache_write_5m_tokens": 0,
+        "cache_write_1h_tokens": 0,
+        "cached_input_share": totals[2] / totals[0],
         "requests": 2,
     }
 
