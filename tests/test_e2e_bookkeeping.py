@@ -314,7 +314,7 @@ async def test_sessions_command_prints_each_plugins_state(
     # The table fits 80 columns; a row per session, its plugins' state in the last column.
     lines = result.output.rstrip("\n").split("\n")
     assert all(len(line) <= 80 for line in lines), result.output
-    assert lines[0].split() == ["id", "in_flight", "requests", "idle_s", "closed", "plugins"]
+    assert lines[0].split() == ["id", "in_flight", "requests", "active", "closed", "plugins"]
     starts = {line.split()[0]: n for n, line in enumerate(lines[1:], 1) if not line.startswith(" ")}
     assert starts.keys() == {"alpha", "beta"}
     beta = " ".join(
@@ -322,7 +322,7 @@ async def test_sessions_command_prints_each_plugins_state(
         if starts["beta"] > starts["alpha"]
         else lines[starts["beta"] : starts["alpha"]]
     )
-    assert "ledger.revision_epoch=1" in beta and "ledger.dirty=yes" in beta
+    assert "ledger:" in beta and "revision_epoch=1" in beta and "dirty=yes" in beta
 
 
 # -- debounce ----------------------------------------------------------------------------------
