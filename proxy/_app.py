@@ -186,7 +186,22 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
         if settings.access_log:
-            logs.log_access(ex, route=request.path)
+            logs.log_access(
+                ex,
+                route=request.path,
+                peer=_peer(request),
+                user_agent=request.headers.get("User-Agent"),
+            )
+
+
+def _peer(request: Request) -> str | None:
+    """The client socket's ``address:port`` (IPv6 in brackets), ``None`` if unknown."""
+    transport = request.transport
+    info = transport.get_extra_info("peername") if transport is not None else None
+    if not isinstance(info, tuple) or len(info) < 2:
+        return None
+    host, port = info[0], info[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
 def _internal_error(

@@ -287,6 +287,8 @@ class Exchange:
         "started_wall",
         "status",
         "ttfb",
+        "upstream_s",
+        "upstream_status",
         "usage",
     )
 
@@ -341,6 +343,10 @@ class Exchange:
         #: Bytes the response side holds now (see :meth:`hold_response`).
         self.response_held = 0
         self.ttfb: float | None = None
+        #: The last upstream attempt's HTTP status and seconds from send to its
+        #: response head; ``None`` while nothing came back from upstream.
+        self.upstream_status: int | None = None
+        self.upstream_s: float | None = None
         self.usage = UsageReport()
 
     # -------------------------------------------------------------------- phase
@@ -748,9 +754,14 @@ class Exchange:
         """The session this exchange belongs to (``None``: none), known once its body is read."""
         self.session_id = session_id
 
-    def upstream_answered(self, status: int) -> None:
-        """The upstream's HTTP status for the current attempt (a refold or resend answers anew)."""
+    def upstream_answered(self, status: int, wait_s: float | None = None) -> None:
+        """The upstream's HTTP status for the current attempt (a refold or resend answers anew).
+
+        ``wait_s``: seconds from send to the response head, for the access log.
+        """
         self.status = status
+        self.upstream_status = status
+        self.upstream_s = wait_s
 
     def conclude(self, status: int, outcome: Outcome, error: str | None = None) -> None:
         """The final status, outcome and error when the proxy answers itself (a 4xx/5xx of ours)."""

@@ -74,9 +74,28 @@ _ACCESS_FIELDS: Final = (
     "ttfb_s",
     "duration_s",
     "fold_level",
+    "upstream_status",
+    "upstream_s",
+    "peer",
+    "model",
+    "user_agent",
     "exchange_id",
     "session_id",
 )
+
+#: Characters of the client's User-Agent kept on an access line.
+USER_AGENT_CHARS: Final = 80
+_CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def clean_user_agent(value: str | None) -> str | None:
+    """The User-Agent as logged: control characters removed, at most 80 characters.
+
+    ``None`` (no header) stays ``None``; the text line shows it as ``-``.
+    """
+    if value is None:
+        return None
+    return _CONTROL.sub("", value)[:USER_AGENT_CHARS]
 
 _CREDENTIAL_MARKERS: Final = ("authorization", "x-api-key", "bearer ")
 _WITHHELD: Final = "[log line withheld: it named a credential]"
@@ -137,6 +156,8 @@ class JsonFormatter(logging.Formatter):
                 out[key] = value
         access = getattr(record, "access", None)
         if isinstance(access, dict):
+            # The fields are keys of their own: the message does not repeat them.
+            out["message"] = "access"
             out.update(access)
         if exception:
             out["exception"] = exception
@@ -156,13 +177,22 @@ def _text_value(value: object) -> str:
     return text if _PLAIN.fullmatch(text) else json.dumps(text)
 
 
-def log_access(ex: Exchange, *, route: str) -> None:
+def log_access(
+    ex: Exchange,
+    *,
+    route: str,
+    peer: str | None = None,
+    user_agent: str | None = None,
+) -> None:
     """Write the access line of one finished exchange (INFO on ``context_proxy.access``).
 
     ``route`` is the request path without its query string (which may carry a
     key). Sizes are bytes: ``request_bytes`` is the decoded body received (one
     refused, e.g. not JSON, too), ``response_bytes`` what was relayed to the
     client from the upstream (0 when the proxy answered itself); times are seconds.
+    ``peer`` is the client socket's ``address:port``; ``user_agent`` the raw header,
+    cleaned by :func:`clean_user_agent` here (the one header value logged); ``model``
+    the request's model as parsed.
     """
     if not ACCESS_LOG.isEnabledFor(logging.INFO):
         return
@@ -176,6 +206,11 @@ def log_access(ex: Exchange, *, route: str) -> None:
         "ttfb_s": None if ex.ttfb is None else round(ex.ttfb, 6),
         "duration_s": round(ex.age(), 6),
         "fold_level": ex.fold_level,
+        "upstream_status": ex.upstream_status,
+        "upstream_s": None if ex.upstream_s is None else round(ex.upstream_s, 6),
+        "peer": peer,
+        "model": ex.meta.model if ex.meta is not None else None,
+        "user_agent": clean_user_agent(user_agent),
         "exchange_id": ex.id,
         "session_id": ex.session_id,
     }

@@ -414,7 +414,7 @@ class _Relay:
     async def _answer(self, resp: UpstreamAnswer) -> _Verdict:
         """Drive one upstream answer through a fresh gate: ``done``, ``refold`` or ``retry``."""
         ex = self.ex
-        ex.upstream_answered(resp.status)
+        ex.upstream_answered(resp.status, resp.wait_s)
         meta = ex.meta
         try:
             codings = parse_content_encoding(",".join(resp.headers.getall("Content-Encoding", ())))

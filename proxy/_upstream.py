@@ -403,11 +403,20 @@ class UpstreamAnswer:
     which is how the upstream learns nobody reads on.
     """
 
-    __slots__ = ("_conn", "content_type", "headers", "status")
+    __slots__ = ("_conn", "content_type", "headers", "status", "wait_s")
 
-    def __init__(self, conn: _Connection, status: int, fields: list[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        conn: _Connection,
+        status: int,
+        fields: list[tuple[str, str]],
+        wait_s: float | None = None,
+    ) -> None:
         self._conn: _Connection | None = conn
         self.status = status
+        #: Seconds from starting to send the request to the complete response head
+        #: (nginx's ``$upstream_header_time``); ``None`` when not measured.
+        self.wait_s = wait_s
         #: The answer's header fields (empty after :meth:`drop_head`).
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict(fields))
         raw_type = self.headers.get("Content-Type")
@@ -622,7 +631,8 @@ class _Connection(asyncio.Protocol):
                     self._head = None
         finally:
             self._bound = None  # it holds the request's task
-        answer = UpstreamAnswer(self, framing.status, framing.fields)
+        wait_s = asyncio.get_running_loop().time() - self._sent_at
+        answer = UpstreamAnswer(self, framing.status, framing.fields, wait_s)
         # The answer's fields are the only copy: dropped with its head (drop_head).
         framing.fields = []
         return answer
