@@ -317,6 +317,8 @@ async def list_exchanges(request: Request, state: AppState) -> web.Response:
                     "outbound": held.outbound,
                     "response": held.response,
                     "total": held.total,
+                    # In the spool file (disk and page cache), not in process memory.
+                    "spooled": held.spooled,
                 },
                 "age_s": round(ex.age(), 3),
             }

@@ -38,6 +38,7 @@ from ._protocols import Protocol
 from ._relay import ClientGone, Upstream, error_response, relay
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
+from ._spool import SpoolBusy, SpoolFile, SpoolFull
 from ._state import AppState
 
 __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
@@ -114,6 +115,8 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
             _gone_mid_body(state, ex)
         elif isinstance(exc, BodyMemory):
             _memory_refused(state)
+        elif isinstance(exc, SpoolFull):
+            state.metrics.spool_full.inc()
         resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
         # The rest of the body was never read: close rather than drain it.
         resp.force_close()
@@ -290,9 +293,12 @@ def _over_reading_budget(state: AppState, declared: int) -> bool:
     return reading > 0 and reading + declared > state.settings.max_reading_bytes
 
 
-def _busy(ex: Exchange, state: AppState) -> web.Response:
-    ex.conclude(503, Outcome.REJECTED, "busy")
-    resp = _reject(ex.protocol, 503, BodyBusy().message, state, code="busy")
+def _busy(ex: Exchange, state: AppState, refusal: BodyError | None = None) -> web.Response:
+    """503 + Retry-After before the body is read: ``max_reading_bytes`` (or ``refusal``'s
+    budget, e.g. ``max_spool_bytes``) cannot take it now."""
+    error = refusal if refusal is not None else BodyBusy()
+    ex.conclude(503, Outcome.REJECTED, error.kind)
+    resp = _reject(ex.protocol, 503, error.message, state, code=error.kind)
     resp.force_close()  # the body was never read
     return resp
 
@@ -347,8 +353,18 @@ async def _run_exchange(
         declared = request.content_length or 0
         if _over_reading_budget(state, declared):
             return _busy(ex, state)
+        spool = state.spool
+        if not spool.admits(declared):
+            spool.busy += 1
+            return _busy(ex, state, SpoolBusy())
         ex.start_reading(declared)
         account = _ReadingAccount(state, ex)
+
+        def spill() -> SpoolFile:
+            # Owned by the exchange from its first byte: closed on every outcome.
+            state.metrics.spooled.inc()
+            return ex.adopt_spool(spool.open())
+
         try:
             result = await read_body(
                 request.content,
@@ -359,6 +375,8 @@ async def _run_exchange(
                 body_timeout=settings.body_timeout,
                 chunk_bytes=settings.body_chunk_bytes,
                 on_growth=account.grow,
+                spill=spill,
+                spill_above=settings.spool_above_bytes,
             )
         finally:
             account.settle()
@@ -608,9 +626,13 @@ class ProxyApp:
         Plugins first: when one refuses to start, nothing else is left open.
 
         Raises:
+            ConfigError: ``spool_dir`` is missing or unwritable (checked first).
             Exception: a plugin's ``startup`` failed, or the cluster cannot start.
         """
         state = self.state
+        problem = state.spool.problem()
+        if problem is not None:
+            raise ConfigError(problem)
         await state.host.startup()
         state.upstream = Upstream(state.settings)
         if state.cluster is not None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Mapping
 
 from ._config import check_settings
 from ._fdlimit import reachable_nofile_limit, reserve_problem
 from ._plugins import PluginError, load_plugins, unclaimed_tables
+from ._spool import spool_dir_problem
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -50,6 +52,10 @@ def check_config(
     fd_problem = reserve_problem(settings.fd_reserve, reachable_nofile_limit())
     if fd_problem is not None:
         problems.append(fd_problem)
+    if settings.spool_above_bytes > 0:
+        spool_problem = spool_dir_problem(settings.spool_dir or tempfile.gettempdir())
+        if spool_problem is not None:
+            problems.append(spool_problem)
     constructed: list[str] = []
     for spec in settings.plugins:
         try:

@@ -1,0 +1,350 @@
+"""Spooled request bodies (issue 21): same bytes upstream, nothing left behind, full disks.
+
+A body over ``spool_above_bytes`` is kept in an anonymous file and read through a
+read-only mapping. These tests run a real proxy on loopback in front of the
+emulator, once with the spool and once with the heap, and compare what the
+upstream received (its digests of every body sent, refolds included) and what
+the commit record says (digests, verdict). Leaks are counted the way the kernel
+sees them: descriptors in ``/proc/self/fd`` and the spool file's mapping in
+``/proc/self/maps`` (an anonymous file shows there as ``... (deleted)`` or
+``/#NNN (deleted)`` for an ``O_TMPFILE`` inode), before and after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import logging
+import os
+import resource
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import aiohttp
+import pytest
+import zstandard
+
+from plugins.fold import FoldPlugin
+from proxy._plugins import ExchangeRecord, Plugin
+from proxy.testing import Harness, proxy_with_emulator
+from tests.test_e2e_support import wait_until
+from tests.test_lifetime_support import (
+    CHAT,
+    MESSAGES,
+    RESPONSES,
+    RawConn,
+    Recorder,
+    Spy,
+    conversation,
+    encode,
+    install_spy,
+)
+
+#: Spool threshold of these tests: far below the ~120 KB conversations.
+SPOOL_ABOVE = 16 * 1024
+#: Between a long conversation (~120 KB) and what fold level 1 leaves of it (~70 KB).
+OVERFLOW_ABOVE = 100_000
+PATHS = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
+    return install_spy(monkeypatch)
+
+
+def open_fds() -> set[str]:
+    """The names of this process's open descriptors."""
+    return set(os.listdir("/proc/self/fd"))
+
+
+def spool_maps() -> list[str]:
+    """Lines of ``/proc/self/maps`` that map a deleted (anonymous) file: the spool's."""
+    with open("/proc/self/maps") as fh:
+        return [line for line in fh if line.rstrip().endswith("(deleted)")]
+
+
+def spool_fds() -> list[str]:
+    """Descriptors of this process that point at a deleted file (the spool's)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.endswith("(deleted)"):
+            found.append(target)
+    return found
+
+
+def coded(body: bytes, coding: str) -> tuple[bytes, dict[str, str]]:
+    """``body`` in ``coding`` ("identity", "gzip", "zstd") and its Content-Encoding header."""
+    if coding == "gzip":
+        return gzip.compress(body), {"Content-Encoding": "gzip"}
+    if coding == "zstd":
+        return zstandard.ZstdCompressor().compress(body), {"Content-Encoding": "zstd"}
+    return body, {}
+
+
+async def run_once(
+    http: aiohttp.ClientSession,
+    path: str,
+    body: bytes,
+    coding: str,
+    *,
+    spool_above: int,
+    tmp_path: Path,
+) -> tuple[list[tuple[int, str | None]], ExchangeRecord, int]:
+    """Post ``body`` through a proxy with the fold plugin; the upstream's (bytes, digest)
+    of every body sent, the commit record, and the bodies the spool took."""
+    recorder = Recorder()
+    payload, headers = coded(body, coding)
+    headers = {
+        **headers,
+        "Content-Type": "application/json",
+        "x-emulator": f"overflow_above={OVERFLOW_ABOVE}",
+    }
+    async with proxy_with_emulator(
+        plugins=[FoldPlugin(), recorder],
+        spool_above_bytes=spool_above,
+        spool_dir=str(tmp_path),
+    ) as h:
+        async with http.post(h.url + path, data=payload, headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+        (record,) = await recorder.wait(1)
+        sent = [(r.body_bytes, r.body_digest) for r in h.emulator.stats]
+        spool = h.app.state.spool
+        spooled = spool.spooled
+        assert (spool.files, spool.in_flight) == (0, 0)
+    return sent, record, spooled
+
+
+@pytest.mark.parametrize("coding", ["identity", "gzip", "zstd"])
+@pytest.mark.parametrize("name", list(PATHS))
+async def test_spooled_body_reaches_upstream_as_the_heap_body_does(
+    name: str, coding: str, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    path = PATHS[name]
+    body = encode(conversation(path))
+    assert len(body) > OVERFLOW_ABOVE
+    heap_sent, heap_record, heap_spooled = await run_once(
+        http, path, body, coding, spool_above=0, tmp_path=tmp_path
+    )
+    spool_sent, spool_record, spooled = await run_once(
+        http, path, body, coding, spool_above=SPOOL_ABOVE, tmp_path=tmp_path
+    )
+    assert (heap_spooled, spooled) == (0, 1)
+    # The overflow was refolded: two bodies went up, the second one smaller.
+    assert len(spool_sent) == 2 and spool_sent[1][0] < spool_sent[0][0] == len(body)
+    assert spool_sent == heap_sent
+    for field in ("wire_digest", "comparable", "message_count", "outbound_digest"):
+        assert getattr(spool_record, field) == getattr(heap_record, field), field
+    assert (spool_record.refolds, spool_record.status) == (1, 200)
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ every outcome
+
+
+async def chunked(body: bytes, piece: int = 16 * 1024) -> AsyncIterator[bytes]:
+    """``body`` as an async generator: aiohttp sends it chunked, with no Content-Length."""
+    for start in range(0, len(body), piece):
+        yield body[start : start + piece]
+
+
+class Outcome:
+    """One way a spooled exchange ends: the proxy's settings and the client's moves."""
+
+    settings: ClassVar[dict[str, Any]] = {}
+    plugins: ClassVar[tuple[type[Plugin], ...]] = ()
+
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        """Drive the exchange; the status the client saw (None: it hung up)."""
+        raise NotImplementedError
+
+
+class TooLarge(Outcome):
+    settings: ClassVar[dict[str, Any]] = {"max_body_bytes": 64 * 1024}
+
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        # Chunked: the body crosses the spool threshold, then the limit, while read.
+        async with http.post(h.url + CHAT, data=chunked(body)) as resp:
+            return resp.status
+
+
+class Idle(Outcome):
+    settings: ClassVar[dict[str, Any]] = {"body_idle_timeout": 0.3}
+
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        conn = await RawConn.open(h.url)
+        await conn.send_head(CHAT, len(body), {})
+        await conn.send(body[: len(body) // 2])
+        status = await conn.status()
+        conn.abort()
+        return status
+
+
+class GoneMidBody(Outcome):
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        conn = await RawConn.open(h.url)
+        await conn.send_head(CHAT, len(body), {})
+        await conn.send(body[: len(body) // 2])
+        await wait_until(lambda: h.state.spool.files == 1, "the body is being spooled")
+        conn.abort()
+        await wait_until(lambda: not h.state.exchanges, "the exchange ended")
+        return None
+
+
+class InvalidJson(Outcome):
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        broken = body[: len(body) // 2]  # a JSON text cut in the middle
+        async with http.post(h.url + CHAT, data=broken) as resp:
+            return resp.status
+
+
+class UpstreamError(Outcome):
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        headers = {"x-emulator": "status=503"}
+        async with http.post(h.url + CHAT, data=body, headers=headers) as resp:
+            return resp.status
+
+
+class Refold(Outcome):
+    plugins: ClassVar[tuple[type[Plugin], ...]] = (FoldPlugin,)
+
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        headers = {"x-emulator": f"overflow_above={OVERFLOW_ABOVE}"}
+        async with http.post(h.url + CHAT, data=body, headers=headers) as resp:
+            await resp.read()
+            assert len(h.emulator.stats) == 2
+            return resp.status
+
+
+class Resend(Outcome):
+    settings: ClassVar[dict[str, Any]] = {"fake_completion_retries": 1}
+
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        headers = {"x-emulator": "empty_times=1", "x-emulator-key": "spool-resend"}
+        async with http.post(h.url + CHAT, data=body, headers=headers) as resp:
+            await resp.read()
+            sent = [(r.body_bytes, r.body_digest) for r in h.emulator.stats]
+            # The same bytes, from the same spool file, twice.
+            assert len(sent) == 2 and sent[0] == sent[1]
+            return resp.status
+
+
+class ShutdownMidBody(Outcome):
+    settings: ClassVar[dict[str, Any]] = {"shutdown_grace": 0.2}
+
+    async def run(self, h: Harness, http: aiohttp.ClientSession, body: bytes) -> int | None:
+        conn = await RawConn.open(h.url)
+        await conn.send_head(CHAT, len(body), {})
+        await conn.send(body[: len(body) // 2])
+        await wait_until(lambda: h.state.spool.files == 1, "the body is being spooled")
+        await h.app.state.drain(0.2)
+        await wait_until(lambda: not h.state.exchanges, "the drain ended the exchange")
+        conn.abort()
+        return None
+
+
+OUTCOMES: dict[str, tuple[Outcome, int | None]] = {
+    "413": (TooLarge(), 413),
+    "408": (Idle(), 408),
+    "400-client-gone-mid-body": (GoneMidBody(), None),
+    "400-invalid-json": (InvalidJson(), 400),
+    "upstream-error": (UpstreamError(), 503),
+    "refold": (Refold(), 200),
+    "resend": (Resend(), 200),
+    "shutdown-mid-body": (ShutdownMidBody(), None),
+}
+
+
+@pytest.mark.parametrize("name", list(OUTCOMES))
+async def test_spool_file_and_mapping_are_closed_on_every_outcome(
+    name: str, http: aiohttp.ClientSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    outcome, expected = OUTCOMES[name]
+    body = encode(conversation(CHAT))
+    fds_before, maps_before = spool_fds(), spool_maps()
+    async with proxy_with_emulator(
+        plugins=[cls() for cls in outcome.plugins],
+        spool_above_bytes=SPOOL_ABOVE,
+        spool_dir=str(tmp_path),
+        **outcome.settings,
+    ) as h:
+        status = await outcome.run(h, http, body)
+        await wait_until(lambda: not h.state.exchanges, "the exchange ended")
+        spool = h.state.spool
+        assert spool.spooled == 1, "the body went to the spool"
+        assert (spool.files, spool.in_flight, spool.leaks) == (0, 0, 0)
+        # Closed, as the kernel sees it: no descriptor, no mapping of a deleted file.
+        assert spool_fds() == fds_before
+        assert spool_maps() == maps_before
+    assert status == expected
+    assert os.listdir(tmp_path) == []
+    assert not [r for r in caplog.records if "outlived the release boundary" in r.getMessage()]
+
+
+# ------------------------------------------------------------------------------ full disk
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int) -> Iterator[None]:
+    """This process may not write a file past ``nbytes`` (``RLIMIT_FSIZE``, soft limit).
+
+    CPython ignores ``SIGXFSZ``, so such a write fails with ``EFBIG``, as a
+    write to a full disk fails with ``ENOSPC``.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+async def test_a_full_disk_mid_body_is_a_503_in_the_route_shape_and_leaks_nothing(
+    name: str, http: aiohttp.ClientSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="context_proxy")
+    path = PATHS[name]
+    body = encode(conversation(path, turns=40, turn_bytes=50_000))  # ~2 MB
+    fds_before, maps_before = spool_fds(), spool_maps()
+    async with proxy_with_emulator(spool_above_bytes=SPOOL_ABOVE, spool_dir=str(tmp_path)) as h:
+        with file_size_limit(256 * 1024):
+            answers = []
+            for _ in range(2):
+                async with http.post(h.url + path, data=body) as resp:
+                    answers.append(
+                        (resp.status, resp.headers.get("Retry-After"), await resp.json())
+                    )
+        spool = h.state.spool
+        assert (spool.full, spool.files, spool.in_flight) == (2, 0, 0)
+        assert spool_fds() == fds_before and spool_maps() == maps_before
+        assert h.emulator.stats == []  # nothing went upstream
+        async with http.get(h.url + "/metrics") as resp:
+            metrics = await resp.text()
+        # Space again: the next body is spooled and served.
+        async with http.post(h.url + path, data=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+    assert "context_proxy_spool_full_total 2.0" in metrics
+    for status, retry_after, error in answers:
+        assert (status, retry_after) == (503, "5")
+        if path == MESSAGES:
+            assert error["type"] == "error" and "disk space" in error["error"]["message"]
+        else:
+            assert error["error"]["code"] == "spool_full"
+            assert "disk space" in error["error"]["message"]
+    # One warning for the run of failures (rate-limited), never the body.
+    warnings = [r.getMessage() for r in caplog.records if "is full" in r.getMessage()]
+    assert len(warnings) == 1 and str(tmp_path) in warnings[0]
+    assert os.listdir(tmp_path) == []
