@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import gzip
 import logging
+import mmap
 import os
 import resource
+import stat
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,7 +28,11 @@ import pytest
 import zstandard
 
 from plugins.fold import FoldPlugin
-from proxy._plugins import ExchangeRecord, Plugin
+from proxy._check import check_config
+from proxy._config import ConfigError
+from proxy._exchange import Phase
+from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
+from proxy._spool import Spool, open_anonymous, spool_dir_problem
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_e2e_support import wait_until
 from tests.test_lifetime_support import (
@@ -347,4 +353,240 @@ async def test_a_full_disk_mid_body_is_a_503_in_the_route_shape_and_leaks_nothin
     # One warning for the run of failures (rate-limited), never the body.
     warnings = [r.getMessage() for r in caplog.records if "is full" in r.getMessage()]
     assert len(warnings) == 1 and str(tmp_path) in warnings[0]
+    assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ release boundary
+
+
+@pytest.mark.parametrize("resend", [False, True])
+async def test_spool_is_closed_before_the_answer_streams(
+    resend: bool, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Closed at the release boundary (accept), or with a resend armed at the first byte
+    to the client: an open stream holds neither the file nor its mapping."""
+    body = encode(conversation(CHAT))
+    fds_before, maps_before = spool_fds(), spool_maps()
+    async with proxy_with_emulator(
+        spool_above_bytes=SPOOL_ABOVE,
+        spool_dir=str(tmp_path),
+        fake_completion_retries=1 if resend else 0,
+    ) as h:
+        conn = await RawConn.open(h.url)
+        # With a resend armed the answer is held until its first content: pause after it.
+        script = "hold=spool-boundary" + ("; stall_after=2" if resend else "")
+        await conn.send_head(CHAT, len(body), {"x-emulator": script})
+        await conn.send(body)
+        assert await conn.status() == 200
+        await conn.read_until(b"data: ")
+        (ex,) = h.state.exchanges.values()
+        assert ex.phase is Phase.STREAMING
+        assert ex.spool is None and ex.held_bytes().spooled == 0
+        assert h.state.spool.files == 0
+        assert spool_fds() == fds_before and spool_maps() == maps_before
+        async with http.get(h.url + "/admin/exchanges") as resp:
+            (listed,) = (await resp.json())["exchanges"]
+        assert listed["held_bytes"]["spooled"] == 0
+        h.emulator.release("spool-boundary")
+        await conn.read_until(b"[DONE]")
+        conn.abort()
+    assert h.state.spool.spooled == 1
+
+
+async def test_a_spooled_body_being_read_is_shown_as_its_own_kind(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    body = encode(conversation(CHAT))
+    half = len(body) // 2
+    async with proxy_with_emulator(spool_above_bytes=SPOOL_ABOVE, spool_dir=str(tmp_path)) as h:
+        conn = await RawConn.open(h.url)
+        await conn.send_head(CHAT, len(body), {})
+        await conn.send(body[:half])
+        await wait_until(lambda: h.state.spool.in_flight == half, "half the body spooled")
+        async with http.get(h.url + "/admin/exchanges") as resp:
+            (listed,) = (await resp.json())["exchanges"]
+        async with http.get(h.url + "/metrics") as resp:
+            metrics = await resp.text()
+        await conn.send(body[half:])
+        assert await conn.status() == 200
+        conn.abort()
+    assert listed["phase"] == "reading"
+    assert listed["held_bytes"]["spooled"] == half
+    # Spooled bytes are disk and page cache, not the process's memory.
+    assert listed["held_bytes"]["raw"] == listed["held_bytes"]["total"] == 0
+    assert f'context_proxy_held_bytes{{kind="spooled",phase="reading"}} {float(half)}' in metrics
+
+
+class KeepsAView(Plugin):
+    """A buggy plugin: keeps a view of the body's bytes past its prepare hook."""
+
+    name = "keeps-a-view"
+
+    def __init__(self) -> None:
+        self.kept: memoryview | None = None
+
+    async def prepare(self, ctx: PrepareContext) -> bool:
+        self.kept = ctx.view.root.raw()
+        return False
+
+
+async def test_a_plugin_keeping_a_view_past_the_boundary_is_reported_not_a_crash(
+    http: aiohttp.ClientSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="context_proxy")
+    body = encode(conversation(CHAT))
+    plugin = KeepsAView()
+    maps_before = spool_maps()
+    async with proxy_with_emulator(
+        plugins=[plugin], spool_above_bytes=SPOOL_ABOVE, spool_dir=str(tmp_path)
+    ) as h:
+        for _ in range(2):
+            async with http.post(h.url + CHAT, data=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+        spool = h.state.spool
+        assert (spool.spooled, spool.files, spool.leaks) == (2, 0, 2)
+    assert plugin.kept is not None and bytes(plugin.kept) == body  # still readable
+    leaked = [r for r in caplog.records if "outlived the release boundary" in r.getMessage()]
+    assert len(leaked) == 2 and leaked[0].levelno == logging.WARNING
+    assert all(str(len(body)) in r.getMessage() for r in leaked)
+    # The first kept view went with the second: its mapping with it. The last one lets
+    # the last mapping go when it is released.
+    assert len(spool_maps()) == len(maps_before) + 1
+    plugin.kept.release()
+    plugin.kept = None
+    assert spool_maps() == maps_before
+
+
+def test_closing_a_mapping_with_an_export_raises_buffer_error_and_close_reports_it(
+    tmp_path: Path,
+) -> None:
+    """The spool's close catches what ``mmap.close`` raises for a live export."""
+    spool = Spool(str(tmp_path), above_bytes=1, max_bytes=1 << 20)
+    file = spool.open()
+    file.write(b'{"a": "b"}')
+    view = file.map()
+    piece = view[2:5]
+    assert file.view is not None
+    mapping = file.view.obj
+    assert isinstance(mapping, mmap.mmap)
+    with pytest.raises(BufferError):
+        mapping.close()
+    assert file.close() is True and file.closed
+    assert (spool.files, spool.in_flight, spool.leaks) == (0, 0, 1)
+    assert bytes(piece) == b'a":'
+    piece.release()
+    assert mapping.closed is False  # closed by the garbage collector with the last view
+    clean = spool.open()
+    clean.write(b"{}")
+    clean.map()
+    assert clean.close() is False
+    assert spool.leaks == 1
+
+
+# ------------------------------------------------------------------------------ the file
+
+
+@pytest.mark.parametrize("tmpfile", [True, False])
+def test_the_spool_file_has_no_name_and_mode_0600(
+    tmpfile: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not tmpfile:
+        monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    fd = open_anonymous(str(tmp_path))
+    try:
+        os.write(fd, b"x" * 4096)
+        assert os.listdir(tmp_path) == []
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        assert os.fstat(fd).st_nlink == 0
+        assert os.readlink(f"/proc/self/fd/{fd}").endswith("(deleted)")
+    finally:
+        os.close(fd)
+
+
+def test_a_missing_or_unwritable_spool_dir_is_a_problem(tmp_path: Path) -> None:
+    assert spool_dir_problem(str(tmp_path)) is None
+    missing = spool_dir_problem(str(tmp_path / "nope"))
+    assert missing is not None and missing.startswith("spool_dir:") and "nope" in missing
+    a_file = tmp_path / "file"
+    a_file.write_bytes(b"")
+    assert "not a directory" in (spool_dir_problem(str(a_file)) or "")
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert "cannot create files" in (spool_dir_problem(str(locked)) or "")
+
+
+async def test_a_missing_spool_dir_stops_start_up_and_check_reports_it(tmp_path: Path) -> None:
+    missing = str(tmp_path / "gone")
+    with pytest.raises(ConfigError, match="spool_dir"):
+        async with proxy_with_emulator(spool_dir=missing):
+            pass
+    # A spool that is off needs no directory.
+    async with proxy_with_emulator(spool_dir=missing, spool_above_bytes=0) as h:
+        assert h.state.spool.problem() is None
+    config = tmp_path / "proxy.toml"
+    config.write_text(f'plugins = []\nspool_dir = "{missing}"\n')
+    report = check_config(config, environ={})
+    assert not report.ok
+    assert any(p.startswith("spool_dir:") and "gone" in p for p in report.problems)
+    config.write_text(f'plugins = []\nspool_dir = "{tmp_path}"\n')
+    assert check_config(config, environ={}).ok
+
+
+# ------------------------------------------------------------------------------ budget
+
+
+async def test_max_spool_bytes_refuses_a_declared_body_before_reading_it(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    body = encode(conversation(CHAT))
+    async with proxy_with_emulator(
+        spool_above_bytes=SPOOL_ABOVE, spool_dir=str(tmp_path), max_spool_bytes=len(body) + 1000
+    ) as h:
+        first = await RawConn.open(h.url)
+        await first.send_head(CHAT, len(body), {})
+        await first.send(body[: SPOOL_ABOVE * 2])
+        await wait_until(lambda: h.state.spool.in_flight > 0, "the first body spooled")
+        second = await RawConn.open(h.url)
+        await second.send_head(CHAT, len(body), {})  # no byte of its body is sent
+        status = await second.status()
+        head = second.reader
+        second.abort()
+        # A body under the threshold is not the spool's business.
+        async with http.post(h.url + CHAT, data=b'{"model": "m", "messages": []}') as resp:
+            small = resp.status
+        await first.send(body[SPOOL_ABOVE * 2 :])
+        assert await first.status() == 200
+        first.abort()
+        spool = h.state.spool
+        assert (spool.spooled, spool.busy, spool.files) == (1, 1, 0)
+        del head
+    assert (status, small) == (503, 200)
+
+
+async def test_max_spool_bytes_ends_a_growing_body_with_503(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    body = encode(conversation(CHAT))
+    async with proxy_with_emulator(
+        spool_above_bytes=SPOOL_ABOVE, spool_dir=str(tmp_path), max_spool_bytes=len(body)
+    ) as h:
+        first = await RawConn.open(h.url)
+        await first.send_head(CHAT, len(body), {})
+        await first.send(body[: len(body) // 2])
+        await wait_until(lambda: h.state.spool.in_flight > 0, "the first body spooled")
+        # Chunked: nothing declared, so it is admitted, then grows past the budget.
+        async with http.post(h.url + CHAT, data=chunked(body)) as resp:
+            status, retry_after, error = (
+                resp.status,
+                resp.headers.get("Retry-After"),
+                await resp.json(),
+            )
+        assert h.state.spool.files == 1  # only the first one's
+        await first.send(body[len(body) // 2 :])
+        assert await first.status() == 200
+        first.abort()
+    assert (status, retry_after) == (503, "5")
+    assert error["error"]["code"] == "spool_busy"
     assert os.listdir(tmp_path) == []
