@@ -58,7 +58,7 @@ import itertools
 import logging
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from typing import Final
 
@@ -69,7 +69,7 @@ from ._coding import io_piece_bytes
 from ._plugins import ExchangeRecord, PluginHost, PrepareContext
 from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
 from ._protocols import Protocol, UsageReport
-from ._spool import SpoolFile
+from ._spool import FileSlice, SpoolFile
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
 
@@ -667,10 +667,12 @@ class Exchange:
 
     # ------------------------------------------------------------------ sending
 
-    async def outbound_chunks(self) -> AsyncIterator[memoryview]:
+    async def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
         """The outbound body as ``memoryview`` slices of :func:`send_slice_bytes`, no copy.
 
-        Each call starts a fresh pass (a resend sends the same bytes again).
+        Each call starts a fresh pass (a resend sends the same bytes again). The
+        parts that are a spooled body's bytes come as :class:`~proxy._spool.FileSlice`
+        ranges of its file (sent with ``sendfile`` where the connection allows).
 
         Raises:
             RuntimeError: the outbound body was already released.
@@ -679,6 +681,12 @@ class Exchange:
         if holder is None:
             raise RuntimeError(f"{self.id}: outbound body already released")
         piece = send_slice_bytes(self.outbound_size)
+        spool = self._spool
+        if spool is not None and self._on_spool(holder):
+            del holder
+            for chunk in self._spool_chunks(spool, piece):
+                yield chunk
+            return
         if isinstance(holder, Splice):
             # Segment by segment, never joined; the slices are views of raw.
             for chunk in holder.chunks(piece):
@@ -691,6 +699,20 @@ class Exchange:
                 yield view[start : start + piece]
         finally:
             view.release()
+
+    def _spool_chunks(self, spool: SpoolFile, piece: int) -> Iterator[memoryview | FileSlice]:
+        """The outbound body that is (or is spliced from) the spool file, in order."""
+        out = self._outbound
+        if not isinstance(out, Splice):
+            yield from spool.slices(0, spool.size, piece)
+            return
+        for segment, offset in zip(out.segments, out.offsets, strict=True):
+            if offset is None:
+                view = memoryview(segment)
+                for start in range(0, len(view), piece):
+                    yield view[start : start + piece]
+            else:
+                yield from spool.slices(offset, offset + len(segment), piece)
 
     def mark_sent(self) -> None:
         """The request went upstream (again, after a refold or retry)."""

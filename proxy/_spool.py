@@ -32,11 +32,13 @@ import mmap
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from typing import Final, Protocol
 
 from ._coding import BodyError
 
 __all__ = [
+    "FileSlice",
     "Spool",
     "SpoolBusy",
     "SpoolFile",
@@ -136,6 +138,25 @@ def spool_dir_problem(directory: str) -> str | None:
     return None
 
 
+class FileSlice:
+    """A range of a spooled body's file, to send upstream: with ``os.sendfile`` from
+    descriptor ``fd`` at ``offset`` on a plain TCP connection, else by writing
+    ``view`` (the same bytes, a read-only slice of the mapping: no heap copy).
+
+    ``len()`` is its size in bytes. It holds an export of the mapping until dropped.
+    """
+
+    __slots__ = ("fd", "offset", "view")
+
+    def __init__(self, fd: int, offset: int, view: memoryview) -> None:
+        self.fd = fd
+        self.offset = offset
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+
 class SpoolFile:
     """One spooled body: an anonymous file, then its read-only mapping.
 
@@ -218,6 +239,19 @@ class SpoolFile:
             self._map = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ)
             self._view = memoryview(self._map)
         return self._view
+
+    def slices(self, start: int, end: int, piece: int) -> Iterator[FileSlice]:
+        """Bytes ``start:end`` of the mapped file as :class:`FileSlice` pieces of at most
+        ``piece`` bytes, in order.
+
+        Raises:
+            ValueError: not mapped (or closed).
+        """
+        view = self._view
+        if view is None:
+            raise ValueError("slices of a spool file that is not mapped")
+        for offset in range(start, end, piece):
+            yield FileSlice(self._fd, offset, view[offset : min(offset + piece, end)])
 
     def close(self) -> bool:
         """Close the mapping and the file; idempotent. Returns whether a view leaked.

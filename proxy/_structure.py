@@ -281,15 +281,32 @@ class Splice:
     ``owned_bytes`` the replacement bytes' share (the rest is the base buffer's
     memory, kept alive by the slices); ``base_bytes`` is the base buffer's
     size; ``digest`` is the xxh3_128 hex digest of the concatenation, computed
-    segment by segment.
+    segment by segment. ``offsets`` gives, per segment, where a slice of the base
+    starts in it (``None`` for replacement bytes, or when not known): a spooled
+    base is then sent as ranges of its file (proxy/_spool.py).
     """
 
-    __slots__ = ("__weakref__", "base", "base_bytes", "digest", "nbytes", "owned_bytes", "segments")
+    __slots__ = (
+        "__weakref__",
+        "base",
+        "base_bytes",
+        "digest",
+        "nbytes",
+        "offsets",
+        "owned_bytes",
+        "segments",
+    )
 
     def __init__(
-        self, segments: list[memoryview | bytes], base: bytes | bytearray | memoryview
+        self,
+        segments: list[memoryview | bytes],
+        base: bytes | bytearray | memoryview,
+        offsets: list[int | None] | None = None,
     ) -> None:
         self.segments: Final = tuple(segments)
+        self.offsets: Final = (
+            tuple(offsets) if offsets is not None else (None,) * len(self.segments)
+        )
         #: The buffer the slices view (the raw body, or a re-encoded one).
         self.base: Final = base
         self.base_bytes: Final = len(base)
@@ -567,16 +584,20 @@ class BodyView:
         """The outbound body: raw slices between the edits and the replacement bytes."""
         body = self._body
         segments: list[memoryview | bytes] = []
+        offsets: list[int | None] = []
         pos = 0
         for start, end, data in body._edits:
             if start > pos:
                 segments.append(body._mv[pos:start])
+                offsets.append(pos)
             if data:
                 segments.append(data)
+                offsets.append(None)
             pos = end
         if pos < len(body._buf):
             segments.append(body._mv[pos:])
-        return Splice(segments, body._buf)
+            offsets.append(pos)
+        return Splice(segments, body._buf, offsets)
 
     def release(self) -> None:
         """Drop the nodes and edits and release the buffer view (idempotent)."""

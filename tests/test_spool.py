@@ -12,12 +12,14 @@ sees them: descriptors in ``/proc/self/fd`` and the spool file's mapping in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import logging
 import mmap
 import os
 import resource
+import ssl
 import stat
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 import pytest
+import xxhash
 import zstandard
 
 from plugins.fold import FoldPlugin
@@ -32,7 +35,8 @@ from proxy._check import check_config
 from proxy._config import ConfigError
 from proxy._exchange import Phase
 from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
-from proxy._spool import Spool, open_anonymous, spool_dir_problem
+from proxy._spool import FileSlice, Spool, SpoolFile, open_anonymous, spool_dir_problem
+from proxy._upstream import UpstreamPool, UpstreamTarget
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_e2e_support import wait_until
 from tests.test_lifetime_support import (
@@ -46,6 +50,7 @@ from tests.test_lifetime_support import (
     encode,
     install_spy,
 )
+from tests.upstream_support import Scripted, read_request, self_signed
 
 #: Spool threshold of these tests: far below the ~120 KB conversations.
 SPOOL_ABOVE = 16 * 1024
@@ -590,3 +595,101 @@ async def test_max_spool_bytes_ends_a_growing_body_with_503(
     assert (status, retry_after) == (503, "5")
     assert error["error"]["code"] == "spool_busy"
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------------------------------------------------------ sending
+
+
+class SendfileCount:
+    """Counts the bytes ``os.sendfile`` sent (wraps the real one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        self.bytes = 0
+        real = os.sendfile
+
+        def counting(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
+            sent = real(out_fd, in_fd, offset, count)
+            self.calls += 1
+            self.bytes += sent
+            return sent
+
+        monkeypatch.setattr(os, "sendfile", counting)
+
+
+@pytest.mark.parametrize("spooled", [True, False])
+async def test_a_spooled_body_goes_to_a_plain_upstream_with_sendfile(
+    spooled: bool, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = SendfileCount(monkeypatch)
+    body = encode(conversation(CHAT, turns=40, turn_bytes=50_000))  # ~2 MB
+    async with proxy_with_emulator(
+        spool_above_bytes=SPOOL_ABOVE if spooled else 0, spool_dir=str(tmp_path)
+    ) as h:
+        async with http.post(h.url + CHAT, data=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+        ((sent_bytes, digest),) = [(r.body_bytes, r.body_digest) for r in h.emulator.stats]
+    assert (sent_bytes, digest) == (len(body), xxhash.xxh3_128_hexdigest(body))
+    if spooled:
+        # Page cache to socket; only what a full socket refused went through a write.
+        assert counted.calls > 0 and 0 < counted.bytes <= len(body)
+    else:
+        assert counted.calls == 0
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+    for _ in range(4):  # bounded: a few requests per connection
+        _, received = await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(received))
+        writer.write(received)
+        await writer.drain()
+
+
+async def _post_spooled(pool: UpstreamPool, url: str, file: SpoolFile) -> bytes:
+    async def pieces() -> AsyncIterator[memoryview | FileSlice]:
+        for piece in file.slices(0, file.size, 256 * 1024):
+            yield piece
+
+    fields = {"Content-Length": str(file.size)}
+    answer = await pool.request(UpstreamTarget(url), "POST", "/v1/x", fields, pieces, file.size)
+    try:
+        data = bytearray()
+        for _ in range(100_000):  # bounded
+            chunk = await answer.read()
+            if not chunk:
+                break
+            data += chunk
+        return bytes(data)
+    finally:
+        answer.release()
+
+
+@pytest.mark.parametrize("tls", [False, True])
+async def test_file_ranges_reach_plain_and_tls_upstreams_byte_for_byte(
+    tls: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = SendfileCount(monkeypatch)
+    body = os.urandom(3 * 1024 * 1024 + 123)
+    spool = Spool(str(tmp_path), above_bytes=1, max_bytes=1 << 30)
+    file = spool.open()
+    file.write(body)
+    file.map()
+    server = None
+    if tls:
+        cert, key = self_signed(tmp_path)
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server.load_cert_chain(cert, key)
+    pool = UpstreamPool(connect_timeout=5.0, idle_read=5.0, max_connections=0)
+    try:
+        if tls:
+            pool._ssl = ssl.create_default_context(cafile=str(cert))
+        async with Scripted(_echo, tls=server) as upstream:
+            url = upstream.url.replace("127.0.0.1", "localhost") if tls else upstream.url
+            echoed = [await _post_spooled(pool, url, file) for _ in range(2)]
+    finally:
+        await pool.close()
+    assert echoed == [body, body]
+    # TLS encrypts in the process: the mapping's slices are written, never sendfile.
+    assert (counted.calls > 0) is not tls
+    assert file.close() is False  # every slice given to the transport was let go
