@@ -325,7 +325,9 @@ class BodySink:
         self._spill_above = spill_above
         self._file: SpillTarget | None = None
         if self._spill is not None and self._presize > spill_above:
-            self._presize = 0  # never reserve heap for a body bound for the spool
+            # Bound for the spool from its first byte: no heap reserved, none grown.
+            self._presize = 0
+            self._spill_above = 0
 
     @property
     def size(self) -> int:

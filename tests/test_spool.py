@@ -21,6 +21,7 @@ import os
 import resource
 import ssl
 import stat
+import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -49,6 +50,7 @@ from tests.test_lifetime_support import (
     conversation,
     encode,
     install_spy,
+    slices,
 )
 from tests.upstream_support import Scripted, read_request, self_signed
 
@@ -693,3 +695,37 @@ async def test_file_ranges_reach_plain_and_tls_upstreams_byte_for_byte(
     # TLS encrypts in the process: the mapping's slices are written, never sendfile.
     assert (counted.calls > 0) is not tls
     assert file.close() is False  # every slice given to the transport was let go
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_spooled_body_costs_the_heap_a_few_pieces_not_its_size(
+    declared: bool, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Declared over the threshold: spooled from its first byte; chunked: the heap holds
+    at most the threshold before the move. Python's allocations (the proxy's and this
+    client's) peak far below the body either way; the heap path's peak is the body."""
+    body = encode(conversation(CHAT, turns=128, turn_bytes=128 * 1024))  # ~16 MiB
+    threshold = 4 * 1024 * 1024
+    peaks = {}
+    for spool_above in (threshold, 0):
+        async with proxy_with_emulator(spool_above_bytes=spool_above, spool_dir=str(tmp_path)) as h:
+            headers = {"Content-Type": "application/json"}
+            if declared:
+                headers["Content-Length"] = str(len(body))
+            tracemalloc.start()
+            try:
+                data = slices(body, 64 * 1024) if declared else chunked(body, 64 * 1024)
+                async with http.post(h.url + CHAT, data=data, headers=headers) as resp:
+                    assert resp.status == 200
+                    await resp.read()
+                peaks[spool_above] = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            assert h.state.spool.spooled == (1 if spool_above else 0)
+    assert peaks[0] > len(body)  # the heap path holds the body
+    # The emulator (in this process) reads the upstream body in pieces of its own.
+    limit = len(body) // 8 if declared else threshold + len(body) // 8
+    assert peaks[threshold] < limit, f"{peaks[threshold] / len(body):.3f} x the body"
