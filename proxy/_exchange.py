@@ -664,6 +664,11 @@ class Exchange:
             return  # still being written by the reader
         self._spool = None
         spool.close()
+        if self.on_release is not None and spool.size:
+            # Not heap itself, but reading, viewing and folding its bytes left freed
+            # heap in proportion to them (read pieces, parse transients): the same
+            # trim a heap body's release brings (proxy/_alloc.py).
+            self.on_release(spool.size)
 
     # ------------------------------------------------------------------ sending
 

@@ -34,10 +34,12 @@ import zstandard
 from plugins.fold import FoldPlugin
 from proxy._check import check_config
 from proxy._config import ConfigError
-from proxy._exchange import Phase
+from proxy._exchange import Exchange, HeldBytes, Phase
 from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
+from proxy._protocols import Protocol
 from proxy._spool import FileSlice, Spool, SpoolFile, open_anonymous, spool_dir_problem
 from proxy._upstream import UpstreamPool, UpstreamTarget
+from proxy._wire import compute_wire_metadata, digest_bytes
 from proxy.testing import Harness, proxy_with_emulator
 from tests.test_e2e_support import wait_until
 from tests.test_lifetime_support import (
@@ -729,3 +731,49 @@ async def test_a_spooled_body_costs_the_heap_a_few_pieces_not_its_size(
     # The emulator (in this process) reads the upstream body in pieces of its own.
     limit = len(body) // 8 if declared else threshold + len(body) // 8
     assert peaks[threshold] < limit, f"{peaks[threshold] / len(body):.3f} x the body"
+
+
+# ------------------------------------------------------------------------------ the exchange
+
+
+@pytest.mark.parametrize("keep_for_resend", [False, True])
+async def test_the_exchange_closes_its_spool_where_it_drops_a_heap_body(
+    keep_for_resend: bool, tmp_path: Path
+) -> None:
+    body = encode(conversation(CHAT))
+    freed: list[int] = []
+    ex = Exchange(
+        protocol=Protocol.CHAT,
+        method="POST",
+        path=CHAT,
+        keep_for_resend=keep_for_resend,
+        on_release=freed.append,
+    )
+    spool = Spool(str(tmp_path), above_bytes=1, max_bytes=1 << 30)
+    ex.start_reading(len(body))
+    file = ex.adopt_spool(spool.open())
+    file.write(body)
+    ex.end_reading()
+    view = file.map()
+    ex.attach_body(view, compute_wire_metadata(Protocol.CHAT, view, digest_bytes(view)))
+    del view
+    assert ex.held_bytes() == HeldBytes(0, 0, 0, 0, len(body))
+    sent = bytearray()
+    async for piece in ex.outbound_chunks():
+        assert isinstance(piece, FileSlice)  # ranges of the file, not copies
+        sent += piece.view
+        del piece
+    assert sent == body
+    ex.mark_sent()
+    ex.accept()
+    # The boundary: gone, unless a resend may still need the bytes (until the first byte).
+    assert (ex.spool is None) is not keep_for_resend
+    if keep_for_resend:
+        assert ex.held_bytes().spooled == len(body) and spool.files == 1
+        ex.mark_streaming()
+    assert ex.spool is None and file.closed and spool.files == 0
+    assert ex.held_bytes() == HeldBytes(0, 0, 0, 0, 0)
+    # Its bytes are reported as released: the allocator trims what reading them left.
+    assert freed == [len(body)]
+    ex.close()
+    assert freed == [len(body)]
