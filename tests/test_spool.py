@@ -34,6 +34,7 @@ import zstandard
 from plugins.fold import FoldPlugin
 from proxy._check import check_config
 from proxy._config import ConfigError
+from proxy._emulator import EmulatorServer
 from proxy._exchange import Exchange, HeldBytes, Phase
 from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
 from proxy._protocols import Protocol
@@ -41,6 +42,7 @@ from proxy._spool import FileSlice, Spool, SpoolFile, open_anonymous, spool_dir_
 from proxy._upstream import UpstreamPool, UpstreamTarget
 from proxy._wire import compute_wire_metadata, digest_bytes
 from proxy.testing import Harness, proxy_with_emulator
+from tests.process_support import Proc
 from tests.test_e2e_support import wait_until
 from tests.test_lifetime_support import (
     CHAT,
@@ -777,3 +779,48 @@ async def test_the_exchange_closes_its_spool_where_it_drops_a_heap_body(
     assert freed == [len(body)]
     ex.close()
     assert freed == [len(body)]
+
+
+# ------------------------------------------------------------------------------ kill -9
+
+
+def spool_files_of(pid: int, directory: Path) -> list[str]:
+    """The deleted files under ``directory`` that process ``pid`` holds open."""
+    found = []
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)) and target.endswith("(deleted)"):
+            found.append(target)
+    return found
+
+
+async def test_kill_9_with_spooled_uploads_in_flight_leaves_nothing_in_spool_dir(
+    emulator: EmulatorServer, tmp_path: Path
+) -> None:
+    body = encode(conversation(CHAT))
+    proc, port = await Proc.serve(
+        emulator.url,
+        env={"CONTEXT_PROXY_SPOOL_DIR": str(tmp_path), "CONTEXT_PROXY_SPOOL_ABOVE_BYTES": "16384"},
+    )
+    conns: list[RawConn] = []
+    try:
+        for _ in range(10):
+            conn = await RawConn.open(f"http://127.0.0.1:{port}")
+            await conn.send_head(CHAT, len(body), {})
+            await conn.send(body[: len(body) // 2])
+            conns.append(conn)
+        pid = proc.proc.pid
+        await wait_until(lambda: len(spool_files_of(pid, tmp_path)) == 10, "ten bodies spooled")
+        # Ten files in use, none with a name: nothing to find, nothing to clean.
+        assert os.listdir(tmp_path) == []
+        proc.proc.kill()
+        assert await proc.wait_exit() == -9
+    finally:
+        for conn in conns:
+            conn.abort()
+        await proc.stop()
+    assert os.listdir(tmp_path) == []
+    assert emulator.stats == []
