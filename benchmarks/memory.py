@@ -1288,12 +1288,18 @@ def plot_memory(
         series = [_series(f"context-proxy ({name})", timeline, _COLOURS[name])]
         if timeline.get("anon_growth_x_body"):
             # RSS split as the kernel sees it: anonymous (own memory) and file-backed.
-            series.append(
-                _series(f"{name}: RssAnon", timeline, _COLOURS[name], "anon_growth_x_body")
-            )
-            series.append(
-                _series(f"{name}: RssFile", timeline, _COLOURS["file"], "file_growth_x_body")
-            )
+            for kind, colour, style in (("anon", _COLOURS[name], ":"), ("file", "#7f7f7f", "--")):
+                series.append(
+                    rpt.Series(
+                        f"{name}: RssAnon (its own memory)"
+                        if kind == "anon"
+                        else f"{name}: RssFile (a spooled body's mapping)",
+                        timeline["t_s"],
+                        timeline[f"{kind}_growth_x_body"],
+                        colour=colour,
+                        style=style,
+                    )
+                )
         if name in ("refold", "edit") and plain is not None:
             # The edited and refolded paths beside the plain one.
             series.append(_series("context-proxy (plain)", plain, _COLOURS["plain"]))
@@ -1365,13 +1371,10 @@ _COLOURS: Final = {
     "refold": "#ff7f0e",
     "heap": "#8c564b",
     "naive": "#d62728",
-    "file": "#7f7f7f",
 }
 
 
-def _series(
-    label: str, timeline: Mapping[str, Any], colour: str, values: str = "growth_x_body"
-) -> rpt.Series:
+def _series(label: str, timeline: Mapping[str, Any], colour: str) -> rpt.Series:
     marks: dict[str, list[float]] = {}
     for at, name in timeline["marks"]:
         marks.setdefault(name, []).append(at)
@@ -1379,7 +1382,7 @@ def _series(
     return rpt.Series(
         label,
         timeline["t_s"],
-        timeline[values],
+        timeline["growth_x_body"],
         colour=colour,
         spans=spans,
         span_label=f"answer held open ({label.split(' ')[0]})",
