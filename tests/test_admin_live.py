@@ -247,8 +247,23 @@ async def test_browser_shows_a_stream_move_through_its_phases_and_go() -> None:
             # session, in flight, requests, active, input, cached, cache write, output
             assert session_row[0][1:4] == [SESSION, "0", "1"]
             assert int(session_row[0][8] or "0") > 0  # output tokens
-            usage = await asyncio.to_thread(_table, driver, "usage")
-            assert usage == [[None, "no usage data"]]  # GET /admin/usage?by=model: 404 here
+            # Usage by model as GET /admin/usage?by=model has it (a 404 while it is not kept).
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"{h.url}/admin/usage?by=model") as resp,
+            ):
+                by_model = (await resp.json())["rows"] if resp.status == 200 else []
+            want = [
+                [r["key"], r["key"], str(r["requests"]), f"{r['input_tokens']:,}"] for r in by_model
+            ] or [[None, "no usage data"]]
+            usage = await asyncio.to_thread(
+                _wait,
+                driver,
+                "usage by model",
+                lambda d: [r[:4] for r in _table(d, "usage")] == want,
+                15.0,
+            )
+            assert usage
             chart_lines = await asyncio.to_thread(
                 lambda: driver.find_elements(By.CSS_SELECTOR, "#chart polyline")
             )
@@ -257,6 +272,27 @@ async def test_browser_shows_a_stream_move_through_its_phases_and_go() -> None:
             assert PROMPT not in source and KEY not in source
             urls = await asyncio.to_thread(_requested_urls, driver)
             assert urls and all(u.startswith(f"{h.url}/") for u in urls), urls
+        finally:
+            await asyncio.to_thread(driver.quit)
+
+
+async def test_browser_says_no_usage_data_without_a_usage_plugin() -> None:
+    async with proxy_with_emulator() as h:
+        driver = await asyncio.to_thread(chromium)
+        try:
+            await asyncio.to_thread(driver.get, f"{h.url}/admin/")
+            usage = await asyncio.to_thread(
+                _wait,
+                driver,
+                "the usage table after its first poll",
+                lambda d: (
+                    d.execute_script("return document.getElementById('usage').dataset.answered")
+                    and _table(d, "usage") == [[None, "no usage data"]]
+                ),
+            )
+            assert usage
+            urls = await asyncio.to_thread(_requested_urls, driver)
+            assert f"{h.url}/admin/usage?by=model" in urls
         finally:
             await asyncio.to_thread(driver.quit)
 

@@ -98,10 +98,26 @@ function label(x, y, text, anchor) {
   return t;
 }
 
+function axes(parts, left, right, top, bottom, max, name) {
+  for (const frac of [0, 0.5, 1]) {
+    const at = bottom - frac * (bottom - top);
+    const axis = document.createElementNS(SVG, "line");
+    axis.setAttribute("class", "axis");
+    axis.setAttribute("x1", String(left));
+    axis.setAttribute("x2", String(right));
+    axis.setAttribute("y1", String(at));
+    axis.setAttribute("y2", String(at));
+    parts.push(axis, label(left - 6, at + 4, bytes(Math.round(max * frac)), "end"));
+  }
+  parts.push(label(right + 6, (top + bottom) / 2 + 4, name, "start"));
+}
+
 function drawChart() {
-  // RSS on the left scale, held bytes on the right one: held is often a thousandth of RSS.
+  // Two panels on one time axis: RSS above, held bytes by phase below (held is often a
+  // thousandth of RSS: on one scale it would be a flat line at zero).
   const svg = document.getElementById("chart");
-  const [left, right, top, bottom] = [70, 830, 10, 215];
+  const [left, right] = [70, 820];
+  const panels = { rss: [10, 95], held: [120, 205] };
   const now = history.length ? history[history.length - 1].time : 0;
   const first = history.length ? history[0].time : 0;
   const span = Math.min(HISTORY_S, Math.max(MIN_SPAN_S, now - first));
@@ -113,34 +129,19 @@ function drawChart() {
     maxHeld = Math.max(maxHeld, ...phases.map((p) => h.byPhase[p] ?? 0));
   }
   const x = (t) => right - ((now - t) / span) * (right - left);
-  const y = (v, max) => bottom - (v / max) * (bottom - top);
   const parts = [];
-  for (const frac of [0, 0.5, 1]) {
-    const axis = document.createElementNS(SVG, "line");
-    const at = String(y(frac, 1));
-    axis.setAttribute("class", "axis");
-    axis.setAttribute("x1", String(left));
-    axis.setAttribute("x2", String(right));
-    axis.setAttribute("y1", at);
-    axis.setAttribute("y2", at);
-    parts.push(
-      axis,
-      label(left - 6, y(frac, 1) + 4, bytes(Math.round(maxRss * frac)), "end"),
-      label(right + 6, y(frac, 1) + 4, bytes(Math.round(maxHeld * frac)), "start"),
-    );
-  }
+  axes(parts, left, right, ...panels.rss, maxRss, "RSS");
+  axes(parts, left, right, ...panels.held, maxHeld, "held by phase");
   const since = span >= 120 ? Math.round(span / 60) + " min ago" : Math.round(span) + " s ago";
-  parts.push(
-    label(left, bottom + 20, since, "start"), label(right, bottom + 20, "now", "end"),
-    label(left - 6, bottom + 20, "RSS", "end"), label(right + 6, bottom + 20, "held", "start"),
-  );
-  const series = [["RSS (left)", RSS_COLOUR, (h) => h.rss, maxRss]];
+  parts.push(label(left, 228, since, "start"), label(right, 228, "now", "end"));
+  const series = [["RSS", RSS_COLOUR, (h) => h.rss, maxRss, panels.rss]];
   for (const p of phases) {
-    series.push(["held: " + p + " (right)", PHASE_COLOURS[p], (h) => h.byPhase[p] ?? 0, maxHeld]);
+    series.push(["held: " + p, PHASE_COLOURS[p], (h) => h.byPhase[p] ?? 0, maxHeld, panels.held]);
   }
   const legend = [];
-  for (const [name, colour, value, max] of series) {
-    const points = history.filter((h) => value(h) !== null).map((h) => [x(h.time), y(value(h), max)]);
+  for (const [name, colour, value, max, [top, bottom]] of series) {
+    const y = (v) => bottom - (v / max) * (bottom - top);
+    const points = history.filter((h) => value(h) !== null).map((h) => [x(h.time), y(value(h))]);
     if (points.length) parts.push(line(points, colour));
     const li = document.createElement("li");
     li.textContent = name;
@@ -186,7 +187,8 @@ async function refreshSessions() {
         key: s.id,
         cells: [
           cell(s.id, "id"), cell(count(s.in_flight), "num"), cell(count(s.requests), "num"),
-          cell(s.tombstoned ? "closed" : ago(s.idle_s)),
+          // A ledger session loaded from disk is listed with live: false.
+          cell(s.tombstoned ? "closed" : s.live === false ? "stored" : ago(s.idle_s)),
           cell(count(usage.input_tokens), "num"), cell(count(usage.cache_read_tokens), "num"),
           cell(count(usage.cache_write_tokens), "num"), cell(count(usage.output_tokens), "num"),
         ],
@@ -215,6 +217,7 @@ async function refreshUsage() {
     rows = []; // 404 until the usage store is enabled (or built): "no usage data"
   }
   fill(tbody, rows, 6, "no usage data");
+  document.getElementById("usage").dataset.answered = "yes"; // for the tests: a poll landed
 }
 
 function connect() {
