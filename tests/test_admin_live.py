@@ -22,6 +22,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 from benchmarks.admin_page import chromium
+from proxy import _live as live
 from proxy.testing import Harness, proxy_with_emulator
 
 PROMPT = "PROMPT-TEXT-7f3a9c-never-shown"
@@ -155,6 +156,27 @@ async def test_events_end_at_drain_without_holding_shutdown_up() -> None:
             await asyncio.wait_for(stopping, 10)
     assert b"event: end\n" in lines
     assert lines[-2:] == [b'data: {"reason": "draining"}\n', b"\n"]
+
+
+async def test_events_stream_closes_by_itself_after_its_longest_life(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(live, "EVENTS_MAX_S", 1.5)
+    async with proxy_with_emulator() as h:
+        lines: list[bytes] = []
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{h.url}/admin/events") as resp,
+        ):
+            async with asyncio.timeout(10):
+                async for line in resp.content:  # bounded: EVENTS_MAX_S, and the timeout
+                    lines.append(line)
+        assert not h.state.stop.is_set()
+    # Snapshots until the stream's end of life, then a clean end with no "end" event (the
+    # proxy is not draining): the page's EventSource reconnects.
+    assert lines.count(b"event: snapshot\n") >= 2
+    assert lines[-3] == b"event: snapshot\n"
+    assert b"event: end\n" not in lines
 
 
 # ------------------------------------------------------------------ the browser
@@ -293,6 +315,34 @@ async def test_browser_says_no_usage_data_without_a_usage_plugin() -> None:
             assert usage
             urls = await asyncio.to_thread(_requested_urls, driver)
             assert f"{h.url}/admin/usage?by=model" in urls
+        finally:
+            await asyncio.to_thread(driver.quit)
+
+
+async def test_browser_shows_a_hostile_session_id_as_text() -> None:
+    hostile = '<img src=x id=injected onerror="document.title=1">'
+    async with proxy_with_emulator() as h:
+        client = _client(h)
+        await client.chat.completions.create(
+            model="emulator-1",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_headers={"x-session-id": hostile},
+        )
+        await client.close()
+        driver = await asyncio.to_thread(chromium)
+        try:
+            await asyncio.to_thread(driver.get, f"{h.url}/admin/")
+            rows = await asyncio.to_thread(
+                _wait,
+                driver,
+                "the session",
+                lambda d: [r for r in _table(d, "sessions") if r[0] is not None],
+            )
+            assert [r[1] for r in rows] == [hostile]
+            injected = await asyncio.to_thread(
+                driver.execute_script, "return document.getElementById('injected')"
+            )
+            assert injected is None
         finally:
             await asyncio.to_thread(driver.quit)
 
