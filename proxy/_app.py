@@ -27,7 +27,14 @@ from . import _logs as logs
 from . import _protocols as protocols
 from . import _wire as wire
 from ._admin import admin_guard, admin_routes
-from ._body import BodyBusy, BodyError, BodyMemory, check_content_length, read_body
+from ._body import (
+    BodyBusy,
+    BodyError,
+    BodyIncomplete,
+    BodyMemory,
+    check_content_length,
+    read_body,
+)
 from ._cancel import orderly_cancel_reason
 from ._config import ConfigError, Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
@@ -294,7 +301,8 @@ def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Respo
 def _gone_mid_body(state: AppState, ex: Exchange) -> None:
     """The client hung up before its body completed (seen as a payload error or a cancel)."""
     log.warning("%s: client closed the connection before the body completed", ex.id)
-    ex.set_outcome(Outcome.CLIENT_GONE, ex.error)
+    # The same error whichever way the hang-up was seen (a payload error or a cancel).
+    ex.set_outcome(Outcome.CLIENT_GONE, BodyIncomplete.kind)
     state.metrics.disconnects.labels(Phase.READING.value).inc()
 
 

@@ -176,7 +176,7 @@ async def _busy_503(h: Harness) -> list[dict[str, Any]]:
         stalled.abort()  # and the stalled one leaves mid-body
     return [
         _expect("rejected", 503, "busy", 0),
-        _expect("client_gone", None, None, sent),
+        _expect("client_gone", None, "incomplete", sent),
     ]
 
 
@@ -186,7 +186,7 @@ async def _client_gone_mid_body(h: Harness) -> list[dict[str, Any]]:
     await client.send(b"x" * PART)
     await wait_until(lambda: h.state.reading_bytes == PART, "the part sent is read")
     client.abort()
-    return [_expect("client_gone", None, None, PART)]
+    return [_expect("client_gone", None, "incomplete", PART)]
 
 
 async def _passthrough_get(h: Harness) -> list[dict[str, Any]]:
