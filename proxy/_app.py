@@ -588,7 +588,10 @@ class ProxyApp:
         ``/healthz``, ``/readyz`` and ``/metrics`` are answered as ever (they need
         no descriptor); anything else gets a 503 with ``Retry-After`` in its
         protocol's shape, counted in ``context_proxy_fd_exhausted_total``, and
-        the connection closes (its body, if any, is not read).
+        the connection closes (its body, if any, is not read). A ``/v1/`` request
+        goes through :func:`handle_exchange` (``shed=True``) so that it is booked
+        like every exchange: an unknown route is its 404 there, a draining proxy
+        its 503 "proxy is shutting down".
         """
         state = self.state
         if request.path in _PROBES and request.method in ("GET", "HEAD"):
