@@ -129,12 +129,13 @@ async def _mid_read_413(h: Harness) -> list[dict[str, Any]]:
             CHAT_PATH,
             [("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")],
         )
-        await client.send(b"%x\r\n%s\r\n" % (PART * 2, b"x" * (PART * 2)))
-        await wait_until(lambda: h.state.reading_bytes == PART * 2, "the first chunk is read")
-        await client.send(b"%x\r\n%s\r\n" % (PART * 2, b"x" * (PART * 2)))
+        # Exactly the limit first (allowed), then any byte more passes it.
+        await client.send(b"%x\r\n%s\r\n" % (LIMIT, b"x" * LIMIT))
+        await wait_until(lambda: h.state.reading_bytes == LIMIT, "the first chunk is read")
+        await client.send(b"%x\r\n%s\r\n" % (PART, b"x" * PART))
         assert (await client.read_head()).status == 413
-    # The chunk that passed the limit was refused whole: only the first one was received.
-    return [_expect("rejected", 413, "too_large", PART * 2)]
+    # The piece that passed the limit was refused whole: only the first chunk was received.
+    return [_expect("rejected", 413, "too_large", LIMIT)]
 
 
 async def _bad_json_400(h: Harness) -> list[dict[str, Any]]:
