@@ -294,6 +294,9 @@ async def test_browser_shows_a_stream_move_through_its_phases_and_go() -> None:
             assert PROMPT not in source and KEY not in source
             urls = await asyncio.to_thread(_requested_urls, driver)
             assert urls and all(u.startswith(f"{h.url}/") for u in urls), urls
+            # No script error and no CSP refusal (network lines: a 404 /favicon.ico, usage).
+            console = await asyncio.to_thread(driver.get_log, "browser")
+            assert [e for e in console if e["source"] != "network"] == []
         finally:
             await asyncio.to_thread(driver.quit)
 
