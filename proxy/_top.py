@@ -8,6 +8,7 @@ prompt, a body, a header value or a key.
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -18,7 +19,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["READ_TIMEOUT_S", "TopError", "render", "snapshots"]
+__all__ = ["READ_TIMEOUT_S", "TopError", "print_once", "render", "snapshots"]
 
 #: Seconds without a byte from the event stream before ``top`` gives up (snapshots
 #: come every second).
@@ -39,13 +40,25 @@ class TopError(Exception):
 
 
 def snapshots(base: str, token: str | None) -> Generator[dict[str, Any], None, None]:
-    """Each ``snapshot`` of ``{base}/admin/events``, until the proxy ends the stream
-    (drain) or :data:`READ_TIMEOUT_S` passes without a byte.
+    """Each ``snapshot`` of ``{base}/admin/events``, until the proxy drains (its ``end``
+    event).
+
+    A stream the proxy closed at the end of its life (``EVENTS_MAX_S``, no ``end``
+    event) is opened again, as a browser's ``EventSource`` would.
 
     Raises:
-        TopError: the stream could not be opened (refused, not there, no proxy) or broke.
+        TopError: a stream could not be opened (refused, not there, no proxy), broke,
+            or sent nothing for :data:`READ_TIMEOUT_S` seconds.
     """
     url = f"{base}/admin/events"
+    while True:  # bounded: a stream is opened again only after one lived its whole life
+        drained = yield from _stream(url, token)
+        if drained:
+            return
+
+
+def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool]:
+    """The snapshots of one event stream; True when it ended with ``end`` (drain)."""
     request = urllib.request.Request(url, headers={"Accept": "text/event-stream"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")
@@ -65,11 +78,12 @@ def snapshots(base: str, token: str | None) -> Generator[dict[str, Any], None, N
                 elif line.startswith(b"data: ") and event == "snapshot":
                     yield json.loads(line[len(b"data: ") :])
                 elif line.startswith(b"data: ") and event == "end":
-                    return
+                    return True
                 elif not line:
                     event = "message"
-        except OSError as exc:  # a timeout or a reset mid-stream
-            raise TopError(f"{url}: {exc}") from None
+        except (OSError, http.client.HTTPException) as exc:  # a timeout, a reset, a cut chunk
+            raise TopError(f"{url}: {exc or type(exc).__name__}") from None
+    return False
 
 
 def _size(n: object) -> str:

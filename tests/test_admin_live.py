@@ -23,6 +23,7 @@ from selenium.webdriver.common.by import By
 
 from benchmarks.admin_page import chromium
 from proxy import _live as live
+from proxy import _top as top
 from proxy.testing import Harness, proxy_with_emulator
 
 PROMPT = "PROMPT-TEXT-7f3a9c-never-shown"
@@ -418,6 +419,21 @@ async def test_top_refused_names_the_token() -> None:
         _, err = await asyncio.wait_for(child.communicate(), 30)
     assert child.returncode == 1
     assert "HTTP 403" in err.decode() and "CONTEXT_PROXY_ADMIN_TOKEN" in err.decode()
+
+
+async def test_top_opens_the_stream_again_after_its_end_of_life(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(live, "EVENTS_MAX_S", 0.5)  # two snapshots per stream: at 0 and 0.5 s
+    async with proxy_with_emulator() as h:
+        stream = top.snapshots(h.url, None)
+        try:
+            snaps = [await asyncio.to_thread(next, stream) for _ in range(5)]
+        finally:
+            stream.close()
+    assert all(s["exchanges"] == [] for s in snaps)
+    times = [s["time"] for s in snaps]
+    assert times == sorted(times)
 
 
 async def test_top_live_ends_when_the_proxy_drains() -> None:
