@@ -237,10 +237,16 @@ async def test_browser_shows_a_stream_move_through_its_phases_and_go() -> None:
             )
             # Headers after STALL_S seconds (phase "sent"), then held after its first event.
             stream = asyncio.create_task(_stream(h, f"stall_headers={STALL_S};hold=page;usage=1"))
-            (first,) = await asyncio.to_thread(_wait, driver, "the exchange", _rows)
-            ex_id, protocol, session, phase = first
+            # Its first phases (reading to prepared) last a millisecond; "sent" STALL_S seconds.
+            (first,) = await asyncio.to_thread(
+                _wait,
+                driver,
+                "the exchange waiting for the upstream",
+                lambda d: [r for r in _rows(d) if r[3] == "sent"],
+                STALL_S,
+            )
+            ex_id, protocol, session, _ = first
             assert (protocol, session) == ("openai-chat", SESSION)
-            assert phase == "sent"
             streaming = await asyncio.to_thread(
                 _wait,
                 driver,
