@@ -281,7 +281,7 @@ async def usage(request: Request, state: AppState) -> web.Response:
         return _bad_request("cursor: not one this endpoint issued (start again without one)")
     if not state.host.keeps_usage:
         return web.json_response(
-            {"error": "no usage kept: enable the usage plugin (plugins = [..., \"usage\"])"},
+            {"error": 'no usage kept: enable the usage plugin (plugins = [..., "usage"])'},
             status=404,
         )
     page = await state.host.usage_page(UsageQuery(by=by, since=since, after=after, limit=limit))
