@@ -103,6 +103,7 @@ def _info_view(info: SessionInfo, tombstone_ttl_s: float | None) -> dict[str, An
         "pinned": info.pinned,
         "requests": info.requests,
         "idle_s": round(info.idle_s, 3),
+        "live": info.live,
         "tombstoned": info.tombstoned,
         "tombstone_ttl_s": _ttl_view(tombstone_ttl_s) if info.tombstoned else None,
     }
@@ -116,6 +117,7 @@ def _closed_view(sid: str, remaining: float) -> dict[str, Any]:
         "pinned": False,
         "requests": None,
         "idle_s": None,
+        "live": False,
         "tombstoned": True,
         "tombstone_ttl_s": _ttl_view(remaining),
         "plugins": None,
@@ -156,7 +158,10 @@ def _page_limit(raw: str | None) -> int | None:
 
 
 async def list_sessions(request: Request, state: AppState) -> web.Response:
-    """One page of the live sessions: in-flight count, pinned, last activity, tombstoned.
+    """One page of the sessions: in-flight count, pinned, last activity, live, tombstoned.
+
+    ``live`` is ``false`` for a session a plugin loaded from its storage at
+    start-up (the ledger's) that no request of this process has reached yet.
 
     ``?limit=N`` (1 to :data:`SESSIONS_PAGE_MAX`, default
     :data:`SESSIONS_PAGE_DEFAULT`) sessions in creation order, after

@@ -328,8 +328,10 @@ def _listing(base: str, token: str | None) -> Iterator[dict[str, Any]]:
 def sessions(url: str, token: str | None, as_json: bool) -> None:
     """Print the sessions of a running proxy, with each plugin's state.
 
-    The table has a row per session; --json prints {"sessions": [...]} with each
-    session as GET /admin/sessions/{id} describes it.
+    The table has a row per session; "live" is "no" for a session loaded from a
+    plugin's storage (the ledger's) that no request has reached since the start.
+    --json prints {"sessions": [...]} with each session as GET /admin/sessions/{id}
+    describes it.
     """
     base = url.rstrip("/")
     listing = list(_listing(base, token))
@@ -362,14 +364,15 @@ def sessions(url: str, token: str | None, as_json: bool) -> None:
                 _cell(detail.get("in_flight")),
                 _cell(detail.get("requests")),
                 _age(float(idle)) if isinstance(idle, (int, float)) else "-",
+                _cell(detail.get("live")),
                 _cell(detail.get("tombstoned")),
                 state or "-",
             ]
         )
     _print_table(
-        ["id", "in_flight", "requests", "active", "closed", "plugins"],
+        ["id", "in_flight", "requests", "active", "live", "closed", "plugins"],
         rows,
-        numeric=frozenset({"in_flight", "requests", "active", "closed"}),
+        numeric=frozenset({"in_flight", "requests", "active", "live", "closed"}),
         ellipsis=frozenset({"id"}),
     )
 

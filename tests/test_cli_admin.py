@@ -271,3 +271,49 @@ async def test_the_usage_command_says_when_the_plugin_is_not_enabled() -> None:
         result = await asyncio.to_thread(CliRunner().invoke, cli_main, ["usage", "--url", h.url])
     assert result.exit_code == 1
     assert "HTTP 404 (no usage kept: enable the usage plugin" in result.output
+
+
+async def test_ledger_sessions_loaded_at_start_up_are_listed_as_not_live(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Run, stop, start again: the ledger's saved sessions are in ``/admin/sessions``
+    (``live: false``), ``GET /admin/sessions/{id}`` (not 404) and ``context-proxy
+    sessions``; a request makes one live; one never used stays stored."""
+    db = tmp_path / "ledger.db"
+    async with proxy_with_emulator(plugins=[LedgerPlugin(path=str(db))]) as h:
+        for sid in ("used-again", "stays-stored", "used-again"):
+            async with http.post(h.url + CHAT, json=_body(sid), headers={"x-session-id": sid}) as r:
+                assert r.status == 200
+                await r.read()
+        await h.settle()
+    for start in range(2):  # the second start proves the first one's stop kept them stored
+        async with proxy_with_emulator(plugins=[LedgerPlugin(path=str(db))]) as h:
+            async with http.get(h.url + "/admin/sessions") as resp:
+                listed = {s["id"]: s for s in (await resp.json())["sessions"]}
+            assert sorted(listed) == ["stays-stored", "used-again"]
+            assert all(s["live"] is False and s["requests"] == 0 for s in listed.values())
+            assert all(s["idle_s"] >= 0 and s["in_flight"] == 0 for s in listed.values())
+            view = await h.session_view("used-again")
+            assert view is not None and view["live"] is False
+            assert view["plugins"]["ledger"]["requests"] == 2 + start
+            table = await asyncio.to_thread(
+                CliRunner().invoke, cli_main, ["sessions", "--url", h.url], env={"COLUMNS": "80"}
+            )
+            assert table.exit_code == 0, table.output
+            rows = {line.split()[0]: line.split()[1:] for line in table.output.splitlines()[1:]}
+            # in_flight, requests, active ("N s ago" or "just now": 2 words), live, closed
+            assert rows["stays-stored"][0:2] == ["0", "0"] and rows["stays-stored"][4:6] == [
+                "no",
+                "no",
+            ], table.output
+            async with http.post(
+                h.url + CHAT, json=_body("m"), headers={"x-session-id": "used-again"}
+            ) as r:
+                assert r.status == 200
+                await r.read()
+            await h.settle()
+            view = await h.session_view("used-again")
+            assert view is not None and view["live"] is True and view["requests"] == 1
+            assert view["plugins"]["ledger"]["requests"] == 3 + start
+            stored = await h.session_view("stays-stored")
+            assert stored is not None and stored["live"] is False
