@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import math
 import os
@@ -64,6 +65,7 @@ from typing import ClassVar, Final, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from sortedcontainers import SortedList
 
 from proxy import ExchangeRecord, Outcome, Plugin, Scalar, UsagePage, UsageQuery, UsageRow
 
@@ -461,6 +463,8 @@ class UsagePlugin(Plugin):
         # Without a store: what GET /admin/usage reports, per kind, keys in LRU order
         # (sessions capped at max_sessions; models are capped by model_label).
         self._seen: dict[str, OrderedDict[str, _Seen]] = {k: OrderedDict() for k in _KINDS}
+        # The same keys in key order: a page starts at its cursor in O(log n).
+        self._seen_keys: dict[str, SortedList[str]] = {k: SortedList() for k in _KINDS}
         # With a store: the totals added since the last write, per (kind, key).
         self._held: dict[tuple[str, str], _Seen] = {}
         self._timer: asyncio.Task[None] | None = None
@@ -629,12 +633,12 @@ class UsagePlugin(Plugin):
         if self._store is None:
             seen = self._seen[query.by]
             since = -math.inf if query.since is None else query.since
-            keys = sorted(
-                key
-                for key, totals in seen.items()
-                if totals.last_seen >= since and (query.after is None or key > query.after)
+            after = self._seen_keys[query.by].irange(
+                minimum=query.after, inclusive=(query.after is None, True)
             )
-            rows = [seen[key].usage_row(key) for key in keys[: query.limit + 1]]
+            # Bounded by the keys kept; a since that selects few rows walks more of them.
+            recent = (key for key in after if seen[key].last_seen >= since)
+            rows = [seen[key].usage_row(key) for key in itertools.islice(recent, query.limit + 1)]
         else:
             await self._flush()
             store = self._store
@@ -685,8 +689,10 @@ class UsagePlugin(Plugin):
             totals = seen.get(key)
             if totals is None:
                 totals = seen[key] = _Seen(when)
+                self._seen_keys[kind].add(key)
                 if kind == "session" and len(seen) > self.max_sessions:
-                    seen.popitem(last=False)
+                    oldest, _ = seen.popitem(last=False)
+                    self._seen_keys[kind].remove(oldest)
             else:
                 seen.move_to_end(key)
             totals.add(record, when)

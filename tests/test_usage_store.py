@@ -25,6 +25,7 @@ import openai
 import pytest
 
 from plugins.usage import UsagePlugin, UsageStoreError
+from proxy import Plugin, UsagePage, UsageQuery
 from proxy.testing import Harness, make_record, proxy_process, proxy_with_emulator, start_emulator
 
 BOUND_S: Final = 20.0
@@ -332,3 +333,60 @@ async def test_totals_survive_a_restart(
         assert again["rows"] == []
     [after] = more["rows"]
     assert after["requests"] == kept + 1
+
+
+# -- the two hooks behind these views fail like any other hook -------------------------------
+
+
+class BrokenStorage(Plugin):
+    """A plugin whose storage views raise: its failures are logged and counted."""
+
+    name = "broken"
+
+    def stored_sessions(self) -> list[tuple[str, float]]:
+        raise OSError("disk gone")
+
+    async def usage_page(self, query: UsageQuery) -> UsagePage:
+        raise OSError("disk gone")
+
+
+class Remembers(Plugin):
+    """Reports two sessions from storage, one of them also reported by another plugin."""
+
+    name = "remembers"
+
+    def stored_sessions(self) -> list[tuple[str, float]]:
+        return [("from-disk", time.time() - 600), ("", 0.0), ("twice", time.time() - 60)]
+
+
+class AlsoRemembers(Plugin):
+    name = "also"
+
+    def stored_sessions(self) -> list[tuple[str, float]]:
+        return [("twice", time.time() - 6000)]
+
+
+async def test_a_failing_storage_hook_is_isolated(http: aiohttp.ClientSession) -> None:
+    plugins = [BrokenStorage(), Remembers(), AlsoRemembers()]
+    async with proxy_with_emulator(plugins=plugins) as h:
+        failed = await get_json(http, f"{h.url}/admin/usage", status=503)
+        listing = await get_json(http, f"{h.url}/admin/sessions")
+        assert h.state.host.failures == {"broken": 2}
+    assert "failed" in failed["error"]
+    # An empty id is no session; one reported twice counts at its latest activity.
+    idle = {s["id"]: s["idle_s"] for s in listing["sessions"]}
+    assert sorted(idle) == ["from-disk", "twice"]
+    assert 600 <= idle["from-disk"] < 700 and 60 <= idle["twice"] < 160
+    assert all(s["live"] is False for s in listing["sessions"])
+
+
+async def test_in_memory_the_session_rows_are_capped_least_recent_first() -> None:
+    plugin = UsagePlugin(max_sessions=2)
+    # "b" pushes "a" out; "c" is then used again, so "d" pushes out "b", not "c".
+    for sid in ("a", "c", "b", "c", "d"):
+        await plugin.commit(make_record(session_id=sid, input_tokens=1))
+    page = await plugin.usage_page(UsageQuery(by="session", since=None, after=None, limit=5))
+    assert [(r.key, r.requests) for r in page.rows] == [("c", 2), ("d", 1)]
+    assert not page.more
+    later = await plugin.usage_page(UsageQuery(by="session", since=None, after="c", limit=5))
+    assert [r.key for r in later.rows] == ["d"]
