@@ -303,6 +303,13 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+def _session_state(detail: dict[str, Any]) -> str:
+    """A session's ``state`` cell: ``closed`` (tombstoned), ``stored`` (not live) or ``live``."""
+    if detail.get("tombstoned"):
+        return "closed"
+    return "live" if detail.get("live", True) else "stored"
+
+
 #: Sessions asked for per ``GET /admin/sessions`` page (the proxy's largest page).
 LISTING_PAGE: Final = 250
 
@@ -336,8 +343,9 @@ def _listing(base: str, token: str | None) -> Iterator[dict[str, Any]]:
 def sessions(url: str, token: str | None, as_json: bool) -> None:
     """Print the sessions of a running proxy, with each plugin's state.
 
-    The table has a row per session; "live" is "no" for a session loaded from a
-    plugin's storage (the ledger's) that no request has reached since the start.
+    The table has a row per session; its state is "closed" (tombstoned),
+    "stored" (loaded from a plugin's storage, the ledger's, and not reached by a
+    request since the start) or "live".
     --json prints {"sessions": [...]} with each session as GET /admin/sessions/{id}
     describes it.
     """
@@ -372,15 +380,14 @@ def sessions(url: str, token: str | None, as_json: bool) -> None:
                 _cell(detail.get("in_flight")),
                 _cell(detail.get("requests")),
                 _age(float(idle)) if isinstance(idle, (int, float)) else "-",
-                _cell(detail.get("live")),
-                _cell(detail.get("tombstoned")),
+                _session_state(detail),
                 state or "-",
             ]
         )
     _print_table(
-        ["id", "in_flight", "requests", "active", "live", "closed", "plugins"],
+        ["id", "in_flight", "requests", "active", "state", "plugins"],
         rows,
-        numeric=frozenset({"in_flight", "requests", "active", "live", "closed"}),
+        numeric=frozenset({"in_flight", "requests", "active", "state"}),
         ellipsis=frozenset({"id"}),
     )
 
