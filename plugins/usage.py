@@ -575,8 +575,6 @@ class UsagePlugin(Plugin):
         model = self.model_label(record.model)
         refused_as_closed = _refused_as_closed(record)
         self._report(record, model, None if refused_as_closed else record.session_id)
-        if self.sync == "commit" and self._store is not None:
-            await self._flush()
         key = (record.protocol, model)
         totals = self._by_label.get(key)
         if totals is None:
@@ -584,16 +582,18 @@ class UsagePlugin(Plugin):
         totals.add(record)
         totals.observe_share(record)
         sid = record.session_id
-        if sid is None or refused_as_closed:
-            return
-        usage = self._sessions.get(sid)
-        if usage is None:
-            usage = self._sessions[sid] = _Totals()
-            if len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
-        else:
-            self._sessions.move_to_end(sid)
-        usage.add(record)
+        if sid is not None and not refused_as_closed:
+            usage = self._sessions.get(sid)
+            if usage is None:
+                usage = self._sessions[sid] = _Totals()
+                if len(self._sessions) > self.max_sessions:
+                    self._sessions.popitem(last=False)
+            else:
+                self._sessions.move_to_end(sid)
+            usage.add(record)
+        # Last: everything in memory is counted even when this write fails.
+        if self.sync == "commit" and self._store is not None:
+            await self._flush()
 
     async def session_closed(self, session_id: str) -> None:
         """Forget the session's totals (the per-model counters keep them)."""

@@ -390,3 +390,28 @@ async def test_in_memory_the_session_rows_are_capped_least_recent_first() -> Non
     assert not page.more
     later = await plugin.usage_page(UsageQuery(by="session", since=None, after="c", limit=5))
     assert [r.key for r in later.rows] == ["d"]
+
+
+async def test_a_failed_write_keeps_the_totals_for_the_next_one(tmp_path: Path) -> None:
+    """``sync = "commit"``: a write that cannot take the lock raises from the hook; the
+    totals stay counted in memory and held, and the next write stores them all."""
+    db = tmp_path / "usage.db"
+    plugin = UsagePlugin(path=str(db), sync="commit", lock_timeout=0.05)
+    await plugin.startup()
+    try:
+        await plugin.commit(make_record(session_id="s", input_tokens=1))
+        other = sqlite3.connect(db, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        try:
+            with pytest.raises(UsageStoreError, match="write failed"):
+                await plugin.commit(make_record(session_id="s", input_tokens=10))
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        assert plugin.write_errors == 1
+        assert plugin.session_state("s")["input_tokens"] == 11  # counted in memory anyway
+        await plugin.commit(make_record(session_id="s", input_tokens=100))
+        page = await plugin.usage_page(UsageQuery(by="session", since=None, after=None, limit=5))
+    finally:
+        await plugin.shutdown()
+    assert [(r.requests, r.input_tokens) for r in page.rows] == [(3, 111)]
