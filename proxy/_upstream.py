@@ -1451,8 +1451,11 @@ def _status_words(status: int) -> str:
     return f"{status} {phrase}{hint}"
 
 
+_CREDENTIALS_HINT: Final = " (proxy credentials missing or wrong: the user:password in the proxy URL)"
 _TUNNEL_HINTS: Final = {
-    407: " (proxy credentials missing or wrong: the user:password in the proxy URL)",
+    # 407 is the standard answer; tinyproxy sends 401 to credentials it refuses.
+    401: _CREDENTIALS_HINT,
+    407: _CREDENTIALS_HINT,
     403: " (the proxy does not allow this host or port)",
 }
 
