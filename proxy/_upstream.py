@@ -1451,7 +1451,9 @@ def _status_words(status: int) -> str:
     return f"{status} {phrase}{hint}"
 
 
-_CREDENTIALS_HINT: Final = " (proxy credentials missing or wrong: the user:password in the proxy URL)"
+_CREDENTIALS_HINT: Final = (
+    " (proxy credentials missing or wrong: the user:password in the proxy URL)"
+)
 _TUNNEL_HINTS: Final = {
     # 407 is the standard answer; tinyproxy sends 401 to credentials it refuses.
     401: _CREDENTIALS_HINT,
