@@ -5,12 +5,14 @@ a real tinyproxy in ``test_egress_tinyproxy.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 from click.testing import CliRunner, Result
 
@@ -19,6 +21,7 @@ from proxy._config import ConfigError, load_settings
 from proxy._egress import EgressError, ForwardProxy, NoProxy, choose_proxy
 from proxy._relay import upstream_targets
 from proxy._upstream import UpstreamTarget, _request_head
+from tests.upstream_support import Scripted, proxy_app
 
 
 def _via(url: str, env: dict[str, str], setting: str | None = None) -> str | None:
@@ -206,3 +209,45 @@ def test_serve_refuses_to_start_with_an_unreadable_ca_file(tmp_path: Path) -> No
     )
     assert done.returncode == 1
     assert f"bad setting: upstream_ca_file: cannot read {missing}" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        (b"", "closed the connection to CONNECT"),
+        (b"SSH-2.0-OpenSSH_9.2\r\n", "sent no HTTP answer to CONNECT"),
+        (b"HTTP/1.1 200 Connection established\r\n\r\nEARLY", "sent bytes after CONNECT"),
+        (b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n", ": 502 Bad Gateway"),
+    ],
+)
+async def test_a_proxy_that_does_not_open_the_tunnel_is_a_502_saying_what_it_did(
+    answer: bytes, words: str
+) -> None:
+    seen: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        seen.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(answer)
+        await writer.drain()
+
+    async with Scripted(proxy) as fake:
+        env = {"HTTPS_PROXY": f"http://user:pw@127.0.0.1:{fake.port}"}
+        async with (
+            proxy_app("https://api.example.invalid", environ=env) as (url, _app),
+            openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-x", max_retries=0) as sdk,
+        ):
+            with pytest.raises(openai.APIStatusError) as caught:
+                await sdk.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}]
+                )
+    assert caught.value.status_code == 502
+    body = caught.value.body
+    assert isinstance(body, dict)
+    prefix = f"egress proxy http://127.0.0.1:{fake.port} (from HTTPS_PROXY) "
+    assert body["message"].startswith(prefix) and words in body["message"]
+    assert "api.example.invalid:443" in body["message"]
+    token = base64.b64encode(b"user:pw").decode()
+    assert seen == [
+        b"CONNECT api.example.invalid:443 HTTP/1.1\r\nHost: api.example.invalid:443\r\n"
+        b"User-Agent: context-proxy\r\nProxy-Authorization: Basic " + token.encode() + b"\r\n\r\n"
+    ]
