@@ -1148,6 +1148,9 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 if via is None:
+                    # A host name's addresses are raced here (asyncio's own race, its
+                    # happy_eyeballs_delay, costs ~8 KiB of RSS per connection under a
+                    # burst of connects, and uvloop has none); an IP address is direct.
                     if target.literal:
                         await loop.create_connection(
                             lambda: conn,  # this connection's protocol object, made before
@@ -1176,9 +1179,8 @@ class UpstreamPool:
     ) -> socket.socket:
         """A socket connected to ``via`` and, for an https ``target``, tunnelled to it.
 
-        A host name's addresses are raced here (asyncio's own race, its
-        happy_eyeballs_delay, costs ~8 KiB of RSS per connection under a burst of
-        connects, and uvloop has none); an IP address is direct.
+        The proxy's addresses are raced as a direct upstream's are (an IP address is
+        connected to directly).
 
         Raises:
             ConnectFailed: the proxy could not be reached (``proxy`` set).
@@ -1414,8 +1416,8 @@ async def _open_tunnel(
     status = _tunnel_status(bytes(head[: head.find(b"\r\n")]) if b"\r\n" in head else b"")
     end = head.find(b"\r\n\r\n")
     if status is None or (end < 0 and 200 <= status < 300):
-        words = "closed the connection" if not head else "sent no HTTP answer"
-        raise TunnelFailed(via, authority, None, f"{words} to CONNECT {authority}")
+        words = "closed the connection before answering" if not head else "sent no HTTP answer to"
+        raise TunnelFailed(via, authority, None, f"{words} CONNECT {authority}")
     if not 200 <= status < 300:
         raise TunnelFailed(
             via, authority, status, f"refused CONNECT to {authority}: {_status_words(status)}"

@@ -214,7 +214,7 @@ def test_serve_refuses_to_start_with_an_unreadable_ca_file(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("answer", "words"),
     [
-        (b"", "closed the connection to CONNECT"),
+        (b"", "closed the connection before answering CONNECT"),
         (b"SSH-2.0-OpenSSH_9.2\r\n", "sent no HTTP answer to CONNECT"),
         (b"HTTP/1.1 200 Connection established\r\n\r\nEARLY", "sent bytes after CONNECT"),
         (b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n", ": 502 Bad Gateway"),
