@@ -156,8 +156,12 @@ async def test_a_private_upstream_is_trusted_only_with_upstream_ca_file(
 
 
 async def test_a_refused_connect_is_a_502_in_the_clients_shape(
-    tmp_path: Path, ca: PrivateCA, tls_emulator: EmulatorServer
+    tmp_path: Path,
+    ca: PrivateCA,
+    tls_emulator: EmulatorServer,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="context_proxy.access")
     # Only port 443 may be tunnelled to: tinyproxy answers 403 to the emulator's port.
     with tinyproxy(tmp_path, connect_ports=[443]) as proxy:
         upstream = f"https://localhost:{tls_emulator.port}"
@@ -175,6 +179,7 @@ async def test_a_refused_connect_is_a_502_in_the_clients_shape(
         "(the proxy does not allow this host or port)"
     )
     assert tls_emulator.stats == []
+    assert "status=502 outcome=upstream_unreachable" in caplog.text
 
 
 async def test_proxy_credentials_go_as_basic_auth_and_are_never_logged(
@@ -211,7 +216,10 @@ async def test_proxy_credentials_go_as_basic_auth_and_are_never_logged(
     assert "YWxpY2U6czNjcmV0" not in caplog.text
 
 
-async def test_an_unreachable_proxy_is_upstream_unreachable(ca: PrivateCA) -> None:
+async def test_an_unreachable_proxy_is_upstream_unreachable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="context_proxy.access")
     dead = free_port()  # nothing listens there
     upstream = "https://localhost:1"
     async with _proxy(upstream, {"HTTPS_PROXY": f"http://127.0.0.1:{dead}"}) as sdk:
@@ -222,6 +230,8 @@ async def test_an_unreachable_proxy_is_upstream_unreachable(ca: PrivateCA) -> No
         f"egress proxy http://127.0.0.1:{dead} (from HTTPS_PROXY) refused the connection "
         f"at 127.0.0.1:{dead}"
     )
+    # Booked as an upstream that cannot be reached, as without a proxy.
+    assert "status=502 outcome=upstream_unreachable" in caplog.text
 
 
 async def test_the_upstream_proxy_setting_overrides_the_environment(
