@@ -8,6 +8,7 @@ through tinyproxy is read from tinyproxy's own log (its request lines).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterator
@@ -17,13 +18,17 @@ from typing import Any
 import anthropic
 import openai
 import pytest
+import uvloop
 from openai.types.chat import ChatCompletionUserMessageParam
 
+from proxy._egress import ForwardProxy
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
+from proxy._relay import upstream_tls
+from proxy._upstream import UpstreamPool, UpstreamTarget
 from tests.cluster_support import free_port
 from tests.process_support import Proc
 from tests.tinyproxy_support import PrivateCA, Tinyproxy, private_ca, tinyproxy
-from tests.upstream_support import proxy_app
+from tests.upstream_support import Scripted, json_answer, proxy_app, read_request
 
 SECRET = "sk-egress-test-key-0123456789"
 USER: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": "hi"}]
@@ -270,3 +275,43 @@ async def test_serve_reads_the_proxy_environment_and_logs_the_route_without_cred
             await child.stop()
         assert proxy.requests() == [f"CONNECT localhost:{port} HTTP/1.1"]
     assert "s3cret" not in child.output and "YWxpY2U6czNjcmV0" not in child.output
+
+
+def test_the_tunnel_works_on_uvloop_too(tmp_path: Path, ca: PrivateCA) -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        for _ in range(4):  # bounded: the requests of one kept connection
+            await read_request(reader)
+            writer.write(json_answer())
+            await writer.drain()
+
+    async def two_requests(proxy_url: str, port: int) -> list[int]:
+        pool = UpstreamPool(
+            connect_timeout=10.0,
+            idle_read=5.0,
+            max_connections=0,
+            tls_context=upstream_tls(str(ca.ca_file)),
+        )
+        via = ForwardProxy(proxy_url, "HTTPS_PROXY")
+        target = UpstreamTarget(f"https://localhost:{port}", via)
+        statuses = []
+        try:
+            for _ in range(2):
+                resp = await pool.request(target, "GET", "/", {})
+                while await resp.read():  # bounded: the body ends
+                    pass
+                statuses.append(resp.status)
+                resp.release()
+        finally:
+            await pool.close()
+        return statuses
+
+    async def run() -> tuple[list[int], list[str]]:
+        async with Scripted(answer, tls=ca.server) as upstream:
+            with tinyproxy(tmp_path, connect_ports=[upstream.port]) as proxy:
+                statuses = await two_requests(proxy.url, upstream.port)
+                return statuses, proxy.requests()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        statuses, lines = runner.run(run())
+    assert statuses == [200, 200]
+    assert len(lines) == 1 and lines[0].startswith("CONNECT localhost:")
