@@ -40,6 +40,8 @@ _REQUEST_LINE: Final = re.compile(r"Request \(file descriptor \d+\): (.+)$")
 class Tinyproxy:
     """One tinyproxy process on ``127.0.0.1:port``; ``url`` is ``http://127.0.0.1:port``."""
 
+    __slots__ = ("_proc", "basic_auth", "binary", "connect_ports", "log", "port", "url", "workdir")
+
     def __init__(
         self,
         workdir: Path,
