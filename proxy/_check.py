@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from ._config import check_settings
 from ._fdlimit import reachable_nofile_limit, reserve_problem
 from ._plugins import PluginError, load_plugins, unclaimed_tables
-from ._relay import egress_problems
+from ._relay import egress_problems, upstream_targets
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -54,7 +54,19 @@ def check_config(
     if fd_problem is not None:
         problems.append(fd_problem)
     # The proxy URLs (setting or HTTPS_PROXY and the rest) and upstream_ca_file.
-    problems.extend(egress_problems(settings, os.environ if environ is None else environ))
+    env = os.environ if environ is None else environ
+    egress = egress_problems(settings, env)
+    problems.extend(egress)
+    # Where each upstream's connections go, when a proxy is in the way (never its credentials).
+    routes = (
+        [
+            f"{name} upstream through {target.via.shown} (from {target.via.source})"
+            for name, target in upstream_targets(settings, env).items()
+            if target.via is not None
+        ]
+        if not egress
+        else []
+    )
     constructed: list[str] = []
     for spec in settings.plugins:
         try:
@@ -79,5 +91,6 @@ def check_config(
         f"{where}: settings ok, {len(constructed)} plugin(s) ok"
         f"{' (' + ', '.join(constructed) + ')' if constructed else ''},"
         f" would listen on {settings.host}:{settings.port}"
+        f"{'; ' + ', '.join(routes) if routes else ''}"
     )
     return CheckReport(tuple(problems), summary)

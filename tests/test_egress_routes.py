@@ -166,7 +166,14 @@ def test_a_bad_upstream_proxy_setting_is_a_config_error_without_its_credentials(
 def _check(tmp_path: Path, **env: str) -> Result:
     config = tmp_path / "proxy.toml"
     config.write_text("plugins = []\n")
-    return CliRunner().invoke(main, ["check", "--config", str(config)], env=env)
+    # Whatever proxy variables this process has are unset for the check (None: unset).
+    hermetic: dict[str, str | None] = {
+        name: None
+        for base in ("https_proxy", "http_proxy", "no_proxy")
+        for name in (base, base.upper())
+    }
+    hermetic.update(env)
+    return CliRunner().invoke(main, ["check", "--config", str(config)], env=hermetic)
 
 
 def test_check_reports_a_missing_or_unusable_ca_file(tmp_path: Path) -> None:
@@ -194,6 +201,12 @@ def test_check_reports_an_unusable_proxy_variable_without_its_credentials(tmp_pa
     assert "hunter2" not in result.output
     ok = _check(tmp_path, HTTPS_PROXY="http://me:hunter2@proxy.corp:3128")
     assert ok.exit_code == 0, ok.output
+    # The summary names each upstream's route, without the credentials.
+    assert ok.output.strip().endswith(
+        "; openai upstream through http://proxy.corp:3128 (from HTTPS_PROXY),"
+        " anthropic upstream through http://proxy.corp:3128 (from HTTPS_PROXY)"
+    )
+    assert "hunter2" not in ok.output
 
 
 def test_serve_refuses_to_start_with_an_unreadable_ca_file(tmp_path: Path) -> None:

@@ -258,15 +258,16 @@ async def test_serve_reads_the_proxy_environment_and_logs_the_route_without_cred
     with tinyproxy(tmp_path, connect_ports=[port], basic_auth=("alice", "s3cret")) as proxy:
         host_port = proxy.url.removeprefix("http://")
         env = {
-            "HTTPS_PROXY": f"http://alice:s3cret@{host_port}",
-            "NO_PROXY": "",
+            # Lowercase: it wins over whatever uppercase ones this process has.
+            "https_proxy": f"http://alice:s3cret@{host_port}",
+            "no_proxy": "",
             "CONTEXT_PROXY_UPSTREAM_CA_FILE": str(ca.ca_file),
             "CONTEXT_PROXY_ACCESS_LOG": "true",
         }
         child, proxy_port = await Proc.serve(f"https://localhost:{port}", env=env)
         try:
             await child.wait_line(
-                rf"egress: openai upstream through {proxy.url} \(from HTTPS_PROXY\)"
+                rf"egress: openai upstream through {proxy.url} \(from https_proxy\)"
             )
             async with _openai(f"http://127.0.0.1:{proxy_port}") as sdk:
                 assert await _stream_text(sdk) == DEFAULT_TEXT
