@@ -615,7 +615,8 @@ class ProxyApp:
         return upstream.pool.connections_in_use + upstream.pool.idle_connections
 
     async def startup(self) -> None:
-        """Start the plugins, open the upstream pool, join the cluster (in that order).
+        """Start the plugins, list their stored sessions, open the upstream pool, join
+        the cluster (in that order).
 
         Plugins first: when one refuses to start, nothing else is left open.
 
@@ -624,6 +625,12 @@ class ProxyApp:
         """
         state = self.state
         await state.host.startup()
+        # Sessions the plugins loaded from storage (the ledger's) are listed, not live.
+        now = time.time()
+        stored = sorted(state.host.stored_sessions().items(), key=lambda item: item[1])
+        listed = sum(state.registry.add_stored(sid, now - last) for sid, last in stored)
+        if stored:
+            log.info("%d stored session(s) listed as not live", listed)
         state.upstream = Upstream(state.settings, self.environ)
         if state.cluster is not None:
             await state.cluster.start()

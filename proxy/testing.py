@@ -118,7 +118,7 @@ class Harness:
     async def session_view(self, session_id: str) -> dict[str, Any] | None:
         """``GET /admin/sessions/{session_id}`` decoded, or ``None`` for an unknown session.
 
-        The view has ``id``, ``in_flight``, ``requests``, ``idle_s`` (seconds),
+        The view has ``id``, ``in_flight``, ``requests``, ``idle_s`` (seconds), ``live``,
         ``tombstoned`` and ``plugins``: ``{plugin name: {key: scalar}}`` from each
         plugin's ``session_state``. Call :meth:`settle` first to see the last commit.
 
