@@ -107,11 +107,11 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
     logs.EXCHANGE_ID.set(ex.id)
     task = asyncio.current_task()
     assert task is not None
+    tracing = state.tracing
+    trace = None if tracing is None else tracing.exchange(ex, request.headers, _peername(request))
     state.exchanges[ex.id] = ex
     state.handlers.add(task)
     state.metrics.in_flight.inc()
-    tracing = state.tracing
-    trace = None if tracing is None else tracing.exchange(ex, request.headers, _peername(request))
     try:
         return await _run_exchange(request, state, ex, route.upstream, task, trace)
     except BodyError as exc:

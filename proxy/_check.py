@@ -3,7 +3,9 @@
 :func:`check_config` validates every setting on its own (one line per bad one),
 imports every enabled plugin and constructs it with its options, and calls each
 plugin's optional ``check()`` hook, which opens the plugin's storage read-only
-(the ledger's SQLite file). Nothing is started, served or written.
+(the ledger's SQLite file); with ``tracing = "otel"``, that the extra and the
+exporters ``OTEL_TRACES_EXPORTER`` names are installed. Nothing is started,
+served or written.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from ._config import check_settings
 from ._fdlimit import reachable_nofile_limit, reserve_problem
 from ._plugins import PluginError, load_plugins, unclaimed_tables
+from ._tracing import tracing_problems
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -50,6 +53,8 @@ def check_config(
     fd_problem = reserve_problem(settings.fd_reserve, reachable_nofile_limit())
     if fd_problem is not None:
         problems.append(fd_problem)
+    if settings.tracing == "otel":
+        problems.extend(tracing_problems(os.environ if environ is None else environ))
     constructed: list[str] = []
     for spec in settings.plugins:
         try:

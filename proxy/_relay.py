@@ -343,11 +343,12 @@ class _Relay:
             ) from None
 
     def _attempt(self, reason: AttemptReason) -> AttemptTrace | None:
-        """The span of the attempt about to be sent (``None`` untraced); it puts its
-        trace context in the outbound header fields."""
+        """The span of the attempt about to be sent; it puts its trace context in the
+        outbound header fields (``None`` when they are already gone)."""
         trace = self.trace
         headers = self.ex.outbound_headers
-        if trace is None or headers is None:
+        assert trace is not None
+        if headers is None:
             return None
         where = self.target[0]
         return trace.attempt(self.ex, headers, reason=reason, host=where.host, port=where.port)
@@ -373,7 +374,7 @@ class _Relay:
                     # The release boundary comes before the last send: the parsed
                     # body must not sit in memory while the upstream reads and thinks.
                     ex.release(keep_outbound=True)
-                attempt = self._attempt(attempt_reason)
+                attempt = None if self.trace is None else self._attempt(attempt_reason)
                 try:
                     try:
                         resp = await self._send()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.metadata
+import importlib.util
 import os
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Final, Literal
@@ -56,7 +57,14 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer, TracerProvider
 
-__all__ = ["AttemptTrace", "ExchangeTrace", "Tracing", "start_tracing"]
+__all__ = [
+    "AttemptTrace",
+    "ExchangeTrace",
+    "Tracing",
+    "exporter_entries",
+    "start_tracing",
+    "tracing_problems",
+]
 
 #: What the start-up error tells a user who enabled tracing without the extra.
 MISSING_EXTRA: Final = (
@@ -157,8 +165,9 @@ class ExchangeTrace:
         its trace context in ``headers`` (the attempt's request fields).
 
         The fields the propagator writes (``traceparent``, ``tracestate``,
-        ``baggage`` by default) are removed first: the client's values are the
-        exchange span's parent now, and a stale one must not ride along.
+        ``baggage`` by default) are replaced: the client's trace context is the
+        exchange span's parent now (its ``tracestate`` and baggage are carried
+        on), and a stale field must not ride along.
         """
         from opentelemetry import trace
 
@@ -185,7 +194,7 @@ class ExchangeTrace:
         for name in propagator.fields:
             while name in headers:
                 del headers[name]
-        propagator.inject(headers, context=trace.set_span_in_context(span))
+        propagator.inject(headers, context=trace.set_span_in_context(span, self._context))
         return AttemptTrace(span)
 
     def end(self, ex: Exchange) -> None:
@@ -290,7 +299,8 @@ class Tracing:
             kind=trace.SpanKind.SERVER,
             attributes=attributes,
         )
-        return ExchangeTrace(self, span, trace.set_span_in_context(span))
+        # The extracted context stays underneath (its baggage goes upstream again).
+        return ExchangeTrace(self, span, trace.set_span_in_context(span, parent))
 
     async def close(self) -> None:
         """Export what is batched and stop the exporter (the proxy's own provider only).
@@ -353,9 +363,18 @@ def _sdk_provider() -> SdkTracerProvider:
 
 
 def _exporters(environ: Mapping[str, str]) -> list[SpanExporter]:
-    """The span exporters ``OTEL_TRACES_EXPORTER`` names (comma-separated; ``otlp``
-    by default; ``none`` for none), built with no arguments so each reads its own
-    ``OTEL_EXPORTER_*`` variables.
+    """The span exporters ``OTEL_TRACES_EXPORTER`` names, each built with no arguments
+    so it reads its own ``OTEL_EXPORTER_*`` variables (see :func:`exporter_entries`).
+
+    Raises:
+        ConfigError: a named exporter is not installed.
+    """
+    return [entry.load()() for entry in exporter_entries(environ)]
+
+
+def exporter_entries(environ: Mapping[str, str]) -> list[importlib.metadata.EntryPoint]:
+    """The installed exporters ``OTEL_TRACES_EXPORTER`` names (comma-separated; ``otlp``
+    by default; ``none`` for none), found, not loaded.
 
     ``otlp`` is resolved by ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` /
     ``OTEL_EXPORTER_OTLP_PROTOCOL`` (``http/protobuf`` by default, as the
@@ -371,7 +390,7 @@ def _exporters(environ: Mapping[str, str]) -> list[SpanExporter]:
         for name in environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")
         if name.strip()
     ]
-    exporters: list[SpanExporter] = []
+    entries: list[importlib.metadata.EntryPoint] = []
     for name in names:
         if name == "none":
             continue
@@ -393,5 +412,22 @@ def _exporters(environ: Mapping[str, str]) -> list[SpanExporter]:
                 f"OTEL_TRACES_EXPORTER: exporter {name!r} ({entry}) is not installed; "
                 f"install {package}"
             )
-        exporters.append(next(iter(found)).load()())
-    return exporters
+        entries.append(next(iter(found)))
+    return entries
+
+
+def tracing_problems(environ: Mapping[str, str]) -> list[str]:
+    """What would stop ``tracing = "otel"`` from starting (``context-proxy check``):
+    the SDK missing, or an exporter named in ``OTEL_TRACES_EXPORTER`` missing.
+    Imports nothing of OpenTelemetry but the package that holds the SDK."""
+    try:
+        sdk = importlib.util.find_spec("opentelemetry.sdk.trace")
+    except (ImportError, ValueError):  # a parent missing, or a module without a spec
+        sdk = None
+    if sdk is None:
+        return [MISSING_EXTRA]
+    try:
+        exporter_entries(environ)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []

@@ -31,6 +31,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from plugins.fold import FoldPlugin
+from proxy._check import check_config
 from proxy._emulator import DEFAULT_TEXT, start_emulator
 from proxy._tracing import MISSING_EXTRA
 from proxy._upstream import UpstreamTarget
@@ -44,6 +45,7 @@ CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
 TRACESTATE = "vendor=opaque-value"
+BAGGAGE = "tenant=blue"
 
 
 @pytest.fixture
@@ -369,7 +371,9 @@ async def test_with_tracing_the_upstream_gets_the_attempt_as_parent(
     url, seen = raw_upstream
     async with proxy_with_emulator(tracing="otel", tracer_provider=provider) as h:
         point_openai_at(h, url)
-        await _ask(h.url, {"traceparent": TRACEPARENT, "tracestate": TRACESTATE})
+        await _ask(
+            h.url, {"traceparent": TRACEPARENT, "tracestate": TRACESTATE, "baggage": BAGGAGE}
+        )
         await _ask(h.url, {})
         got = await finished(exporter, servers=2)
     servers = sorted((s for s in got if s.kind is SpanKind.SERVER), key=lambda s: s.start_time or 0)
@@ -389,7 +393,37 @@ async def test_with_tracing_the_upstream_gets_the_attempt_as_parent(
         assert traceparent == f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
     assert format(attempts[0].context.trace_id, "032x") == CLIENT_TRACE
     assert seen[0].getall("tracestate") == [TRACESTATE]
-    assert "tracestate" not in seen[1]
+    assert seen[0].getall("baggage") == [BAGGAGE]  # carried on, once
+    assert "tracestate" not in seen[1] and "baggage" not in seen[1]
+
+
+async def test_with_the_sdk_disabled_the_trace_context_passes_untouched(
+    raw_upstream: tuple[str, list[CIMultiDict[str]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The proxy's own provider, from the environment: OTEL_SDK_DISABLED makes no spans.
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    url, seen = raw_upstream
+    async with proxy_with_emulator(tracing="otel") as h:
+        assert h.state.tracing is not None
+        point_openai_at(h, url)
+        await _ask(h.url, {"traceparent": TRACEPARENT, "tracestate": TRACESTATE})
+        await _ask(h.url, {})
+    first, second = seen
+    assert first.getall("traceparent") == [TRACEPARENT]
+    assert first.getall("tracestate") == [TRACESTATE]
+    assert "traceparent" not in second
+
+
+def test_check_reports_a_missing_exporter_or_sdk(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"CONTEXT_PROXY_TRACING": "otel"}
+    assert check_config(environ=env).problems == ()
+    (problem,) = check_config(environ=env | {"OTEL_TRACES_EXPORTER": "zipkin_json"}).problems
+    assert problem.startswith("OTEL_TRACES_EXPORTER: exporter 'zipkin_json'")
+    (problem,) = check_config(environ=env | {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}).problems
+    assert "opentelemetry-exporter-otlp-proto-grpc" in problem
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if not installed
+    assert check_config(environ=env).problems == (MISSING_EXTRA,)
 
 
 # ------------------------------------------------------------------------- the process
@@ -455,7 +489,6 @@ async def test_the_process_exports_over_otlp_as_the_otel_variables_say() -> None
     collector = f"http://127.0.0.1:{runner.addresses[0][1]}"
     emulator = await start_emulator()
     env = {
-        "CONTEXT_PROXY_TRACING": "otel",
         "OTEL_SERVICE_NAME": "proxy-under-test",
         "OTEL_EXPORTER_OTLP_ENDPOINT": collector,
         "OTEL_TRACES_EXPORTER": "otlp",
@@ -463,7 +496,7 @@ async def test_the_process_exports_over_otlp_as_the_otel_variables_say() -> None
     }
     try:
         async with proxy_process(
-            "--upstream-openai", emulator.url, "--no-access-log", env=env
+            "--upstream-openai", emulator.url, "--no-access-log", "--tracing", "otel", env=env
         ) as proxy:
             async with openai.AsyncOpenAI(
                 base_url=proxy.url + "/v1", api_key=API_KEY, max_retries=0
