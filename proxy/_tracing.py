@@ -1,7 +1,8 @@
 """OpenTelemetry traces of exchanges: the optional extra ``context-proxy[otel]``.
 
-Off by default (``tracing = "off"``): then this module is not even imported and
-the hot path pays one ``is None`` test per exchange and per upstream attempt.
+Off by default (``tracing = "off"``): then nothing of OpenTelemetry is imported
+(this module imports it only inside its functions) and the hot path pays one
+``is None`` test per exchange and per upstream attempt.
 With ``tracing = "otel"`` :func:`start_tracing` imports the OpenTelemetry SDK
 (raising :class:`~proxy._config.ConfigError` naming the extra when it is not
 installed) and each exchange gets
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import os
@@ -324,21 +326,23 @@ def start_tracing(provider: TracerProvider | None = None) -> Tracing:
     try:
         from opentelemetry import propagate, trace
 
-        owned: SdkTracerProvider | None = None
-        if provider is None:
-            current = trace.get_tracer_provider()
-            if not isinstance(current, trace.ProxyTracerProvider):
-                provider = current  # an embedder's own
-            else:
-                provider = owned = _sdk_provider()
+        importlib.import_module("opentelemetry.sdk.trace")
     except ImportError:
-        # The API alone, or nothing: the SDK (and an exporter) come with the extra.
+        # The API alone, or nothing: the SDK (and the OTLP exporter) come with the extra.
         raise ConfigError(MISSING_EXTRA) from None
+    owned: SdkTracerProvider | None = None
+    if provider is None:
+        current = trace.get_tracer_provider()
+        if not isinstance(current, trace.ProxyTracerProvider):
+            provider = current  # an embedder's own
+        else:
+            provider = owned = _sdk_provider()
     tracer = provider.get_tracer("context_proxy", _version())
     return Tracing(tracer, propagate.get_global_textmap(), owned)
 
 
 def _version() -> str | None:
+    """The installed package's version, the tracer's (instrumentation scope) version."""
     try:
         return importlib.metadata.version("context-proxy")
     except importlib.metadata.PackageNotFoundError:

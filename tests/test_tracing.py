@@ -521,3 +521,23 @@ async def test_the_process_exports_over_otlp_as_the_otel_variables_say() -> None
         ("proxy-under-test", f"POST {CHAT}"),
         ("proxy-under-test", "chat otlp-model"),
     ]
+
+
+async def test_a_refused_request_is_a_server_span_without_attempts(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    async with (
+        proxy_with_emulator(tracing="otel", tracer_provider=provider, max_body_bytes=1024) as h,
+        aiohttp.ClientSession() as http,
+        http.post(h.url + CHAT, data=encode(conversation(CHAT, turns=2))) as resp,
+    ):
+        assert resp.status == 413
+        got = await finished(exporter)
+    server, attempts = split(got)
+    assert attempts == []
+    a = attrs(server)
+    assert (a["http.response.status_code"], a["context_proxy.outcome"]) == (413, "rejected")
+    assert a["error.type"] == "rejected"
+    assert server.status.status_code is StatusCode.UNSET  # a 4xx is the client's error
+    assert h.emulator.stats == []
