@@ -116,16 +116,24 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     default=None,
     help="Reject prompts above N tokens (body bytes // 4) with each protocol's overflow error.",
 )
-def emulate(host: str, port: int, context_window_tokens: int | None) -> None:
+@click.option(
+    "--prompt-cache",
+    is_flag=True,
+    help="Report cached input tokens: the prefix shared with a request of the last 5 minutes.",
+)
+def emulate(host: str, port: int, context_window_tokens: int | None, prompt_cache: bool) -> None:
     """Run the local upstream emulator (all three protocols, scriptable per request)."""
     from ._emulator import run_emulator
     from ._emulator_script import Script
 
     setup_logging("INFO")
     script = None
-    if context_window_tokens is not None:
+    if context_window_tokens is not None or prompt_cache:
         # body bytes > 4N + 3 is exactly body bytes // 4 > N, the emulator's token count.
-        script = Script(overflow_above=4 * context_window_tokens + 3, context=context_window_tokens)
+        over = None if context_window_tokens is None else 4 * context_window_tokens + 3
+        script = Script(
+            overflow_above=over, context=context_window_tokens, prompt_cache=prompt_cache
+        )
     try:
         run_emulator(host, port, default_script=script)
     except OSError as exc:

@@ -33,6 +33,23 @@ class ConfigError(ValueError):
     """A setting is missing, malformed or out of range; ``str()`` is one line."""
 
 
+def require_redis_client(setting: str) -> None:
+    """Raise :class:`ConfigError` naming ``setting`` when the Redis client is not installed.
+
+    Cluster mode needs the ``redis`` package, which ships in the ``cluster`` extra
+    (``pip install 'context-proxy[cluster]'``) so a single node never installs it.
+    The import is attempted (not just looked up): a client that is present but
+    cannot be imported is as missing as an absent one.
+    """
+    try:
+        import redis  # noqa: F401  (imported for the check; used by proxy._cluster)
+    except ImportError:
+        raise ConfigError(
+            f"{setting} is set but the Redis client is not installed: "
+            "pip install 'context-proxy[cluster]'"
+        ) from None
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """All settings of one proxy process.
 
@@ -133,6 +150,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         ):
             # The value is not echoed: a Redis URL may carry a password.
             raise ConfigError("redis_url: expected a redis://, rediss:// or unix:// URL")
+        if self.redis_url is not None:
+            require_redis_client("redis_url")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
 

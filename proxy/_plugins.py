@@ -52,6 +52,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
+from ._config import require_redis_client
 from ._protocols import Protocol
 from ._shared import LedgerGate
 from ._structure import BodyView, Draft, ParsedHolder
@@ -345,9 +346,11 @@ def open_ledger_gate(
         max_connections: size of the bounded connection pool (>= 2).
 
     Raises:
-        ValueError: ``redis_url`` is not a Redis URL.
+        ValueError: ``redis_url`` is not a Redis URL; ``ConfigError`` (a ValueError)
+            when the Redis client (the ``cluster`` extra) is not installed.
     """
     # Imported on demand: the Redis client is a cluster-mode dependency only.
+    require_redis_client("redis_url")
     from ._cluster.ledger import RedisLedgerGate
 
     return RedisLedgerGate(redis_url, timeout=timeout, max_connections=max_connections)

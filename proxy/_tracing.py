@@ -42,7 +42,6 @@ import asyncio
 import hashlib
 import importlib
 import importlib.metadata
-import importlib.util
 import os
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Final, Literal
@@ -70,7 +69,7 @@ __all__ = [
 
 #: What the start-up error tells a user who enabled tracing without the extra.
 MISSING_EXTRA: Final = (
-    'tracing = "otel" needs the optional extra: pip install "context-proxy[otel]"'
+    "tracing = \"otel\" needs the optional extra: pip install 'context-proxy[otel]'"
 )
 #: The service name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES gives one.
 DEFAULT_SERVICE: Final = "context-proxy"
@@ -423,12 +422,13 @@ def exporter_entries(environ: Mapping[str, str]) -> list[importlib.metadata.Entr
 def tracing_problems(environ: Mapping[str, str]) -> list[str]:
     """What would stop ``tracing = "otel"`` from starting (``context-proxy check``):
     the SDK missing, or an exporter named in ``OTEL_TRACES_EXPORTER`` missing.
-    Imports nothing of OpenTelemetry but the package that holds the SDK."""
+
+    The SDK is imported, not just looked up: one present that cannot be imported
+    is as missing as an absent one. The exporters are found, not loaded.
+    """
     try:
-        sdk = importlib.util.find_spec("opentelemetry.sdk.trace")
-    except (ImportError, ValueError):  # a parent missing, or a module without a spec
-        sdk = None
-    if sdk is None:
+        importlib.import_module("opentelemetry.sdk.trace")
+    except ImportError:
         return [MISSING_EXTRA]
     try:
         exporter_entries(environ)
