@@ -191,11 +191,10 @@ class ExchangeTrace:
             kind=trace.SpanKind.CLIENT,
             attributes=attributes,
         )
-        propagator = tracing.propagator
-        for name in propagator.fields:
+        for name in tracing.fields:
             while name in headers:
                 del headers[name]
-        propagator.inject(headers, context=trace.set_span_in_context(span, self._context))
+        tracing.propagator.inject(headers, context=trace.set_span_in_context(span, self._context))
         return AttemptTrace(span)
 
     def end(self, ex: Exchange) -> None:
@@ -264,7 +263,7 @@ class Tracing:
     batched when the provider is the proxy's own.
     """
 
-    __slots__ = ("_owned", "propagator", "tracer")
+    __slots__ = ("_owned", "fields", "propagator", "tracer")
 
     def __init__(
         self,
@@ -274,6 +273,9 @@ class Tracing:
     ) -> None:
         self.tracer = tracer
         self.propagator = propagator
+        #: The header fields the propagator writes (a composite one builds the set anew
+        #: on each ask: asked once here).
+        self.fields: Final = tuple(propagator.fields)
         self._owned = owned
 
     def exchange(
