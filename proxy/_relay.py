@@ -706,10 +706,9 @@ def relay(
     drops them when no send can follow. ``trace`` (tracing on) gets a span per
     upstream attempt, whose trace context goes upstream in the header fields.
     Returns the response already prepared and written (or a plain error
-    response to return). Upstream
-    4xx/5xx pass through with their status and body; unreachable → 502, no
-    headers in time → 504, both in the client's protocol shape; a stream that
-    dies mid-way ends with an in-band error event.
+    response to return). Upstream 4xx/5xx pass through with their status and
+    body; unreachable → 502, no headers in time → 504, both in the client's
+    protocol shape; a stream that dies mid-way ends with an in-band error event.
 
     Raises:
         ClientGone: the client disconnected; the upstream request was closed.
