@@ -216,6 +216,8 @@ class ExchangeTrace:
             attributes["context_proxy.stream"] = meta.stream
         _gen_ai(attributes, ex)
         usage = ex.usage
+        if usage.response_model:
+            attributes["gen_ai.response.model"] = usage.response_model
         for name, count in (
             ("gen_ai.usage.input_tokens", usage.input_tokens),
             ("gen_ai.usage.output_tokens", usage.output_tokens),

@@ -135,6 +135,7 @@ async def test_a_chat_stream_is_a_server_span_with_gen_ai_attributes(
         "gen_ai.system": "openai",
         "gen_ai.operation.name": "chat",
         "gen_ai.request.model": "trace-model",
+        "gen_ai.response.model": "trace-model",
         "gen_ai.usage.input_tokens": record.input_tokens,
         "gen_ai.usage.output_tokens": record.output_tokens,
         "gen_ai.usage.cache_read.input_tokens": 7,
@@ -185,6 +186,7 @@ async def test_an_anthropic_stream_reports_cache_tokens(
     assert a["gen_ai.usage.output_tokens"] == record.output_tokens
     assert a["gen_ai.usage.cache_read.input_tokens"] == 11
     assert a["gen_ai.usage.cache_creation.input_tokens"] == 0
+    assert a["gen_ai.response.model"] == "claude-trace"
     assert "context_proxy.session.digest" not in a  # no session id: none made up
 
 
@@ -297,7 +299,8 @@ async def raw_upstream() -> AsyncIterator[tuple[str, list[CIMultiDict[str]]]]:
         {
             "id": "c1",
             "object": "chat.completion",
-            "model": "m",
+            "model": "m-2026-12-01",
+            "usage": {"prompt_tokens": 12, "completion_tokens": 1},
             "choices": [
                 {
                     "index": 0,
@@ -386,6 +389,9 @@ async def test_with_tracing_the_upstream_gets_the_attempt_as_parent(
     assert format(joined.parent.span_id, "016x") == CLIENT_SPAN
     assert format(joined.context.trace_id, "032x") == CLIENT_TRACE
     assert fresh.parent is None  # no context from the client: a new trace
+    # The model that answered, as its answer names it (not the one asked for).
+    assert attrs(joined)["gen_ai.request.model"] == "lifetime-model"
+    assert attrs(joined)["gen_ai.response.model"] == "m-2026-12-01"
     # ... and each attempt's context went upstream in place of the client's, once.
     for fields, attempt in zip(seen, attempts, strict=True):
         (traceparent,) = fields.getall("traceparent")
@@ -541,3 +547,30 @@ async def test_a_refused_request_is_a_server_span_without_attempts(
     assert a["error.type"] == "rejected"
     assert server.status.status_code is StatusCode.UNSET  # a 4xx is the client's error
     assert h.emulator.stats == []
+
+
+async def test_a_responses_stream_names_the_model_that_answered(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    recorder = Recorder()
+    async with (
+        proxy_with_emulator(plugins=[recorder], tracing="otel", tracer_provider=provider) as h,
+        openai.AsyncOpenAI(base_url=h.openai_base_url, api_key=API_KEY, max_retries=0) as client,
+    ):
+        text = ""
+        events = await client.responses.create(model="resp-model", input="hello", stream=True)
+        async for event in events:
+            if event.type == "response.output_text.delta":
+                text += event.delta
+            elif event.type == "response.completed":
+                answered = event.response.model
+        (record,) = await recorder.wait(1)
+        got = await finished(exporter)
+    assert text == DEFAULT_TEXT
+    server, (_attempt,) = split(got)
+    a = attrs(server)
+    assert server.name == "chat resp-model"
+    assert a["gen_ai.response.model"] == answered
+    assert a["gen_ai.usage.input_tokens"] == record.input_tokens
+    assert a["context_proxy.protocol"] == "openai-responses"
