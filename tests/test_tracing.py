@@ -261,10 +261,10 @@ def point_openai_at(h: Harness, url: str) -> None:
     targets["openai"] = UpstreamTarget(url)
 
 
-async def test_an_unreachable_upstream_is_a_failed_attempt() -> None:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+async def test_an_unreachable_upstream_is_a_failed_attempt(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
     # A port nobody listens on: bound, then closed.
     probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     port = probe.sockets[0].getsockname()[1]
@@ -278,7 +278,6 @@ async def test_an_unreachable_upstream_is_a_failed_attempt() -> None:
         ):
             assert resp.status == 502
         got = await finished(exporter)
-    provider.shutdown()
     server, (attempt,) = split(got)
     assert attrs(attempt)["error.type"] == "upstream_unreachable"
     assert "http.response.status_code" not in attrs(attempt)
