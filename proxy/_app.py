@@ -17,7 +17,7 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
@@ -42,7 +42,7 @@ from ._front import Answer, FrontServer, Request, StreamAnswer
 from ._headers import forward_headers
 from ._plugins import PluginHost, load_plugins
 from ._protocols import Protocol
-from ._relay import ClientGone, Upstream, error_response, relay
+from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
 from ._state import AppState
@@ -570,10 +570,13 @@ class ProxyApp:
     method 405, both as JSON errors.
     """
 
-    __slots__ = ("state",)
+    __slots__ = ("environ", "state")
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: AppState, environ: Mapping[str, str] | None = None) -> None:
         self.state = state
+        #: Where the upstream client reads ``HTTPS_PROXY`` and the rest (proxy/_egress.py);
+        #: ``None``: the process environment.
+        self.environ = environ
 
     def dispatch(self, request: Request) -> Awaitable[Answer]:
         """The answer to ``request`` (awaitable: the handler's coroutine, not a frame
@@ -639,7 +642,7 @@ class ProxyApp:
         """
         state = self.state
         await state.host.startup()
-        state.upstream = Upstream(state.settings)
+        state.upstream = Upstream(state.settings, self.environ)
         if state.cluster is not None:
             await state.cluster.start()
 
@@ -656,15 +659,19 @@ def build_app(
     *,
     host: PluginHost | None = None,
     clock: Callable[[], float] = time.monotonic,
+    environ: Mapping[str, str] | None = None,
     tracer_provider: TracerProvider | None = None,
 ) -> ProxyApp:
     """Build the proxy application.
 
     ``host`` overrides the plugins named in ``settings`` (tests pass their own);
     ``clock`` is the session registry's monotonic clock in seconds (tests inject
-    one to expire tombstones without sleeping); ``tracer_provider`` is where the
-    spans go with ``tracing = "otel"`` (default: the global provider if one was
-    set, else one built from the ``OTEL_*`` environment, proxy/_tracing.py).
+    one to expire tombstones without sleeping); ``environ`` is where the
+    upstream client reads ``HTTPS_PROXY``, ``HTTP_PROXY`` and ``NO_PROXY``
+    (``None``: the process environment); ``tracer_provider`` is where the spans
+    go with ``tracing = "otel"`` (default: the global provider if one was set,
+    else one the SDK builds from the process's ``OTEL_*`` variables,
+    proxy/_tracing.py).
 
     Raises:
         proxy._plugins.PluginError: a configured plugin cannot be loaded.
@@ -684,7 +691,7 @@ def build_app(
             ),
         )
     tracing = start_tracing(tracer_provider) if settings.tracing == "otel" else None
-    return ProxyApp(AppState(settings, host, clock=clock, tracing=tracing))
+    return ProxyApp(AppState(settings, host, clock=clock, tracing=tracing), environ)
 
 
 @contextlib.asynccontextmanager
@@ -740,6 +747,9 @@ async def serve(settings: Settings) -> None:
     fd_problem = fdlimit.reserve_problem(settings.fd_reserve, limit)
     if fd_problem is not None:
         raise ConfigError(fd_problem)
+    egress = egress_problems(settings, os.environ)
+    if egress:
+        raise ConfigError(egress[0])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)
@@ -760,6 +770,15 @@ async def serve(settings: Settings) -> None:
             settings.upstream_openai,
             settings.upstream_anthropic,
         )
+        if state.upstream is not None:
+            for name, target in state.upstream.targets.items():
+                if target.via is not None:  # shown without its credentials
+                    log.info(
+                        "egress: %s upstream through %s (from %s)",
+                        name,
+                        target.via.shown,
+                        target.via.source,
+                    )
         await state.stop.wait()
         log.info("shutting down: readiness is now 503; grace %.1fs", settings.shutdown_grace)
         state.draining = True

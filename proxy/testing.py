@@ -185,7 +185,8 @@ async def proxy_with_emulator(
     ``clock`` (monotonic seconds) drives the session registry: pass a fake one
     to expire tombstones without sleeping. ``tracer_provider`` receives the spans
     when ``tracing="otel"`` is among ``settings`` (e.g. an SDK provider with an
-    ``InMemorySpanExporter``).
+    ``InMemorySpanExporter``); without one, the SDK reads the process's ``OTEL_*``
+    variables, as ``serve`` does.
 
     Raises:
         proxy.ConfigError: a bad setting.
@@ -215,7 +216,9 @@ async def proxy_with_emulator(
                 for item in plugins
             ]
             host = PluginHost(instances, timeout=timeout)
-        app = build_app(resolved, host=host, clock=clock, tracer_provider=tracer_provider)
+        app = build_app(
+            resolved, host=host, clock=clock, environ={}, tracer_provider=tracer_provider
+        )
         port = await stack.enter_async_context(running(app, "127.0.0.1", 0))
         yield Harness(f"http://127.0.0.1:{port}", emulator, app, resolved, _stack=stack)
 
