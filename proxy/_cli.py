@@ -84,6 +84,11 @@ def main() -> None:
     "--log-format", type=click.Choice(["text", "json"]), help="Log lines as text or JSON [text]."
 )
 @click.option("--access-log/--no-access-log", default=None, help="One log line per exchange [on].")
+@click.option(
+    "--tracing",
+    type=click.Choice(["off", "otel"]),
+    help="OpenTelemetry traces, configured by OTEL_* (extra context-proxy[otel]) [off].",
+)
 def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     """Run the proxy until SIGTERM/SIGINT, then drain and exit 0."""
     from ._app import serve as serve_app
