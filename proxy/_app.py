@@ -17,8 +17,8 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
@@ -42,10 +42,14 @@ from ._front import Answer, FrontServer, Request, StreamAnswer
 from ._headers import forward_headers
 from ._plugins import PluginHost, load_plugins
 from ._protocols import Protocol
-from ._relay import ClientGone, Upstream, error_response, relay
+from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
 from ._state import AppState
+from ._tracing import ExchangeTrace, start_tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 
@@ -118,13 +122,15 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
     logs.EXCHANGE_ID.set(ex.id)
     task = asyncio.current_task()
     assert task is not None
+    tracing = state.tracing
+    trace = None if tracing is None else tracing.exchange(ex, request.headers, _peername(request))
     state.exchanges[ex.id] = ex
     state.handlers.add(task)
     state.metrics.in_flight.inc()
     try:
         if shed:
             return _shed(ex, state)
-        return await _run_exchange(request, state, ex, route.upstream, task)
+        return await _run_exchange(request, state, ex, route.upstream, task, trace)
     except BodyError as exc:
         ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
         if exc.kind == "incomplete":
@@ -188,6 +194,8 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
+        if trace is not None:
+            trace.end(ex)
         if settings.access_log:
             logs.log_access(
                 ex,
@@ -226,14 +234,22 @@ def _book(state: AppState, ex: Exchange) -> None:
         state.commits.count_unbooked()
 
 
-def _peer(request: Request) -> str | None:
-    """The client socket's ``address:port`` (IPv6 in brackets), ``None`` if unknown."""
+def _peername(request: Request) -> tuple[str, int] | None:
+    """The client socket's address and port, ``None`` if unknown."""
     transport = request.transport
     info = transport.get_extra_info("peername") if transport is not None else None
     if not isinstance(info, tuple) or len(info) < 2:
         return None
-    host, port = info[0], info[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(info[0]), int(info[1])
+
+
+def _peer(request: Request) -> str | None:
+    """The client socket's ``address:port`` (IPv6 in brackets), ``None`` if unknown."""
+    peer = _peername(request)
+    if peer is None:
+        return None
+    host, port = peer
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _internal_error(
@@ -382,6 +398,7 @@ async def _run_exchange(
     ex: Exchange,
     upstream_name: str,
     task: asyncio.Task[object],
+    trace: ExchangeTrace | None,
 ) -> Answer:
     settings = state.settings
     body_hint: str | None = None
@@ -490,6 +507,7 @@ async def _run_exchange(
             target=state.upstream.target(upstream_name, request.raw_path, request.query_string),
             headers=forward_headers(request.headers),
             settings=settings,
+            trace=trace,
         )
         if isinstance(response, StreamAnswer):
             # Every byte of the answer is with the connection: a hang-up from now on
@@ -552,10 +570,13 @@ class ProxyApp:
     method 405, both as JSON errors.
     """
 
-    __slots__ = ("state",)
+    __slots__ = ("environ", "state")
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: AppState, environ: Mapping[str, str] | None = None) -> None:
         self.state = state
+        #: Where the upstream client reads ``HTTPS_PROXY`` and the rest (proxy/_egress.py);
+        #: ``None``: the process environment.
+        self.environ = environ
 
     def dispatch(self, request: Request) -> Awaitable[Answer]:
         """The answer to ``request`` (awaitable: the handler's coroutine, not a frame
@@ -612,7 +633,8 @@ class ProxyApp:
         return upstream.pool.connections_in_use + upstream.pool.idle_connections
 
     async def startup(self) -> None:
-        """Start the plugins, open the upstream pool, join the cluster (in that order).
+        """Start the plugins, list their stored sessions, open the upstream pool, join
+        the cluster (in that order).
 
         Plugins first: when one refuses to start, nothing else is left open.
 
@@ -621,14 +643,22 @@ class ProxyApp:
         """
         state = self.state
         await state.host.startup()
-        state.upstream = Upstream(state.settings)
+        # Sessions the plugins loaded from storage (the ledger's) are listed, not live.
+        now = time.time()
+        stored = sorted(state.host.stored_sessions().items(), key=lambda item: item[1])
+        listed = sum(state.registry.add_stored(sid, now - last) for sid, last in stored)
+        if stored:
+            log.info("%d stored session(s) listed as not live", listed)
+        state.upstream = Upstream(state.settings, self.environ)
         if state.cluster is not None:
             await state.cluster.start()
 
     async def cleanup(self) -> None:
-        """Close the upstream pool (after the drain)."""
+        """Close the upstream pool (after the drain); export the spans still batched."""
         if self.state.upstream is not None:
             await self.state.upstream.close()
+        if self.state.tracing is not None:
+            await self.state.tracing.close()
 
 
 def build_app(
@@ -636,15 +666,24 @@ def build_app(
     *,
     host: PluginHost | None = None,
     clock: Callable[[], float] = time.monotonic,
+    environ: Mapping[str, str] | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> ProxyApp:
     """Build the proxy application.
 
     ``host`` overrides the plugins named in ``settings`` (tests pass their own);
     ``clock`` is the session registry's monotonic clock in seconds (tests inject
-    one to expire tombstones without sleeping).
+    one to expire tombstones without sleeping); ``environ`` is where the
+    upstream client reads ``HTTPS_PROXY``, ``HTTP_PROXY`` and ``NO_PROXY``
+    (``None``: the process environment); ``tracer_provider`` is where the spans
+    go with ``tracing = "otel"`` (default: the global provider if one was set,
+    else one the SDK builds from the process's ``OTEL_*`` variables,
+    proxy/_tracing.py).
 
     Raises:
         proxy._plugins.PluginError: a configured plugin cannot be loaded.
+        ConfigError: ``tracing = "otel"`` without the extra ``context-proxy[otel]``,
+            or ``OTEL_TRACES_EXPORTER`` names an exporter that is not installed.
     """
     if host is None:
         host = load_plugins(
@@ -658,7 +697,8 @@ def build_app(
                 else None
             ),
         )
-    return ProxyApp(AppState(settings, host, clock=clock))
+    tracing = start_tracing(tracer_provider) if settings.tracing == "otel" else None
+    return ProxyApp(AppState(settings, host, clock=clock, tracing=tracing), environ)
 
 
 @contextlib.asynccontextmanager
@@ -714,6 +754,9 @@ async def serve(settings: Settings) -> None:
     fd_problem = fdlimit.reserve_problem(settings.fd_reserve, limit)
     if fd_problem is not None:
         raise ConfigError(fd_problem)
+    egress = egress_problems(settings, os.environ)
+    if egress:
+        raise ConfigError(egress[0])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)
@@ -734,6 +777,15 @@ async def serve(settings: Settings) -> None:
             settings.upstream_openai,
             settings.upstream_anthropic,
         )
+        if state.upstream is not None:
+            for name, target in state.upstream.targets.items():
+                if target.via is not None:  # shown without its credentials
+                    log.info(
+                        "egress: %s upstream through %s (from %s)",
+                        name,
+                        target.via.shown,
+                        target.via.source,
+                    )
         await state.stop.wait()
         log.info("shutting down: readiness is now 503; grace %.1fs", settings.shutdown_grace)
         state.draining = True
