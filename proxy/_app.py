@@ -35,7 +35,7 @@ from ._body import (
     check_content_length,
     read_body,
 )
-from ._cancel import orderly_cancel_reason
+from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
 from ._front import Answer, FrontServer, Request, StreamAnswer
@@ -107,9 +107,7 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
     if route is None:
         return error_response(Protocol.OPENAI, 404, f"unknown route {request.path}")
     protocol = route.protocol
-    if state.draining:
-        # Not booked: the drain may have shut the plugins down already (_state.drain).
-        return _reject(protocol, 503, "proxy is shutting down", state)
+    draining = state.draining
     ex = Exchange(
         protocol=protocol,
         method=request.method,
@@ -123,11 +121,19 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
     task = asyncio.current_task()
     assert task is not None
     tracing = state.tracing
-    trace = None if tracing is None else tracing.exchange(ex, request.headers, _peername(request))
+    trace = (
+        None
+        if tracing is None or draining
+        else tracing.exchange(ex, request.headers, _peername(request))
+    )
     state.exchanges[ex.id] = ex
     state.handlers.add(task)
     state.metrics.in_flight.inc()
     try:
+        if draining:
+            # Refused, logged and counted like any refusal, but not booked (_book).
+            ex.conclude(503, Outcome.REJECTED, PROXY_SHUTDOWN.code)
+            return _reject(protocol, 503, PROXY_SHUTDOWN.message, state, code=PROXY_SHUTDOWN.code)
         if shed:
             return _shed(ex, state)
         return await _run_exchange(request, state, ex, route.upstream, task, trace)
@@ -220,12 +226,16 @@ def _book(state: AppState, ex: Exchange) -> None:
     for this exchange finds its commit pending.
 
     Not booked (it enters the committed phase without a record): a request
-    refused because its session's commits are behind (``commit_backlog``), and
-    every exchange when no plugin has a ``commit`` hook (counted only).
+    refused because its session's commits are behind (``commit_backlog``), one
+    refused because the proxy drains (``proxy_shutdown``), and every exchange
+    when no plugin has a ``commit`` hook (counted only).
     """
     if ex.error == _COMMIT_BACKLOG:
         # Booking the refusal would queue one more record behind the session's
         # backlog, so the bound would not hold.
+        ex.skip_commit()
+    elif ex.outcome is Outcome.REJECTED and ex.error == PROXY_SHUTDOWN.code:
+        # Refused on arrival during the drain, which may have shut the plugins down.
         ex.skip_commit()
     elif state.commits.hooked:
         state.commits.start(ex.begin_commit())

@@ -71,7 +71,13 @@ def main() -> None:
 @click.option(
     "--shutdown-grace", type=float, help="Seconds in-flight streams get at shutdown [30]."
 )
-@click.option("--plugin", "plugins", multiple=True, help="Plugin to enable (repeatable).")
+@click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    help="Plugin to enable (repeatable); replaces the default list: add --plugin fold "
+    "to keep refolds.",
+)
 @click.option(
     "--redis-url", help="Cluster mode: shared state in Redis (docs/cluster.md) [unset: one node]."
 )
@@ -147,13 +153,18 @@ def demo(port: int, once: bool) -> None:
     """Start the emulator and the proxy, stream one answer through it, keep serving.
 
     The proxy listens on 127.0.0.1:PORT with both upstreams pointed at the
-    built-in emulator, so clients and SDKs can be tried with no network.
+    built-in emulator, so clients and SDKs can be tried with no network. Other
+    settings come from the config file and environment, as for `serve`.
     """
     from ._demo import run_demo
 
     setup_logging("WARNING")
     try:
         asyncio.run(run_demo(port, once=once))
+    except PluginError as exc:
+        raise click.ClickException(str(exc)) from None
+    except ConfigError as exc:
+        raise click.ClickException(f"bad setting: {exc}") from None
     except OSError as exc:
         raise _cannot_listen("127.0.0.1", port, exc) from None
     except KeyboardInterrupt:
