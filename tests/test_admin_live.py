@@ -308,7 +308,7 @@ async def test_browser_shows_a_stream_move_through_its_phases_and_go() -> None:
             await asyncio.to_thread(driver.quit)
 
 
-async def test_browser_says_no_usage_data_without_a_usage_plugin() -> None:
+async def test_browser_says_no_usage_data_without_a_usage_plugin_and_when_stopped() -> None:
     async with proxy_with_emulator() as h:
         driver = await asyncio.to_thread(chromium)
         try:
@@ -325,6 +325,19 @@ async def test_browser_says_no_usage_data_without_a_usage_plugin() -> None:
             assert usage
             urls = await asyncio.to_thread(_requested_urls, driver)
             assert f"{h.url}/admin/usage?by=model" in urls
+            # The drain's end event: the page says so and does not reconnect.
+            await h.stop()
+            stopped = await asyncio.to_thread(
+                _wait,
+                driver,
+                "the proxy stopped",
+                lambda d: (
+                    d.execute_script("return document.getElementById('status').textContent")
+                    == "proxy stopped"
+                ),
+                10.0,
+            )
+            assert stopped
         finally:
             await asyncio.to_thread(driver.quit)
 
