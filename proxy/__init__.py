@@ -1,7 +1,8 @@
 """context-proxy: a streaming LLM proxy with a strict request-memory lifetime.
 
 The public API: the plugin interface (:class:`Plugin`, :class:`PrepareContext`,
-:class:`ExchangeRecord`, :class:`Outcome`, :class:`WireMetadata`, :class:`Protocol`), the structural
+:class:`ExchangeRecord`, :class:`Outcome`, :class:`WireMetadata`, :class:`Protocol`,
+:class:`UsageQuery`, :class:`UsagePage`, :class:`UsageRow`), the structural
 view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
 :class:`WireError`), the ledger's hash gate shared by a cluster's nodes
 (:class:`LedgerGate`, :class:`GateVerdict`, :class:`ClusterUnavailable`,
@@ -23,6 +24,9 @@ from ._plugins import (
     Plugin,
     PrepareContext,
     Scalar,
+    UsagePage,
+    UsageQuery,
+    UsageRow,
     open_ledger_gate,
 )
 from ._protocols import Protocol
@@ -48,6 +52,9 @@ __all__ = [
     "ProxyApp",
     "Scalar",
     "Settings",
+    "UsagePage",
+    "UsageQuery",
+    "UsageRow",
     "WireError",
     "WireMetadata",
     "build_app",
