@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gzip
 import logging
 import mmap
@@ -38,7 +39,7 @@ from proxy._emulator import EmulatorServer
 from proxy._exchange import Exchange, HeldBytes, Phase
 from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
 from proxy._protocols import Protocol
-from proxy._spool import FileSlice, Spool, SpoolFile, open_anonymous, spool_dir_problem
+from proxy._spool import FileSlice, Spool, SpoolFile, SpoolFull, open_anonymous, spool_dir_problem
 from proxy._upstream import UpstreamPool, UpstreamTarget
 from proxy._wire import compute_wire_metadata, digest_bytes
 from proxy.testing import Harness, proxy_with_emulator
@@ -48,12 +49,14 @@ from tests.test_lifetime_support import (
     CHAT,
     MESSAGES,
     RESPONSES,
+    Mutator,
     RawConn,
     Recorder,
     Spy,
     conversation,
     encode,
     install_spy,
+    proxy_at,
     slices,
 )
 from tests.upstream_support import Scripted, read_request, self_signed
@@ -824,3 +827,83 @@ async def test_kill_9_with_spooled_uploads_in_flight_leaves_nothing_in_spool_dir
         await proc.stop()
     assert os.listdir(tmp_path) == []
     assert emulator.stats == []
+
+
+# ------------------------------------------------------------------------------ more paths
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_or_quota_is_spool_full_and_counted(
+    error: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    spool = Spool(str(tmp_path), above_bytes=1, max_bytes=1 << 30)
+    file = spool.open()
+    real = os.write
+
+    def full(fd: int, data: Any) -> int:
+        if fd == file.fileno:
+            raise OSError(error, os.strerror(error))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(SpoolFull):
+        file.write(b"{}")
+    monkeypatch.undo()
+    file.close()
+    assert (spool.full, spool.files, spool.in_flight) == (1, 0, 0)
+    assert any("is full" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_whole_object_edit_of_a_spooled_body_closes_the_spool_at_prepare(
+    http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The re-serialized body replaces raw: the file is not needed past prepare."""
+    body = encode(conversation(CHAT))
+    open_at_send: list[bool] = []
+    mark_sent = Exchange.mark_sent
+
+    def watched(ex: Exchange) -> None:
+        open_at_send.append(ex.spool is not None)
+        mark_sent(ex)
+
+    monkeypatch.setattr(Exchange, "mark_sent", watched)
+    sent = {}
+    for spool_above in (SPOOL_ABOVE, 0):
+        async with proxy_with_emulator(
+            plugins=[Mutator()], spool_above_bytes=spool_above, spool_dir=str(tmp_path)
+        ) as h:
+            async with http.post(h.url + CHAT, data=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+            ((nbytes, digest),) = [(r.body_bytes, r.body_digest) for r in h.emulator.stats]
+            sent[spool_above] = (nbytes, digest)
+            assert h.state.spool.spooled == (1 if spool_above else 0)
+    assert sent[SPOOL_ABOVE] == sent[0]
+    # Closed once prepared: the spooled exchange's send had no file open.
+    assert open_at_send == [False, False]
+
+
+async def test_a_spooled_body_that_is_not_json_passes_through_verbatim(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    payload = os.urandom(200_000)  # a file upload: not JSON, forwarded as received
+    received: list[bytes] = []
+
+    async def upstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        _, body = await read_request(reader)
+        received.append(body)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+        writer.write(b"Content-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    async with (
+        Scripted(upstream) as server,
+        proxy_at(server.url, spool_above_bytes=SPOOL_ABOVE, spool_dir=str(tmp_path)) as proxy,
+    ):
+        headers = {"Content-Type": "application/octet-stream"}
+        async with http.post(proxy.url + "/v1/files", data=payload, headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+        await wait_until(lambda: not proxy.state.exchanges, "the exchange ended")
+        assert (proxy.state.spool.spooled, proxy.state.spool.files) == (1, 0)
+    assert received == [payload]
