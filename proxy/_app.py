@@ -440,8 +440,9 @@ async def _run_exchange(
 
         def spill() -> SpoolFile:
             # Owned by the exchange from its first byte: closed on every outcome.
+            file = ex.adopt_spool(spool.open())
             state.metrics.spooled.inc()
-            return ex.adopt_spool(spool.open())
+            return file
 
         try:
             result = await read_body(

@@ -907,3 +907,30 @@ async def test_a_spooled_body_that_is_not_json_passes_through_verbatim(
         await wait_until(lambda: not proxy.state.exchanges, "the exchange ended")
         assert (proxy.state.spool.spooled, proxy.state.spool.files) == (1, 0)
     assert received == [payload]
+
+
+def test_file_ranges_reach_an_upstream_on_uvloop_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """uvloop's transports: ``os.sendfile`` behind an empty write queue keeps the order."""
+    uvloop = pytest.importorskip("uvloop")
+    counted = SendfileCount(monkeypatch)
+    body = os.urandom(3 * 1024 * 1024 + 77)
+    spool = Spool(str(tmp_path), above_bytes=1, max_bytes=1 << 30)
+    file = spool.open()
+    file.write(body)
+    file.map()
+
+    async def scenario() -> list[bytes]:
+        pool = UpstreamPool(connect_timeout=5.0, idle_read=5.0, max_connections=0)
+        try:
+            async with Scripted(_echo) as upstream:
+                return [await _post_spooled(pool, upstream.url, file) for _ in range(2)]
+        finally:
+            await pool.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        echoed = runner.run(scenario())
+    assert echoed == [body, body]
+    assert counted.calls > 0
+    assert file.close() is False
