@@ -934,3 +934,29 @@ def test_file_ranges_reach_an_upstream_on_uvloop_byte_for_byte(
     assert echoed == [body, body]
     assert counted.calls > 0
     assert file.close() is False
+
+
+async def test_a_spool_dir_gone_after_start_up_is_a_503_and_small_bodies_go_on(
+    http: aiohttp.ClientSession, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="context_proxy")
+    where = tmp_path / "spool"
+    where.mkdir()
+    body = encode(conversation(CHAT))
+    async with proxy_with_emulator(spool_above_bytes=SPOOL_ABOVE, spool_dir=str(where)) as h:
+        where.rmdir()
+        async with http.post(h.url + CHAT, data=body) as resp:
+            status, retry_after, error = (
+                resp.status,
+                resp.headers.get("Retry-After"),
+                await resp.json(),
+            )
+        async with http.post(
+            h.url + CHAT, data=encode(conversation(CHAT, turns=1, turn_bytes=100))
+        ) as resp:
+            small = resp.status
+            await resp.read()
+        assert h.state.spool.files == 0
+    assert (status, retry_after, small) == (503, "5", 200)
+    assert error["error"]["code"] == "spool_unavailable"
+    assert any("cannot be used" in r.getMessage() for r in caplog.records)
