@@ -114,13 +114,10 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
 def emulate(host: str, port: int, context_window_tokens: int | None) -> None:
     """Run the local upstream emulator (all three protocols, scriptable per request)."""
     from ._emulator import run_emulator
-    from ._emulator_script import Script
+    from ._emulator_script import window_script
 
     setup_logging("INFO")
-    script = None
-    if context_window_tokens is not None:
-        # body bytes > 4N + 3 is exactly body bytes // 4 > N, the emulator's token count.
-        script = Script(overflow_above=4 * context_window_tokens + 3, context=context_window_tokens)
+    script = None if context_window_tokens is None else window_script(context_window_tokens)
     try:
         run_emulator(host, port, default_script=script)
     except OSError as exc:

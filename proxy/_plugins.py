@@ -219,9 +219,27 @@ class PrepareContext:
     (or, once a plugin took the whole object, from that object). Reading
     either after the hook returned raises :class:`BodyUnavailable`, so a
     plugin cannot keep them.
+
+    After an overflow (``fold_level`` >= 1) three scalars say what the upstream
+    rejected: ``rejected_bytes``, the size of the body it refused (bytes), and
+    ``prompt_tokens`` / ``window_tokens``, the prompt's size and the context
+    window its error stated (tokens; ``None`` where the wording states none,
+    e.g. an overflow event inside a Responses stream). All three are ``None``
+    at fold level 0.
     """
 
-    __slots__ = ("_closed", "_draft", "_open", "fold_level", "meta", "path", "session_id")
+    __slots__ = (
+        "_closed",
+        "_draft",
+        "_open",
+        "fold_level",
+        "meta",
+        "path",
+        "prompt_tokens",
+        "rejected_bytes",
+        "session_id",
+        "window_tokens",
+    )
 
     def __init__(
         self,
@@ -232,11 +250,16 @@ class PrepareContext:
         path: str,
         body: dict[str, Any] | None = None,
         draft: Draft | None = None,
+        overflow: tuple[int, int | None, int | None] | None = None,
     ) -> None:
         self.meta: Final = meta
         self.fold_level: Final = fold_level
         self.session_id: Final = session_id
         self.path: Final = path
+        rejected, prompt, window = overflow if overflow is not None else (None, None, None)
+        self.rejected_bytes: Final[int | None] = rejected
+        self.prompt_tokens: Final[int | None] = prompt
+        self.window_tokens: Final[int | None] = window
         if draft is None and body is not None:
             draft = Draft(meta.protocol, obj=ParsedHolder(body, meta.byte_length))
         self._draft = draft

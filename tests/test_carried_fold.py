@@ -1,0 +1,314 @@
+"""Carried folds (issue 22 items 1-3): a session that overflowed stays folded.
+
+Each test runs the real ``fold`` plugin in a proxy in front of a *tap*, an
+upstream on 127.0.0.1 that keeps the bytes of every body it receives and relays
+the request to the emulator, which has a context window
+(``context-proxy emulate --context-window-tokens N``: a prompt of more than N
+tokens, body bytes // 4, gets the protocol's real overflow error). Clients are
+the real ``openai`` and ``anthropic`` SDKs; the session id travels in each
+protocol's header. The tap shows what the upstream's prompt cache sees (the
+bytes), the emulator how many requests it had to read and reject.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+from aiohttp import web
+
+from plugins.fold import DEFAULT_PLACEHOLDER, FoldPlugin
+from proxy import BodyView, Protocol
+from proxy._app import build_app, running
+from proxy._config import load_settings
+from proxy._emulator import EmulatorServer, start_emulator
+from proxy._emulator_script import window_script
+from proxy._plugins import PluginHost
+from proxy._protocols import stated_tokens
+from proxy.testing import Harness, proxy_with_emulator
+
+#: The emulator's context window: 24,000 tokens, i.e. bodies of up to 96,003 bytes.
+WINDOW_TOKENS = 24_000
+#: Bytes of one bulky turn (a pasted file, a tool result).
+TURN_BYTES = 6_000
+PLACEHOLDER_MARK = DEFAULT_PLACEHOLDER.split("{n}")[0].encode()
+
+PROTOCOLS = {
+    "chat": Protocol.CHAT,
+    "messages": Protocol.MESSAGES,
+    "responses": Protocol.RESPONSES,
+}
+
+
+def _text(tag: str, size: int) -> str:
+    line = f"{tag}: the quick brown fox jumps over the lazy dog 0123456789\n"
+    return (line * (size // len(line) + 1))[:size]
+
+
+@dataclasses.dataclass
+class Tap:
+    """The bodies the upstream received, in order, as bytes."""
+
+    bodies: list[bytes] = dataclasses.field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def tapped(
+    plugin: FoldPlugin, *, window: int = WINDOW_TOKENS, max_refolds: int = 4
+) -> AsyncIterator[tuple[Harness, Tap]]:
+    """A proxy with ``plugin`` whose upstream is a tap in front of a windowed emulator."""
+    emulator: EmulatorServer = await start_emulator(default_script=window_script(window))
+    tap = Tap()
+    http = aiohttp.ClientSession()
+
+    async def relay(request: web.Request) -> web.Response:
+        body = await request.read()
+        tap.bodies.append(body)
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        async with http.post(emulator.url + request.path_qs, data=body, headers=headers) as up:
+            answer = await up.read()
+            return web.Response(status=up.status, body=answer, content_type=up.content_type)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", relay)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        settings = load_settings(
+            environ={},
+            overrides={
+                "plugins": [],
+                "shutdown_grace": 5.0,
+                "max_refolds": max_refolds,
+                "upstream_openai": url,
+                "upstream_anthropic": url,
+            },
+        )
+        proxy_app = build_app(settings, host=PluginHost([plugin], timeout=5.0))
+        async with running(proxy_app, "127.0.0.1", 0) as port:
+            harness = Harness(f"http://127.0.0.1:{port}", emulator, proxy_app, settings)
+            yield harness, tap
+    finally:
+        await runner.cleanup()
+        await http.close()
+        await emulator.close()
+
+
+class Client:
+    """One protocol's real SDK talking to the proxy for one session id."""
+
+    def __init__(self, protocol: Protocol, h: Harness, session: str | None) -> None:
+        self.protocol = protocol
+        self.h = h
+        self.session = session
+
+    def _headers(self) -> dict[str, str]:
+        if self.session is None:
+            return {}
+        name = {
+            Protocol.CHAT: "x-session-id",
+            Protocol.MESSAGES: "x-claude-code-session-id",
+            Protocol.RESPONSES: "session-id",
+        }[self.protocol]
+        return {name: self.session}
+
+    async def ask(self, history: list[tuple[str, str]]) -> str:
+        """Send ``history`` (``(role, text)`` pairs, the last one the user's); the answer."""
+        headers = self._headers()
+        if self.protocol == Protocol.MESSAGES:
+            async with anthropic.AsyncAnthropic(
+                base_url=self.h.url, api_key="test", max_retries=0, default_headers=headers
+            ) as claude:
+                message = await claude.messages.create(
+                    model="claude-test",
+                    max_tokens=64,
+                    system="You are a careful engineer.",
+                    messages=cast(Any, [{"role": r, "content": t} for r, t in history]),
+                )
+                block = message.content[0]
+                assert block.type == "text"
+                return block.text
+        async with openai.AsyncOpenAI(
+            base_url=self.h.openai_base_url, api_key="test", max_retries=0, default_headers=headers
+        ) as client:
+            if self.protocol == Protocol.CHAT:
+                messages = [{"role": "system", "content": "You are a careful engineer."}]
+                messages += [{"role": r, "content": t} for r, t in history]
+                chat = await client.chat.completions.create(
+                    model="gpt-test", messages=cast(Any, messages)
+                )
+                return chat.choices[0].message.content or ""
+            items = [
+                {
+                    "role": r,
+                    "content": [
+                        {"type": "input_text" if r == "user" else "output_text", "text": t}
+                    ],
+                }
+                for r, t in history
+            ]
+            response = await client.responses.create(
+                model="gpt-test", instructions="You are a careful engineer.", input=cast(Any, items)
+            )
+            return response.output_text
+
+
+def opening(count: int, tag: str = "turn") -> list[tuple[str, str]]:
+    """A history of ``count`` bulky alternating turns, then a short question."""
+    history = [
+        ("user" if i % 2 == 0 else "assistant", _text(f"{tag} {i}", TURN_BYTES))
+        for i in range(count)
+    ]
+    return [*history, ("user", "Why does the test still fail?")]
+
+
+def prefix_end(body: bytes, protocol: Protocol, entries: int) -> int:
+    """Offset just past history entry ``entries - 1`` of ``body`` (system entries counted)."""
+    items = BodyView(body, protocol).items()
+    return items[entries - 1].end
+
+
+def system_entries(protocol: Protocol) -> int:
+    return 1 if protocol == Protocol.CHAT else 0
+
+
+async def folded_session(
+    client: Client, h: Harness, history: list[tuple[str, str]]
+) -> tuple[str, dict[str, Any]]:
+    """Ask once with an over-long ``history``: the overflow is refolded and accepted."""
+    answer = await client.ask(history)
+    await h.settle()
+    assert [r.status for r in h.emulator.stats] == [400, 200]
+    assert client.session is not None
+    view = await h.session_view(client.session)
+    assert view is not None
+    return answer, view["plugins"]["fold"]
+
+
+# -- item 1: the carried fold ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", PROTOCOLS)
+async def test_next_turn_is_folded_before_its_first_send_with_a_byte_identical_prefix(
+    name: str,
+) -> None:
+    protocol = PROTOCOLS[name]
+    async with tapped(FoldPlugin()) as (h, tap):
+        client = Client(protocol, h, "carry-1")
+        history = opening(18)
+        answer, state = await folded_session(client, h, history)
+        assert state["carried_folds"] == 1 and state["carried_level"] == 1
+        assert state["window_tokens"] == WINDOW_TOKENS
+        cut = state["carried_cut"]
+        sent = tap.bodies[1]
+
+        history = [*history, ("assistant", answer), ("user", "And now?")]
+        await client.ask(history)
+        await h.settle()
+        # One request for turn 2, and it was accepted: no rejected round trip.
+        assert [r.status for r in h.emulator.stats] == [400, 200, 200]
+        again = tap.bodies[2]
+        assert PLACEHOLDER_MARK in again
+        # Every entry turn 1 sent (folded part and all) leaves again byte for byte.
+        end = prefix_end(sent, protocol, 19 + system_entries(protocol))
+        assert again[:end] == sent[:end]
+        assert cut <= 18 + system_entries(protocol)
+        view = await h.session_view("carry-1")
+        assert view is not None
+        assert view["plugins"]["fold"]["carried_applied"] == 1
+
+
+@pytest.mark.parametrize("name", PROTOCOLS)
+async def test_without_a_carried_fold_every_turn_pays_a_rejected_round_trip(name: str) -> None:
+    protocol = PROTOCOLS[name]
+    async with tapped(FoldPlugin(carry=False)) as (h, _):
+        client = Client(protocol, h, "carry-off")
+        history = opening(18)
+        answer = await client.ask(history)
+        await client.ask([*history, ("assistant", answer), ("user", "And now?")])
+        await h.settle()
+        assert [r.status for r in h.emulator.stats] == [400, 200, 400, 200]
+
+
+@pytest.mark.parametrize("name", PROTOCOLS)
+@pytest.mark.parametrize("change", ["edit", "restart", "compaction"])
+async def test_a_history_that_no_longer_matches_is_sent_as_received(name: str, change: str) -> None:
+    protocol = PROTOCOLS[name]
+    async with tapped(FoldPlugin()) as (h, tap):
+        client = Client(protocol, h, "carry-2")
+        history = opening(18)
+        _, state = await folded_session(client, h, history)
+        cut = state["carried_cut"] - system_entries(protocol)
+        if change == "edit":
+            # An entry inside the folded prefix rewritten short (the client trimmed it).
+            changed = list(history)
+            changed[1] = ("assistant", "shorter now")
+            changed = [*changed[: cut + 2], ("user", "Again?")]
+        elif change == "restart":
+            # Started over: same opening message, a new short history.
+            changed = [history[0], ("assistant", "fresh start"), ("user", "Again?")]
+        else:
+            # Compacted: a summary replaces the history.
+            changed = [("user", "Summary of the work so far."), ("assistant", "ok")]
+            changed += [("user", "Go on.")]
+        await client.ask(changed)
+        await h.settle()
+        assert [r.status for r in h.emulator.stats] == [400, 200, 200]
+        assert PLACEHOLDER_MARK not in tap.bodies[2]
+        view = await h.session_view("carry-2")
+        assert view is not None
+        fold = view["plugins"]["fold"]
+        assert fold["carried_applied"] == 0
+        if change != "compaction":
+            # Same history key, other prefix: the carried fold is dropped.
+            assert fold["carried_folds"] == 0
+
+
+async def test_a_request_without_a_session_is_never_carried() -> None:
+    async with tapped(FoldPlugin()) as (h, _):
+        client = Client(Protocol.CHAT, h, None)
+        history = opening(18)
+        answer = await client.ask(history)
+        await client.ask([*history, ("assistant", answer), ("user", "And now?")])
+        await h.settle()
+        assert [r.status for r in h.emulator.stats] == [400, 200, 400, 200]
+
+
+def test_overflow_errors_state_their_token_figures() -> None:
+    anthropic_error = b'{"type":"error","error":{"type":"invalid_request_error",'
+    anthropic_error += b'"message":"prompt is too long: 210000 tokens > 200000 maximum"}}'
+    assert stated_tokens(anthropic_error) == (210000, 200000)
+    chat = (
+        b"This model's maximum context length is 128000 tokens. However, your messages "
+        b"resulted in 130001 tokens. Please reduce the length of the messages."
+    )
+    assert stated_tokens(chat) == (130001, 128000)
+    vllm = (
+        b"This model's maximum context length is 4096 tokens. However, you requested "
+        b"5000 tokens (5000 in the messages, 0 in the completion)."
+    )
+    assert stated_tokens(vllm) == (5000, 4096)
+    sglang = b"The input (9000 tokens) is longer than the model's context length (8192 tokens)."
+    assert stated_tokens(sglang) == (9000, 8192)
+    assert stated_tokens(b"Your input exceeds the context window of this model.") == (None, None)
+
+
+async def test_the_harness_emulator_takes_a_context_window() -> None:
+    async with proxy_with_emulator(context_window_tokens=100) as h:
+        small = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        big = {"model": "m", "messages": [{"role": "user", "content": "x" * 800}]}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(h.url + "/v1/chat/completions", json=small) as resp:
+                assert resp.status == 200
+            async with http.post(h.url + "/v1/chat/completions", json=big) as resp:
+                assert resp.status == 400
+                assert "maximum context length is 100 tokens" in (await resp.text())
