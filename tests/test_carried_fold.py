@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -106,10 +107,14 @@ async def tapped(
 class Client:
     """One protocol's real SDK talking to the proxy for one session id."""
 
-    def __init__(self, protocol: Protocol, h: Harness, session: str | None) -> None:
+    def __init__(
+        self, protocol: Protocol, h: Harness, session: str | None, *, stream: bool = False
+    ) -> None:
         self.protocol = protocol
         self.h = h
         self.session = session
+        # Responses only: a streamed overflow is an event that states no token figures.
+        self.stream = stream
 
     def _headers(self) -> dict[str, str]:
         if self.session is None:
@@ -156,10 +161,18 @@ class Client:
                 }
                 for r, t in history
             ]
-            response = await client.responses.create(
+            if not self.stream:
+                response = await client.responses.create(
+                    model="gpt-test",
+                    instructions="You are a careful engineer.",
+                    input=cast(Any, items),
+                )
+                return response.output_text
+            async with client.responses.stream(
                 model="gpt-test", instructions="You are a careful engineer.", input=cast(Any, items)
-            )
-            return response.output_text
+            ) as events:
+                final = await events.get_final_response()
+                return final.output_text
 
 
 def opening(count: int, tag: str = "turn") -> list[tuple[str, str]]:
@@ -312,3 +325,110 @@ async def test_the_harness_emulator_takes_a_context_window() -> None:
             async with http.post(h.url + "/v1/chat/completions", json=big) as resp:
                 assert resp.status == 400
                 assert "maximum context length is 100 tokens" in (await resp.text())
+
+
+# -- item 2: hysteresis -----------------------------------------------------------------------
+
+
+def history_of(body: bytes, protocol: Protocol) -> list[Any]:
+    return [node.value() for node in BodyView(body, protocol).items()]
+
+
+async def grow(
+    client: Client, h: Harness, tap: Tap, turns: int, *, start: int = 18
+) -> tuple[list[int], list[int], list[list[tuple[str, str]]]]:
+    """Run a session that overflows, then grows by a bulky tool result per turn.
+
+    Returns per turn: the upstream requests it took, the carried cut after it,
+    and the history the client sent.
+    """
+    assert client.session is not None
+    history = opening(start)
+    requests: list[int] = []
+    cuts: list[int] = []
+    sent: list[list[tuple[str, str]]] = []
+    for turn in range(turns):
+        before = len(h.emulator.stats)
+        answer = await client.ask(history)
+        await h.settle()
+        requests.append(len(h.emulator.stats) - before)
+        assert h.emulator.stats[-1].status == 200
+        view = await h.session_view(client.session)
+        assert view is not None
+        cuts.append(view["plugins"]["fold"]["carried_cut"])
+        sent.append(history)
+        history = [*history, ("assistant", answer), ("user", _text(f"result {turn}", TURN_BYTES))]
+    assert len(tap.bodies) == sum(requests)
+    return requests, cuts, sent
+
+
+def check_rules(body: bytes, protocol: Protocol, history: list[tuple[str, str]]) -> None:
+    """The system prompt and the last user turn left alone; no entry added or dropped."""
+    entries = history_of(body, protocol)
+    system = system_entries(protocol)
+    assert len(entries) == len(history) + system
+    if protocol == Protocol.CHAT:
+        assert entries[0] == {"role": "system", "content": "You are a careful engineer."}
+    last = entries[-1]
+    text = last["content"] if isinstance(last["content"], str) else last["content"][0]["text"]
+    assert text == history[-1][1]
+
+
+@pytest.mark.parametrize("name", PROTOCOLS)
+async def test_the_cut_moves_rarely_and_earlier_placeholders_stay_byte_for_byte(
+    name: str,
+) -> None:
+    protocol = PROTOCOLS[name]
+    async with tapped(FoldPlugin()) as (h, tap):
+        client = Client(protocol, h, "grow")
+        requests, cuts, sent = await grow(client, h, tap, 24)
+        # The first turn overflowed once. The error stated the window, so afterwards
+        # the cut moved before the send each time the body passed fold_target of it:
+        # no rejected round trip at all.
+        assert requests[0] == 2
+        assert requests[1:] == [1] * 23
+        # The history grew to more than twice the window; the cut moved, but rarely:
+        # each move lands near fold_headroom, leaving room for several turns.
+        moves = sum(1 for a, b in itertools.pairwise(cuts) if b != a)
+        assert 2 <= moves <= 6
+        assert cuts == sorted(cuts)
+        # Each turn's accepted body, then the next: the bytes through the older
+        # cut are identical (its placeholders kept byte for byte).
+        accepted = [tap.bodies[sum(requests[: i + 1]) - 1] for i in range(len(requests))]
+        for i in range(len(accepted) - 1):
+            end = prefix_end(accepted[i], protocol, cuts[i])
+            assert accepted[i + 1][:end] == accepted[i][:end], i
+        for body, history in zip(accepted, sent, strict=True):
+            check_rules(body, protocol, history)
+            assert len(body) <= 4 * WINDOW_TOKENS + 3
+        view = await h.session_view("grow")
+        assert view is not None
+        assert view["plugins"]["fold"]["cut_moves"] >= 1
+
+
+async def test_a_carried_fold_that_overflows_again_moves_its_cut_in_one_refold() -> None:
+    # A streamed Responses overflow states no figures: the window is known only as
+    # "smaller than what was refused", so a carried fold overflows again now and then.
+    async with tapped(FoldPlugin()) as (h, tap):
+        client = Client(Protocol.RESPONSES, h, "again", stream=True)
+        # Folding so long a history takes two refolds; the smaller refused body is
+        # then ~1.5x the real window, so fold_target of it is past the window.
+        requests, cuts, sent = await grow(client, h, tap, 16, start=44)
+        assert requests[0] == 3
+        again = [turn for turn, count in enumerate(requests) if turn and count > 1]
+        # The carried fold overflowed again once, and one refold moved its cut.
+        assert len(again) == 1 and requests[again[0]] == 2
+        turn = again[0]
+        assert cuts[turn] > cuts[turn - 1]
+        refused = len(tap.bodies[sum(requests[:turn])])
+        moved = tap.bodies[sum(requests[: turn + 1]) - 1]
+        # It aimed at fold_headroom of the refused body, so the next turns fit again.
+        assert len(moved) <= 0.6 * refused + TURN_BYTES
+        assert requests[turn + 1 :] == [1] * (len(requests) - turn - 1)
+        assert cuts == sorted(cuts)
+        accepted = [tap.bodies[sum(requests[: i + 1]) - 1] for i in range(len(requests))]
+        for i in range(len(accepted) - 1):
+            end = prefix_end(accepted[i], Protocol.RESPONSES, cuts[i])
+            assert accepted[i + 1][:end] == accepted[i][:end], i
+        for body, history in zip(accepted, sent, strict=True):
+            check_rules(body, Protocol.RESPONSES, history)
