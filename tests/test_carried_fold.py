@@ -432,3 +432,34 @@ async def test_a_carried_fold_that_overflows_again_moves_its_cut_in_one_refold()
             assert accepted[i + 1][:end] == accepted[i][:end], i
         for body, history in zip(accepted, sent, strict=True):
             check_rules(body, Protocol.RESPONSES, history)
+
+
+# -- item 3: sub-agents ------------------------------------------------------------------------
+
+
+async def test_sub_agents_under_one_session_keep_separate_carried_folds() -> None:
+    async with tapped(FoldPlugin(max_histories=2)) as (h, _):
+        client = Client(Protocol.MESSAGES, h, "agents")
+        agents = {tag: opening(18, tag) for tag in ("main", "explore", "review")}
+        answers: dict[str, str] = {}
+
+        async def turn(tag: str) -> int:
+            before = len(h.emulator.stats)
+            history = agents[tag]
+            if tag in answers:
+                history = agents[tag] = [*history, ("assistant", answers[tag]), ("user", "More?")]
+            answers[tag] = await client.ask(history)
+            await h.settle()
+            assert h.emulator.stats[-1].status == 200
+            return len(h.emulator.stats) - before
+
+        # Each history overflows once; interleaved, neither resets the other.
+        assert [await turn("main"), await turn("explore")] == [2, 2]
+        assert [await turn("main"), await turn("explore"), await turn("main")] == [1, 1, 1]
+        view = await h.session_view("agents")
+        assert view is not None
+        assert view["plugins"]["fold"]["carried_folds"] == 2
+        # A third history makes room by dropping the least recently used one.
+        assert await turn("review") == 2
+        assert await turn("main") == 1
+        assert await turn("explore") == 2
