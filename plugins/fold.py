@@ -525,14 +525,22 @@ def _outbound_size(view: BodyView) -> int:
     return view.nbytes + sum(len(data) - (end - start) for start, end, data in view.edits)
 
 
+def _history_key(entries: list[Node], protocol: Protocol | None) -> str:
+    """Digest of a history's first entries: up to and including the first user-side one.
+
+    Sub-agents of one session (Claude Code's) differ there: their own task prompt.
+    """
+    first_user = next((i for i, entry in enumerate(entries) if _side(entry, protocol) == _USER), 0)
+    return _digest(entries, first_user + 1)
+
+
 class _History:
     """One request's history as the fold sees it: entries, sides and bulky turns.
 
     ``bulky`` lists the bulky turns before the protected end (entry indices,
     oldest first); the first ``head`` of them are head turns, the rest tail
     turns. ``protected_at`` is the index of the protected end's first entry: no
-    cut goes past it. ``key`` (computed on demand) tells histories of one
-    session apart: a digest of the entries up to the first user-side one.
+    cut goes past it.
     """
 
     __slots__ = ("bulky", "entries", "head", "protected_at", "sides")
@@ -550,11 +558,6 @@ class _History:
         self.bulky = bulky
         self.head = head
         self.protected_at = protected_at
-
-    def key(self) -> str:
-        """Digest of the first entries: the system ones and the first user-side one."""
-        first_user = next((i for i, side in enumerate(self.sides) if side == _USER), 0)
-        return _digest(self.entries, first_user + 1)
 
     def starts_with(self, carried: _Carried) -> bool:
         """Whether this history begins with exactly the prefix ``carried`` was cut in."""
@@ -930,13 +933,22 @@ class FoldPlugin(Plugin):
 
     def _carried_prepare(self, ctx: PrepareContext, session: str) -> bool:
         """:meth:`prepare` for a request of a session: carried folds applied and kept."""
-        view, level = ctx.view, ctx.fold_level
+        level = ctx.fold_level
+        folds = self._sessions.get(session)
+        if level == 0 and folds is None:
+            # Most requests: nothing carried for this session, nothing read.
+            return False
+        view = ctx.view
+        entries = view.items()
+        if not entries:
+            return False
+        key = _history_key(entries, view.protocol)
+        carried = folds.by_key.get(key) if folds is not None else None
+        if level == 0 and carried is None:
+            return False
         history = self._history(view)
         if history is None:
             return False
-        key = history.key()
-        folds = self._sessions.get(session)
-        carried = folds.by_key.get(key) if folds is not None else None
         if folds is not None and carried is not None:
             self._sessions.move_to_end(session)
             folds.by_key.move_to_end(key)
