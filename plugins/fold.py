@@ -102,14 +102,17 @@ from typing import Any, Final
 
 from proxy import (
     BodyView,
+    ClusterUnavailable,
     ExchangeRecord,
     Node,
     Plugin,
     PrepareContext,
     Protocol,
     Scalar,
+    SharedSessionState,
     WireError,
     WireMetadata,
+    open_session_state,
 )
 
 __all__ = ["DEFAULT_PLACEHOLDER", "FoldPlugin"]
@@ -131,6 +134,8 @@ _CARRYABLE: Final = frozenset((Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSA
 # whatever the clients do (a session the proxy forgot without closing it included).
 _MAX_SESSIONS: Final = 4096
 _MAX_PENDING: Final = 1024
+# Seconds a session's carried folds stay in Redis (cluster mode) after their last write.
+_SHARED_TTL: Final = 24 * 3600.0
 
 _USER: Final = 0
 _ASSISTANT: Final = 1
@@ -616,6 +621,28 @@ class _Carried:
         if ctx.prompt_tokens is not None and ctx.prompt_tokens > 0:
             self.tokens, self.tokens_bytes = ctx.prompt_tokens, rejected
 
+    def encode(self) -> str:
+        """The scalars as one short string (cluster mode's shared hash; see :meth:`decode`)."""
+        numbers = (self.window_tokens, self.tokens, self.tokens_bytes, self.rejected_bytes)
+        figures = " ".join("-" if n is None else str(n) for n in numbers)
+        return f"1 {self.cut} {self.level} {self.prefix} {figures}"
+
+    @classmethod
+    def decode(cls, key: str, text: str) -> _Carried | None:
+        """A carried fold from :meth:`encode`'s string; ``None`` if it is not one."""
+        parts = text.split(" ")
+        if len(parts) != 8 or parts[0] != "1":
+            return None
+        try:
+            cut, level = int(parts[1]), int(parts[2])
+            figures = [None if p == "-" else int(p) for p in parts[4:]]
+        except ValueError:
+            return None
+        fold = cls(key, from_carry=True, learned=None)
+        fold.cut, fold.level, fold.prefix = cut, level, parts[3]
+        fold.window_tokens, fold.tokens, fold.tokens_bytes, fold.rejected_bytes = figures
+        return fold if cut > 0 else None
+
     def window_bytes(self) -> int | None:
         """The context window in body bytes, as well as it is known (``None``: unknown).
 
@@ -632,10 +659,12 @@ class _Carried:
 class _SessionFolds:
     """A session's carried folds, one per history key, least recently used first."""
 
-    __slots__ = ("applied", "by_key", "moves")
+    __slots__ = ("applied", "by_key", "dropped", "moves")
 
     def __init__(self) -> None:
         self.by_key: OrderedDict[str, _Carried] = OrderedDict()
+        #: History keys dropped here and not yet deleted from the shared state.
+        self.dropped: set[str] = set()
         #: Requests folded before their first send by a carried fold.
         self.applied = 0
         #: Times a carried cut moved forward (hysteresis).
@@ -678,6 +707,12 @@ class FoldPlugin(Plugin):
     ``max_histories`` (int >= 1, default 8)
         Carried folds kept per session, one per history (sub-agents share a
         session id); the least recently used goes first.
+    ``redis_url`` (str, default: the proxy's ``redis_url`` setting)
+        Cluster mode: carried folds are also kept in the session's shared
+        state in Redis, so another node continues the same cut.
+    ``redis_timeout`` (seconds, default: the proxy's ``redis_timeout``, else 1)
+        Per Redis command; a Redis that does not answer costs a carried fold,
+        never a request.
 
     Raises:
         TypeError: an option has the wrong type, or is unknown.
@@ -699,6 +734,8 @@ class FoldPlugin(Plugin):
         fold_target: float = 0.85,
         fold_headroom: float = 0.6,
         max_histories: int = 8,
+        redis_url: str | None = None,
+        redis_timeout: float = 1.0,
     ) -> None:
         self.keep_last: Final = _check_int("keep_last", keep_last, 0)
         self.min_bytes: Final = _check_int("min_bytes", min_bytes, 1)
@@ -727,6 +764,31 @@ class FoldPlugin(Plugin):
         self._sessions: OrderedDict[str, _SessionFolds] = OrderedDict()
         # Per (session id, wire digest): the fold an exchange sent last, until its commit.
         self._pending: OrderedDict[tuple[str, str], _Carried] = OrderedDict()
+        if redis_url is not None and not isinstance(redis_url, str):
+            raise TypeError(f"fold: redis_url must be a string, got {type(redis_url).__name__}")
+        if isinstance(redis_timeout, bool) or not isinstance(redis_timeout, (int, float)):
+            raise TypeError("fold: redis_timeout must be a number of seconds")
+        if not redis_timeout > 0:
+            raise ValueError(f"fold: redis_timeout must be > 0, got {redis_timeout}")
+        self.redis_url: Final = redis_url or None
+        self.redis_timeout: Final = float(redis_timeout)
+        # Cluster mode: the shared state (opened in startup), and the sessions whose
+        # shared state this node has read (each is read once, on its first request here).
+        self._shared: SharedSessionState | None = None
+        self._loaded: OrderedDict[str, None] = OrderedDict()
+
+    async def startup(self) -> None:
+        """Cluster mode: open the shared session state (connects on first use)."""
+        if self.redis_url is not None and self.carry:
+            self._shared = open_session_state(
+                self.redis_url, name=self.name, timeout=self.redis_timeout
+            )
+
+    async def shutdown(self) -> None:
+        """Close the shared session state's connections."""
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            await shared.close()
 
     @property
     def max_level(self) -> int:
@@ -758,7 +820,7 @@ class FoldPlugin(Plugin):
             return True
         return (
             fold_level == 0
-            and bool(self._sessions)
+            and (bool(self._sessions) or self._shared is not None)
             and meta.protocol in _CARRYABLE
             and meta.message_count > 1
         )
@@ -780,6 +842,8 @@ class FoldPlugin(Plugin):
             return self.fold(ctx.view, level=level)
         if meta.message_count <= 1:
             return False
+        if level == 0 and self._shared is not None and session not in self._loaded:
+            await self._load(session)
         return self._carried_prepare(ctx, session)
 
     def fold(self, view: BodyView, *, level: int) -> bool:
@@ -955,6 +1019,7 @@ class FoldPlugin(Plugin):
             if not history.starts_with(carried):
                 # Compacted, edited or started over: the elisions no longer fit.
                 del folds.by_key[key]
+                folds.dropped.add(key)
                 carried = None
         pending_key = (session, ctx.meta.digest)
         last = self._pending.get(pending_key) if level > 0 else None
@@ -1001,34 +1066,93 @@ class FoldPlugin(Plugin):
             self._pending.popitem(last=False)
         return True
 
-    async def commit(self, record: ExchangeRecord) -> None:
-        """Keep the fold of an accepted exchange as its session's carried fold.
+    async def _load(self, session: str) -> None:
+        """Cluster mode: this node's first request of ``session`` reads its carried folds.
 
-        An exchange is accepted when the upstream answered 2xx; its
-        ``input_tokens`` against its ``outbound_bytes`` is the window's measure.
+        One Redis round trip under the session lock, once per session and node
+        (a session moves only when its node fails or the ring changes). If Redis
+        does not answer, the request goes on with what this node knows.
         """
-        session = record.session_id
-        if session is None:
+        assert self._shared is not None
+        try:
+            raw = await self._shared.load(session)
+        except ClusterUnavailable:
+            log.debug("fold: shared session state unavailable; carried folds not read")
             return
-        fold = self._pending.pop((session, record.wire_digest), None)
-        if fold is None or not 200 <= record.status < 300:
+        self._loaded[session] = None
+        while len(self._loaded) > _MAX_SESSIONS:
+            self._loaded.popitem(last=False)
+        found = [(key, _Carried.decode(key, text)) for key, text in raw.items()]
+        carried = [fold for _, fold in found if fold is not None]
+        if not carried or session in self._sessions:
             return
-        if record.input_tokens:
-            fold.tokens, fold.tokens_bytes = record.input_tokens, record.outbound_bytes
+        folds = self._remember(session)
+        for fold in carried[-self.max_histories :]:
+            folds.by_key[fold.key] = fold
+
+    def _remember(self, session: str) -> _SessionFolds:
+        """The session's carried folds, created if need be, as the most recently used."""
         folds = self._sessions.get(session)
         if folds is None:
             folds = self._sessions[session] = _SessionFolds()
         self._sessions.move_to_end(session)
         while len(self._sessions) > _MAX_SESSIONS:
             self._sessions.popitem(last=False)
+        return folds
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        """Keep the fold of an accepted exchange as its session's carried fold.
+
+        An exchange is accepted when the upstream answered 2xx; its
+        ``input_tokens`` against its ``outbound_bytes`` is the window's measure.
+        In cluster mode the change is written to the session's shared state.
+        """
+        session = record.session_id
+        if session is None:
+            return
+        fold = self._pending.pop((session, record.wire_digest), None)
+        accepted = fold is not None and 200 <= record.status < 300
+        folds = self._sessions.get(session)
+        if fold is None or not accepted:
+            if folds is not None and folds.dropped:
+                await self._share(session, folds, None, [])
+            return
+        if record.input_tokens:
+            fold.tokens, fold.tokens_bytes = record.input_tokens, record.outbound_bytes
+        folds = self._remember(session)
         folds.by_key[fold.key] = fold
         folds.by_key.move_to_end(fold.key)
+        folds.dropped.discard(fold.key)
+        evicted: list[str] = []
         while len(folds.by_key) > self.max_histories:
-            folds.by_key.popitem(last=False)
+            evicted.append(folds.by_key.popitem(last=False)[0])
+        await self._share(session, folds, fold, evicted)
+
+    async def _share(
+        self, session: str, folds: _SessionFolds, fold: _Carried | None, evicted: list[str]
+    ) -> None:
+        """Cluster mode: write ``fold`` and delete the dropped and ``evicted`` keys."""
+        if self._shared is None:
+            folds.dropped.clear()
+            return
+        drop = sorted(folds.dropped.union(evicted))
+        put = {} if fold is None else {fold.key: fold.encode()}
+        try:
+            await self._shared.save(session, put, drop, _SHARED_TTL)
+        except ClusterUnavailable:
+            # Another node may then start the session over (one rejected round trip).
+            log.debug("fold: shared session state unavailable; carried fold kept locally")
+            return
+        folds.dropped.clear()
 
     async def session_closed(self, session_id: str) -> None:
-        """Forget the session's carried folds (and folds waiting for a commit)."""
+        """Forget the session's carried folds (and folds waiting for a commit) on this node.
+
+        The shared copy (cluster mode) stays until its TTL: a node's drain closes
+        its sessions too, and another node continues them.
+        """
         self._sessions.pop(session_id, None)
+        self._loaded.pop(session_id, None)
         for key in [key for key in self._pending if key[0] == session_id]:
             del self._pending[key]
 

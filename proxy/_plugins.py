@@ -53,7 +53,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
 from ._protocols import Protocol
-from ._shared import LedgerGate
+from ._shared import LedgerGate, SharedSessionState
 from ._structure import BodyView, Draft, ParsedHolder
 from ._wire import WireMetadata
 
@@ -71,6 +71,7 @@ __all__ = [
     "discover_plugins",
     "load_plugins",
     "open_ledger_gate",
+    "open_session_state",
 ]
 
 log = logging.getLogger("context_proxy.plugins")
@@ -374,6 +375,31 @@ def open_ledger_gate(
     from ._cluster.ledger import RedisLedgerGate
 
     return RedisLedgerGate(redis_url, timeout=timeout, max_connections=max_connections)
+
+
+def open_session_state(
+    redis_url: str, *, name: str, timeout: float = 1.0, max_connections: int = 8
+) -> SharedSessionState:
+    """Plugin ``name``'s per-session state shared by every node of a cluster, in Redis.
+
+    For a plugin that runs in cluster mode (it received ``redis_url``): call it
+    in ``startup`` and ``await state.close()`` in ``shutdown``. Building it
+    connects to nothing; the first call does. redis is imported here, on first
+    use, as for :func:`open_ledger_gate`.
+
+    Args:
+        redis_url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        name: the plugin's name: each plugin has its own hash per session.
+        timeout: seconds per command and for connecting, never retried.
+        max_connections: size of the bounded connection pool (>= 2).
+
+    Raises:
+        ValueError: ``redis_url`` is not a Redis URL.
+    """
+    # Imported on demand: the Redis client is a cluster-mode dependency only.
+    from ._cluster.session_state import RedisSessionState
+
+    return RedisSessionState(redis_url, name=name, timeout=timeout, max_connections=max_connections)
 
 
 _HOOKS: Final = (

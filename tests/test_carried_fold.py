@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, cast
 
 import aiohttp
@@ -33,6 +34,7 @@ from proxy._emulator_script import window_script
 from proxy._plugins import PluginHost
 from proxy._protocols import stated_tokens
 from proxy.testing import Harness, proxy_with_emulator
+from tests.cluster_support import RedisServer, need_binary
 
 #: The emulator's context window: 24,000 tokens, i.e. bodies of up to 96,003 bytes.
 WINDOW_TOKENS = 24_000
@@ -60,10 +62,8 @@ class Tap:
 
 
 @contextlib.asynccontextmanager
-async def tapped(
-    plugin: FoldPlugin, *, window: int = WINDOW_TOKENS, max_refolds: int = 4
-) -> AsyncIterator[tuple[Harness, Tap]]:
-    """A proxy with ``plugin`` whose upstream is a tap in front of a windowed emulator."""
+async def tap_upstream(window: int) -> AsyncIterator[tuple[EmulatorServer, Tap, str]]:
+    """The emulator with a ``window``-token context, and a tap in front of it (its URL)."""
     emulator: EmulatorServer = await start_emulator(default_script=window_script(window))
     tap = Tap()
     http = aiohttp.ClientSession()
@@ -82,26 +82,45 @@ async def tapped(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
-        settings = load_settings(
-            environ={},
-            overrides={
-                "plugins": [],
-                "shutdown_grace": 5.0,
-                "max_refolds": max_refolds,
-                "upstream_openai": url,
-                "upstream_anthropic": url,
-            },
-        )
-        proxy_app = build_app(settings, host=PluginHost([plugin], timeout=5.0))
-        async with running(proxy_app, "127.0.0.1", 0) as port:
-            harness = Harness(f"http://127.0.0.1:{port}", emulator, proxy_app, settings)
-            yield harness, tap
+        yield emulator, tap, f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
         await http.close()
         await emulator.close()
+
+
+@contextlib.asynccontextmanager
+async def proxy_on(
+    upstream: str, emulator: EmulatorServer, plugin: FoldPlugin, **settings: Any
+) -> AsyncIterator[Harness]:
+    """A proxy running ``plugin`` whose upstream is ``upstream``; leaving it drains it."""
+    resolved = load_settings(
+        environ={},
+        overrides={
+            "plugins": [],
+            "shutdown_grace": 5.0,
+            "max_refolds": 4,
+            **settings,
+            "upstream_openai": upstream,
+            "upstream_anthropic": upstream,
+        },
+    )
+    proxy_app = build_app(resolved, host=PluginHost([plugin], timeout=5.0))
+    async with running(proxy_app, "127.0.0.1", 0) as port:
+        yield Harness(f"http://127.0.0.1:{port}", emulator, proxy_app, resolved)
+
+
+@contextlib.asynccontextmanager
+async def tapped(
+    plugin: FoldPlugin, *, window: int = WINDOW_TOKENS
+) -> AsyncIterator[tuple[Harness, Tap]]:
+    """A proxy with ``plugin`` whose upstream is a tap in front of a windowed emulator."""
+    async with (
+        tap_upstream(window) as (emulator, tap, url),
+        proxy_on(url, emulator, plugin) as harness,
+    ):
+        yield harness, tap
 
 
 class Client:
@@ -463,3 +482,63 @@ async def test_sub_agents_under_one_session_keep_separate_carried_folds() -> Non
         assert await turn("review") == 2
         assert await turn("main") == 1
         assert await turn("explore") == 2
+
+
+# -- item 3: cluster mode ----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", PROTOCOLS)
+async def test_another_node_continues_the_same_cut(name: str, tmp_path: Path) -> None:
+    need_binary("redis-server")
+    protocol = PROTOCOLS[name]
+    redis = RedisServer(tmp_path)
+    redis.start()
+    try:
+        async with tap_upstream(WINDOW_TOKENS) as (emulator, tap, url):
+            history = opening(18)
+            plugin_a = FoldPlugin(redis_url=redis.url)
+            async with proxy_on(url, emulator, plugin_a, redis_url=redis.url) as a:
+                answer, state = await folded_session(Client(protocol, a, "moving"), a, history)
+            # Node a is gone (drained and stopped); the session comes to node b.
+            plugin_b = FoldPlugin(redis_url=redis.url)
+            async with proxy_on(url, emulator, plugin_b, redis_url=redis.url) as b:
+                turn = [*history, ("assistant", answer), ("user", "And now?")]
+                await Client(protocol, b, "moving").ask(turn)
+                await b.settle()
+                view = await b.session_view("moving")
+            # One request for the turn on the new node, accepted, with the same prefix.
+            assert [r.status for r in emulator.stats] == [400, 200, 200]
+            end = prefix_end(tap.bodies[1], protocol, len(history) + system_entries(protocol))
+            assert tap.bodies[2][:end] == tap.bodies[1][:end]
+            assert view is not None
+            fold = view["plugins"]["fold"]
+            assert fold["carried_applied"] == 1
+            assert fold["carried_cut"] == state["carried_cut"]
+    finally:
+        redis.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_without_redis_a_node_starts_over_and_requests_still_succeed(
+    tmp_path: Path,
+) -> None:
+    need_binary("redis-server")
+    redis = RedisServer(tmp_path)
+    redis.start()
+    try:
+        async with tap_upstream(WINDOW_TOKENS) as (emulator, _tap, url):
+            history = opening(18)
+            plugin_a = FoldPlugin(redis_url=redis.url)
+            async with proxy_on(url, emulator, plugin_a, redis_url=redis.url) as a:
+                answer, _ = await folded_session(Client(Protocol.CHAT, a, "lost"), a, history)
+            redis.stop()
+            plugin_b = FoldPlugin(redis_url=redis.url, redis_timeout=0.2)
+            async with proxy_on(url, emulator, plugin_b) as b:
+                turn = [*history, ("assistant", answer), ("user", "And now?")]
+                await Client(Protocol.CHAT, b, "lost").ask(turn)
+                await b.settle()
+            # Redis gone: node b knows nothing, so the turn pays one refold, and works.
+            assert [r.status for r in emulator.stats] == [400, 200, 400, 200]
+    finally:
+        redis.stop()
