@@ -601,17 +601,19 @@ class LedgerPlugin(Plugin):
     async def commit(self, record: ExchangeRecord) -> None:
         """Pass one finished exchange through the hash gate and count it.
 
-        Ignores records without a session id or with an outcome other than
-        ``ok``. An identical retry updates the counters in memory only; every
-        other gate outcome schedules the debounced write. With ``sync =
-        "commit"`` every one is written (fsynced) before this returns.
+        Ignores records without a session id, without a wire digest (a request
+        refused before its body was parsed, a passthrough route: no history to
+        compare) or with an outcome other than ``ok``. An identical retry
+        updates the counters in memory only; every other gate outcome schedules
+        the debounced write. With ``sync = "commit"`` every one is written
+        (fsynced) before this returns.
 
         Raises:
             LedgerError: the plugin is not started, looking up a session not
                 in memory failed, or (``sync = "commit"``) the write failed.
         """
         sid = record.session_id
-        if sid is None or record.outcome is not Outcome.OK:
+        if sid is None or not record.wire_digest or record.outcome is not Outcome.OK:
             return
         if self._gate is not None:
             self._hold(sid, record)

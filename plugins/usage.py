@@ -202,7 +202,13 @@ class UsagePlugin(Plugin):
         record without a session id counts in the metrics only, and so does a
         request refused because its session was closed: the session's totals were
         forgotten in :meth:`session_closed`, and the refusal must not bring them back.
+        A record without a wire digest (refused before its body was parsed, or a
+        passthrough route) is not counted at all: it never reached an upstream as
+        an exchange, so it has no usage, and counting it would only add series of
+        zeros (model ``unknown``) and inflate a session's ``requests``.
         """
+        if not record.wire_digest:
+            return
         key = (record.protocol, self.model_label(record.model))
         totals = self._by_label.get(key)
         if totals is None:

@@ -111,13 +111,22 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     default=None,
     help="Reject prompts above N tokens (body bytes // 4) with each protocol's overflow error.",
 )
-def emulate(host: str, port: int, context_window_tokens: int | None) -> None:
+@click.option(
+    "--prompt-cache",
+    is_flag=True,
+    help="Report cached input tokens: the prefix shared with a request of the last 5 minutes.",
+)
+def emulate(host: str, port: int, context_window_tokens: int | None, prompt_cache: bool) -> None:
     """Run the local upstream emulator (all three protocols, scriptable per request)."""
     from ._emulator import run_emulator
-    from ._emulator_script import window_script
+    from ._emulator_script import Script, window_script
 
     setup_logging("INFO")
-    script = None if context_window_tokens is None else window_script(context_window_tokens)
+    script = None
+    if context_window_tokens is not None:
+        script = window_script(context_window_tokens, prompt_cache=prompt_cache)
+    elif prompt_cache:
+        script = Script(prompt_cache=True)
     try:
         run_emulator(host, port, default_script=script)
     except OSError as exc:

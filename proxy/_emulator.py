@@ -103,6 +103,12 @@ answered with 400 in the protocol's error shape.
 - ``usage=1``: OpenAI chat streams always end with the usage chunk (empty
   ``choices``), as ``stream_options.include_usage`` asks.
 - ``cache_read=N``: cache-read input tokens reported in usage.
+- ``prompt_cache=1``: cache-read tokens are the prompt's prefix shared with an
+  accepted request of the same route and model in the last 5 minutes, in whole
+  blocks of 1,024 tokens (see :mod:`proxy._emulator_cache`); excludes ``cache_read``.
+  Anthropic then also reports the rest of the whole blocks as cache writes
+  (``cache_creation_input_tokens``, all of the 5-minute kind) and counts neither
+  cached part in ``input_tokens``, as the real API does; OpenAI reports no writes.
 
 An *event* is one SSE event (comments are not events; ``data: [DONE]`` and pings
 are). A non-streaming JSON answer is written as two events: everything before the
@@ -133,6 +139,7 @@ import contextlib
 import json
 import re
 import signal
+import ssl
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
@@ -143,6 +150,7 @@ import msgspec
 import xxhash
 from aiohttp import web
 
+from ._emulator_cache import BLOCK_TOKENS, PrefixChain, PromptCache
 from ._emulator_frames import (
     REASON_PHRASES,
     WRITE_CHUNK,
@@ -241,9 +249,11 @@ class RequestRecord:
     are of the body after Content-Encoding decoding. ``headers`` holds selected
     request headers, ``authorization`` and ``x-api-key`` cut to 7 characters + "…".
     ``aborted_by_peer``: the client closed the connection before the answer ended;
-    ``cut_by_emulator``: ``cut_after`` aborted it. ``bytes_sent`` counts response body
-    bytes on the wire (after gzip); ``sent_digest`` (xxh3_128 hex) is of the body bytes
-    written before gzip, i.e. what a decoding client reads, set once the answer ends.
+    ``cut_by_emulator``: ``cut_after`` aborted it. ``cached_tokens`` and
+    ``cache_write_tokens`` are the cache figures the answer reports (``prompt_cache=1``).
+    ``bytes_sent`` counts response body bytes on the wire (after gzip); ``sent_digest``
+    (xxh3_128 hex) is of the body bytes written before gzip, i.e. what a decoding client
+    reads, set once the answer ends.
     """
 
     id: int
@@ -268,6 +278,8 @@ class RequestRecord:
     bytes_sent: int = 0
     sent_digest: str | None = None
     holding: str | None = None
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
     finished: bool = False
     aborted_by_peer: bool = False
     cut_by_emulator: bool = False
@@ -307,6 +319,7 @@ class EmulatorState:
         "_records",
         "_waiters",
         "default_script",
+        "prompt_cache",
     )
 
     def __init__(self, default_script: Script | None = None) -> None:
@@ -318,6 +331,8 @@ class EmulatorState:
         self._holds: dict[str, asyncio.Event] = {}
         self._empty_counts: dict[str, int] = {}
         self._closing = asyncio.Event()
+        #: Prefixes of accepted requests, for ``prompt_cache=1`` (cleared by :meth:`reset`).
+        self.prompt_cache = PromptCache()
 
     @property
     def closing(self) -> bool:
@@ -437,6 +452,7 @@ class EmulatorState:
         self._holds.clear()
         self._records.clear()
         self._empty_counts.clear()
+        self.prompt_cache.clear()
         self._next_id = 1
         self.notify()
 
@@ -480,10 +496,14 @@ class _Body:
     stream: bool = False
     include_usage: bool = False
     error: str | None = None
+    chain: PrefixChain | None = None
 
 
-async def _read_body(request: web.BaseRequest, record: RequestRecord) -> _Body:
+async def _read_body(
+    request: web.BaseRequest, record: RequestRecord, chained: bool = False
+) -> _Body:
     hasher = xxhash.xxh3_128()
+    chain = PrefixChain() if chained else None
     # A declared length over the limit means nothing is kept from the first byte on.
     declared = record.content_length
     kept: bytearray | None = (
@@ -499,6 +519,8 @@ async def _read_body(request: web.BaseRequest, record: RequestRecord) -> _Body:
         size += len(chunk)
         record.body_bytes = size
         hasher.update(chunk)
+        if chain is not None:
+            chain.feed(chunk)
         if kept is not None:
             kept += chunk
             if len(kept) > PARSE_LIMIT:
@@ -507,7 +529,7 @@ async def _read_body(request: web.BaseRequest, record: RequestRecord) -> _Body:
         elif len(head) < SCAN_BYTES:
             head += chunk[: SCAN_BYTES - len(head)]
         tail = (tail + chunk[-SCAN_BYTES:])[-SCAN_BYTES:]
-    body = _Body(size=size, digest=hasher.hexdigest())
+    body = _Body(size=size, digest=hasher.hexdigest(), chain=chain)
     if kept is not None and size <= PARSE_LIMIT:
         _decode_head(kept, body)
     else:
@@ -558,8 +580,9 @@ def _plan_answer(
     state: EmulatorState,
     script: Script,
     body: _Body,
-    rid: int,
+    record: RequestRecord,
 ) -> Plan:
+    rid = record.id
     shape = _shape_of(route, request)
     if script.status is not None:
         reason = reason_phrase(script.status)
@@ -601,15 +624,33 @@ def _plan_answer(
         include_usage=body.include_usage,
         empty=empty,
         sse=SSEFrames(script.crlf),
+        cache_read=script.cache_read,
     )
     if script.overflow_above is not None and body.size > script.overflow_above:
         return overflow_plan(route, ctx, body.size, body.stream)
+    if body.chain is not None:
+        _use_prompt_cache(state.prompt_cache, (route, ctx.model), body.chain, ctx)
+        record.cached_tokens, record.cache_write_tokens = ctx.cache_read, ctx.cache_write
     if body.stream:
         render = {"chat": chat_stream, "responses": responses_stream}.get(route, messages_stream)
         frames = decorate(render(ctx), ctx, route)
         return Plan(200, "text/event-stream; charset=utf-8", frames, sse=True, paced=True)
     build = {"chat": chat_json, "responses": responses_json}.get(route, messages_json)
     return Plan(200, "application/json", build(ctx), paced=True)
+
+
+def _use_prompt_cache(
+    cache: PromptCache, scope: tuple[str, str], chain: PrefixChain, ctx: AnswerContext
+) -> None:
+    """Set ``ctx``'s cache figures from ``cache`` and store this accepted prompt's prefix."""
+    hit = cache.cached_blocks(scope, chain)
+    cache.store(scope, chain)
+    ctx.cache_read = hit * BLOCK_TOKENS
+    if scope[0] == "messages":
+        # Anthropic bills the uncached whole blocks as a cache write and leaves both
+        # cached parts out of input_tokens; OpenAI reports reads only, inside the total.
+        ctx.cache_write = (len(chain.digests) - hit) * BLOCK_TOKENS
+        ctx.uncached_input_tokens = ctx.input_tokens - ctx.cache_read - ctx.cache_write
 
 
 # --------------------------------------------------------------------------- delivery
@@ -780,7 +821,7 @@ async def _handle(request: web.Request, route: Route) -> web.StreamResponse:
                 script = parse_script(header, base=state.default_script)
             except ScriptError as exc:
                 script_error = str(exc)
-        body = await _read_body(request, record)
+        body = await _read_body(request, record, chained=script.prompt_cache)
         record.body_digest = body.digest
         record.model = body.model
         record.stream = body.stream
@@ -792,7 +833,7 @@ async def _handle(request: web.Request, route: Route) -> web.StreamResponse:
             )
             return await _deliver(request, plan, Script(), state, record)
         await state.sleep(script.stall_headers)
-        plan = _plan_answer(route, request, state, script, body, record.id)
+        plan = _plan_answer(route, request, state, script, body, record)
         if route in ("chat", "responses"):
             plan.headers["x-request-id"] = f"req_emu{record.id:06d}"
         elif route in ("messages", "count_tokens"):
@@ -880,19 +921,29 @@ class EmulatorServer:
     request ended without reaching the awaited state.
     """
 
-    __slots__ = ("_closed", "_runner", "host", "port", "state")
+    __slots__ = ("_closed", "_runner", "host", "port", "state", "tls")
 
-    def __init__(self, runner: web.AppRunner, state: EmulatorState, host: str, port: int) -> None:
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        state: EmulatorState,
+        host: str,
+        port: int,
+        *,
+        tls: bool = False,
+    ) -> None:
         self._runner = runner
         self._closed = False
         self.state = state
         self.host = host
         self.port = port
+        #: Whether it serves https (``start_emulator(tls=...)``).
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:40123``."""
-        return f"http://{self.host}:{self.port}"
+        """Base URL, e.g. ``http://127.0.0.1:40123`` (``https://`` when it serves TLS)."""
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def stats(self) -> list[RequestRecord]:
@@ -963,9 +1014,17 @@ class EmulatorServer:
 
 
 async def start_emulator(
-    host: str = "127.0.0.1", port: int = 0, *, default_script: Script | None = None
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    default_script: Script | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> EmulatorServer:
     """Start an emulator on ``host:port`` (port 0: an ephemeral port) and return it started.
+
+    ``tls``, a server context holding a certificate, makes it an https upstream
+    (to test TLS, a private CA and tunnels through a forward proxy); ``host``
+    may then be a name the certificate carries (``localhost``).
 
     Raises ``OSError`` if the address cannot be bound.
     """
@@ -975,13 +1034,13 @@ async def start_emulator(
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=tls)
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     bound_port = int(runner.addresses[0][1])
-    return EmulatorServer(runner, app[STATE_KEY], host, bound_port)
+    return EmulatorServer(runner, app[STATE_KEY], host, bound_port, tls=tls is not None)
 
 
 async def _serve_until_signal(host: str, port: int, default_script: Script | None) -> None:

@@ -150,7 +150,13 @@ class Plan:
 
 @dataclass(slots=True)
 class AnswerContext:
-    """Per-answer values shared by the protocol renderers."""
+    """Per-answer values shared by the protocol renderers.
+
+    Token figures: ``input_tokens`` is the whole prompt; ``cache_read`` and
+    ``cache_write`` are the cache-read and cache-write tokens reported in usage;
+    ``uncached_input_tokens``, when set, is Anthropic's ``input_tokens`` (which counts
+    neither cached part); None reports ``input_tokens`` there.
+    """
 
     script: Script
     rid: int
@@ -159,6 +165,9 @@ class AnswerContext:
     include_usage: bool
     empty: bool
     sse: SSEFrames
+    cache_read: int = 0
+    cache_write: int = 0
+    uncached_input_tokens: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     sequence: int = 0
 
@@ -215,7 +224,7 @@ def _chat_usage(ctx: AnswerContext) -> dict[str, Any]:
         "prompt_tokens": ctx.input_tokens,
         "completion_tokens": ctx.output_tokens,
         "total_tokens": ctx.input_tokens + ctx.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": ctx.script.cache_read, "audio_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": ctx.cache_read, "audio_tokens": 0},
         "completion_tokens_details": {
             "reasoning_tokens": 0,
             "audio_tokens": 0,
@@ -280,7 +289,7 @@ def chat_json(ctx: AnswerContext) -> list[Frame]:
 def _responses_usage(ctx: AnswerContext) -> dict[str, Any]:
     return {
         "input_tokens": ctx.input_tokens,
-        "input_tokens_details": {"cached_tokens": ctx.script.cache_read},
+        "input_tokens_details": {"cached_tokens": ctx.cache_read},
         "output_tokens": ctx.output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": ctx.input_tokens + ctx.output_tokens,
@@ -436,12 +445,22 @@ def _responses_failed_stream(ctx: AnswerContext, message: str) -> Iterator[Frame
 
 
 def _anthropic_usage(ctx: AnswerContext, output_tokens: int) -> dict[str, Any]:
-    return {
-        "input_tokens": ctx.input_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": ctx.script.cache_read,
+    usage: dict[str, Any] = {
+        "input_tokens": (
+            ctx.input_tokens if ctx.uncached_input_tokens is None else ctx.uncached_input_tokens
+        ),
+        "cache_creation_input_tokens": ctx.cache_write,
+        "cache_read_input_tokens": ctx.cache_read,
         "output_tokens": output_tokens,
     }
+    if ctx.uncached_input_tokens is not None:
+        # The prompt cache writes with the default 5-minute lifetime, as a plain
+        # ``cache_control: {"type": "ephemeral"}`` does.
+        usage["cache_creation"] = {
+            "ephemeral_5m_input_tokens": ctx.cache_write,
+            "ephemeral_1h_input_tokens": 0,
+        }
+    return usage
 
 
 def _anthropic_message(

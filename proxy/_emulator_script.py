@@ -78,6 +78,7 @@ _KEYS: Final[tuple[tuple[str, _Kind, str, str], ...]] = (
     ("empty_times", "int", "K", "empty only for the first K requests per `x-emulator-key`"),
     ("usage", "bool", "1", "chat streams always end with the usage chunk"),
     ("cache_read", "int", "N", "cache-read input tokens reported in usage"),
+    ("prompt_cache", "bool", "1", "cached tokens = prefix shared with a request of the last 5 min"),
 )
 _KEY_KINDS: Final[dict[str, _Kind]] = {key: kind for key, kind, _, _ in _KEYS}
 
@@ -122,6 +123,7 @@ class Script:
     empty_times: int | None = None
     usage: bool = False
     cache_read: int = 0
+    prompt_cache: bool = False
 
     def __post_init__(self) -> None:
         _require(1 <= self.chunks <= 1_000_000, "chunks must be 1..1000000")
@@ -135,6 +137,10 @@ class Script:
             _require(value is None or value >= 0, f"{name} must be >= 0")
         _require(self.context is None or self.context >= 1, "context must be >= 1")
         _require(self.cache_read >= 0, "cache_read must be >= 0")
+        _require(
+            not (self.prompt_cache and self.cache_read),
+            "prompt_cache and cache_read exclude each other",
+        )
         _require(
             self.long_line is None or 1 <= self.long_line <= 1 << 31, "long_line must be 1..2^31"
         )
@@ -278,15 +284,16 @@ def iter_deltas(script: Script) -> Iterator[Delta]:
         yield Delta(SPLIT_UTF8_TEXT, split=True)
 
 
-def window_script(tokens: int) -> Script:
+def window_script(tokens: int, *, prompt_cache: bool = False) -> Script:
     """The script of an emulator whose context window is ``tokens`` tokens.
 
     The emulator counts a prompt as body bytes // 4 tokens, so a body of more than
     ``4 * tokens + 3`` bytes is over the window: it gets the protocol's overflow
     error stating ``tokens`` as the maximum (``emulate --context-window-tokens``).
+    ``prompt_cache``: the emulator also reports cached tokens (``--prompt-cache``).
 
     Raises:
         ScriptError: ``tokens`` is below 1.
     """
     _require(tokens >= 1, "context window must be >= 1 token")
-    return Script(overflow_above=4 * tokens + 3, context=tokens)
+    return Script(overflow_above=4 * tokens + 3, context=tokens, prompt_cache=prompt_cache)

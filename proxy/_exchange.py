@@ -839,9 +839,18 @@ class Exchange:
         self._move(Phase.COMMITTED)
 
     def commit_record(self) -> ExchangeRecord:
-        """The scalars-only record for ``commit`` hooks as of now (no phase change)."""
+        """The scalars-only record for ``commit`` hooks as of now (no phase change).
+
+        Only an exchange route's parsed body has a digest (docs/plugins.md,
+        "ExchangeRecord fields"): a request refused before its body was parsed,
+        and a passthrough route (whose body is opaque to the proxy), get
+        ``wire_digest`` ``""`` and ``outbound_digest`` ``None``, so no ledger gate
+        compares them with a conversation's history. ``request_bytes`` is then the
+        decoded body bytes received before the exchange ended (0 when none were).
+        """
         meta = self.meta
         tokens = self.usage
+        digest = meta.digest if meta is not None and self.protocol.is_exchange else ""
         return ExchangeRecord(
             exchange_id=self.id,
             session_id=self.session_id,
@@ -849,12 +858,12 @@ class Exchange:
             path=self.path,
             model=meta.model if meta else None,
             stream=meta.stream if meta else False,
-            wire_digest=meta.digest if meta else "",
+            wire_digest=digest,
             comparable=meta.comparable if meta else False,
             message_count=meta.message_count if meta else 0,
-            request_bytes=meta.byte_length if meta else 0,
+            request_bytes=meta.byte_length if meta else self.received_bytes,
             outbound_bytes=self.outbound_size,
-            outbound_digest=self.outbound_digest,
+            outbound_digest=self.outbound_digest if digest else None,
             status=self.status,
             outcome=self.outcome,
             fold_level=self.fold_level,

@@ -21,7 +21,9 @@ Hooks, in the order an exchange meets them (docs/design.md §5):
     you changed the body; edits made through the view are sent either way.
 ``commit(record)``
     Runs under the session's lock after the response has been forwarded (or has
-    failed). ``record`` is an :class:`ExchangeRecord` of scalars only.
+    failed, or the request was refused after its head), once per finished
+    exchange, passthrough routes included. ``record`` is an
+    :class:`ExchangeRecord` of scalars only.
 ``session_closed(session_id)``
     The session was shut down; flush and forget its state.
 ``session_state(session_id) -> Mapping[str, Scalar]``
@@ -52,6 +54,7 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
+from ._config import require_redis_client
 from ._protocols import Protocol
 from ._shared import LedgerGate, SharedSessionState
 from ._structure import BodyView, Draft, ParsedHolder
@@ -149,6 +152,14 @@ class ExchangeRecord:
     ``ok``, ``upstream_error``, ``client_gone``, ``upstream_unreachable``,
     ``upstream_timeout``, ``stream_error``, ``rejected``, ``cancelled``,
     ``error`` (see :class:`proxy._exchange.Outcome`).
+
+    A record *without a digest* (``wire_digest`` ``""``, ``outbound_digest``
+    ``None``) is one of a request whose body was never parsed as an exchange
+    body: refused before or while it was read, not JSON, left mid-body by its
+    client (``session_id`` is then ``None`` and ``request_bytes`` the decoded
+    bytes received until then), or a passthrough route. It has no history to
+    compare, so a hash gate must skip it. docs/plugins.md lists which requests
+    are not committed at all.
 
     Raises:
         TypeError: on construction, if any field is not a str, int, float,
@@ -369,9 +380,11 @@ def open_ledger_gate(
         max_connections: size of the bounded connection pool (>= 2).
 
     Raises:
-        ValueError: ``redis_url`` is not a Redis URL.
+        ValueError: ``redis_url`` is not a Redis URL; ``ConfigError`` (a ValueError)
+            when the Redis client (the ``cluster`` extra) is not installed.
     """
     # Imported on demand: the Redis client is a cluster-mode dependency only.
+    require_redis_client("redis_url")
     from ._cluster.ledger import RedisLedgerGate
 
     return RedisLedgerGate(redis_url, timeout=timeout, max_connections=max_connections)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import ssl
 from collections.abc import Coroutine, Iterator, Mapping
 from typing import Any, Final
 
@@ -25,6 +27,7 @@ from . import _protocols as protocols
 from ._cancel import orderly_cancel_reason
 from ._coding import BodyError, ContentDecoder, parse_content_encoding
 from ._config import Settings
+from ._egress import EgressError, choose_proxy
 from ._exchange import Exchange, Outcome
 from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
 from ._front import Answer, Request, StreamAnswer
@@ -59,8 +62,11 @@ from ._upstream import (
 __all__ = [
     "ClientGone",
     "Upstream",
+    "egress_problems",
     "error_response",
     "relay",
+    "upstream_targets",
+    "upstream_tls",
 ]
 
 log = logging.getLogger("context_proxy.relay")
@@ -102,29 +108,96 @@ def _read_failure(exc: BaseException) -> str:
 FAILURE_LOG_INTERVAL: Final = 10.0
 
 
+def upstream_targets(settings: Settings, environ: Mapping[str, str]) -> dict[str, UpstreamTarget]:
+    """Each upstream's target and route (:func:`proxy._egress.choose_proxy`), by name.
+
+    Raises:
+        ValueError: an upstream base URL is not ``http(s)://host[:port][/path]``.
+        EgressError: the proxy URL chosen for one is unusable (a ``ValueError`` too).
+    """
+    targets = {}
+    for name, base in (
+        ("openai", settings.upstream_openai),
+        ("anthropic", settings.upstream_anthropic),
+    ):
+        direct = UpstreamTarget(base)
+        via = choose_proxy(
+            direct.tls,
+            direct.host,
+            direct.port,
+            setting=settings.upstream_proxy,
+            environ=environ,
+        )
+        targets[name] = direct if via is None else UpstreamTarget(base, via)
+    return targets
+
+
+def upstream_tls(ca_file: str | None) -> ssl.SSLContext | None:
+    """The context verifying upstream TLS: the system's trust store plus the PEM bundle
+    ``ca_file`` (the ``upstream_ca_file`` setting); ``None`` without one (the pool
+    makes the default context on its first https connect).
+
+    Raises:
+        EgressError: ``ca_file`` cannot be read or holds no PEM certificate (the
+            message starts ``upstream_ca_file:`` and names the path).
+    """
+    if ca_file is None:
+        return None
+    context = ssl.create_default_context()
+    try:
+        context.load_verify_locations(cafile=ca_file)
+    except ssl.SSLError:  # (an OSError too: first)
+        raise EgressError(f"upstream_ca_file: {ca_file} holds no usable PEM certificate") from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise EgressError(f"upstream_ca_file: cannot read {ca_file}: {reason}") from None
+    return context
+
+
+def egress_problems(settings: Settings, environ: Mapping[str, str]) -> list[str]:
+    """What keeps the upstream client from starting with ``settings`` in ``environ``:
+    a bad proxy URL (from the setting or the environment) or an unreadable
+    ``upstream_ca_file``; one line each, never a credential. Never raises."""
+    problems = []
+    try:
+        upstream_targets(settings, environ)
+    except EgressError as exc:
+        problems.append(str(exc))
+    try:
+        upstream_tls(settings.upstream_ca_file)
+    except EgressError as exc:
+        problems.append(str(exc))
+    return problems
+
+
 class Upstream:
     """The upstream HTTP client: one :class:`~proxy._upstream.UpstreamPool` for all exchanges.
 
     There is no total timeout (it would cut a long stream): ``connect`` bounds
     the TCP/TLS connect, ``header_timeout`` the wait for response headers, and
     ``idle_read`` the silence between two reads of the body (seconds each).
+    Each upstream's route (direct, or through a forward proxy) is chosen here,
+    once, from ``settings`` and ``environ`` (the process environment when
+    ``None``): see :mod:`proxy._egress`.
 
     Raises:
         ValueError: an upstream base URL is not ``http(s)://host[:port][/path]``.
+        EgressError: a proxy URL is unusable, or ``upstream_ca_file`` cannot be
+            loaded (:func:`egress_problems` reports both beforehand).
     """
 
     __slots__ = ("failures", "header_timeout", "pool", "targets")
 
-    def __init__(self, settings: Settings) -> None:
-        self.targets: Final[Mapping[str, UpstreamTarget]] = {
-            "openai": UpstreamTarget(settings.upstream_openai),
-            "anthropic": UpstreamTarget(settings.upstream_anthropic),
-        }
+    def __init__(self, settings: Settings, environ: Mapping[str, str] | None = None) -> None:
+        self.targets: Final[Mapping[str, UpstreamTarget]] = upstream_targets(
+            settings, os.environ if environ is None else environ
+        )
         self.header_timeout: Final = settings.upstream_header_timeout
         self.pool = UpstreamPool(
             connect_timeout=settings.upstream_connect_timeout,
             idle_read=settings.upstream_idle_read_timeout,
             max_connections=settings.upstream_max_connections,
+            tls_context=upstream_tls(settings.upstream_ca_file),
         )
         #: Failed requests, per upstream and outcome: the first is logged, then one
         #: summary line per 10 s with the count (an upstream down would otherwise

@@ -215,7 +215,7 @@ async def proxy_with_emulator(
                 for item in plugins
             ]
             host = PluginHost(instances, timeout=timeout)
-        app = build_app(resolved, host=host, clock=clock)
+        app = build_app(resolved, host=host, clock=clock, environ={})
         port = await stack.enter_async_context(running(app, "127.0.0.1", 0))
         yield Harness(f"http://127.0.0.1:{port}", emulator, app, resolved, _stack=stack)
 
