@@ -62,9 +62,13 @@ class Tap:
 
 
 @contextlib.asynccontextmanager
-async def tap_upstream(window: int) -> AsyncIterator[tuple[EmulatorServer, Tap, str]]:
-    """The emulator with a ``window``-token context, and a tap in front of it (its URL)."""
-    emulator: EmulatorServer = await start_emulator(default_script=window_script(window))
+async def tap_upstream(
+    window: int, *, prompt_cache: bool = False
+) -> AsyncIterator[tuple[EmulatorServer, Tap, str]]:
+    """The emulator with a ``window``-token context (and a prompt cache, if asked), and a
+    tap in front of it (its URL)."""
+    script = window_script(window, prompt_cache=prompt_cache)
+    emulator: EmulatorServer = await start_emulator(default_script=script)
     tap = Tap()
     http = aiohttp.ClientSession()
 
@@ -113,11 +117,11 @@ async def proxy_on(
 
 @contextlib.asynccontextmanager
 async def tapped(
-    plugin: FoldPlugin, *, window: int = WINDOW_TOKENS
+    plugin: FoldPlugin, *, window: int = WINDOW_TOKENS, prompt_cache: bool = False
 ) -> AsyncIterator[tuple[Harness, Tap]]:
     """A proxy with ``plugin`` whose upstream is a tap in front of a windowed emulator."""
     async with (
-        tap_upstream(window) as (emulator, tap, url),
+        tap_upstream(window, prompt_cache=prompt_cache) as (emulator, tap, url),
         proxy_on(url, emulator, plugin) as harness,
     ):
         yield harness, tap
@@ -423,6 +427,41 @@ async def test_the_cut_moves_rarely_and_earlier_placeholders_stay_byte_for_byte(
         view = await h.session_view("grow")
         assert view is not None
         assert view["plugins"]["fold"]["cut_moves"] >= 1
+
+
+async def cached_share(protocol: Protocol, *, carry: bool, turns: int) -> tuple[float, int]:
+    """Run a growing session against a prompt-caching emulator.
+
+    Returns the cached share of input tokens over the accepted requests after the
+    first fold, and the number of upstream requests.
+    """
+    async with tapped(FoldPlugin(carry=carry), prompt_cache=True) as (h, _):
+        client = Client(protocol, h, "cache")
+        history = opening(18)
+        for turn in range(turns):
+            answer = await client.ask(history)
+            await h.settle()
+            # A smaller tool result per turn (3% of the window), as in a long session.
+            history = [*history, ("assistant", answer), ("user", _text(f"result {turn}", 3000))]
+        stats = h.emulator.stats
+        first = next(i for i, r in enumerate(stats) if r.status == 200)
+        later = [r for r in stats[first + 1 :] if r.status == 200]
+        assert len(later) == turns - 1
+        cached = sum(r.cached_tokens for r in later)
+        return cached / sum(r.body_bytes // 4 for r in later), len(stats)
+
+
+@pytest.mark.parametrize("name", PROTOCOLS)
+async def test_the_upstream_prompt_cache_keeps_hitting(name: str) -> None:
+    protocol = PROTOCOLS[name]
+    carried, requests = await cached_share(protocol, carry=True, turns=30)
+    fresh, requests_without = await cached_share(protocol, carry=False, turns=30)
+    # One rejected round trip in 30 turns, against one or two per turn without.
+    assert requests == 31 and requests_without >= 59
+    # Most of each prompt is a prefix the upstream already holds; without carried
+    # folds, the refold's shifting elisions leave well under half cached.
+    assert carried >= 0.8
+    assert fresh <= 0.5
 
 
 async def test_a_carried_fold_that_overflows_again_moves_its_cut_in_one_refold() -> None:
