@@ -87,6 +87,23 @@ Anthropic messages):
 Left alone on purpose: Anthropic ``thinking``/``redacted_thinking`` blocks and
 Responses ``reasoning`` items (signed or encrypted; a change is rejected), server
 tool blocks, and any type not listed above.
+
+Carried folds
+-------------
+A level always folds the oldest bulky turns, so what it elided is described by
+one *cut*: every bulky piece of a non-system entry before that entry index.
+Folding the same bytes up to the same cut gives the same bytes. So once a
+session's refolded request was accepted (seen at ``commit``: 2xx), the plugin
+keeps the cut with a digest of the entries before it as received, and folds the
+session's next request up to that cut at level 0 when its history starts with
+the same entries: the upstream receives a byte-identical prefix, without a
+rejected round trip. One carried fold is kept per history of the session (keyed
+by a digest of its first entries: sub-agents), scalars only. The cut moves
+forward (never back) before a send that would pass ``fold_target`` of the
+window as learned from overflow errors and accepted requests, or on a refold
+after a carried fold overflowed again, aiming at ``fold_headroom``; the same
+rules as the levels' hold, since it folds the same pieces of the same turns.
+docs/plugins.md ("Carried folds") is the user's description.
 """
 
 from __future__ import annotations
