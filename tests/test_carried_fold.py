@@ -31,7 +31,7 @@ from proxy._app import build_app, running
 from proxy._config import load_settings
 from proxy._emulator import EmulatorServer, start_emulator
 from proxy._emulator_script import window_script
-from proxy._plugins import PluginHost
+from proxy._plugins import PluginHost, load_plugins
 from proxy._protocols import stated_tokens
 from proxy.testing import Harness, proxy_with_emulator
 from tests.cluster_support import RedisServer, need_binary
@@ -581,3 +581,12 @@ async def test_without_redis_a_node_starts_over_and_requests_still_succeed(
             assert [r.status for r in emulator.stats] == [400, 200, 400, 200]
     finally:
         redis.stop()
+
+
+def test_fold_joins_cluster_mode_with_the_proxy() -> None:
+    shared = {"redis_url": "redis://127.0.0.1:1/0", "redis_timeout": 0.5}
+    (plugin,) = load_plugins(["fold"], {}, timeout=1.0, shared=shared).plugins
+    assert isinstance(plugin, FoldPlugin)
+    assert (plugin.redis_url, plugin.redis_timeout) == ("redis://127.0.0.1:1/0", 0.5)
+    (alone,) = load_plugins(["fold"], {}, timeout=1.0).plugins
+    assert isinstance(alone, FoldPlugin) and alone.redis_url is None
