@@ -668,6 +668,12 @@ class LedgerPlugin(Plugin):
         if entry is not None and entry.saved:
             del self._entries[session_id]
 
+    def stored_sessions(self) -> list[tuple[str, float]]:
+        """The sessions in memory, loaded from the database at start-up (asked right
+        after :meth:`startup`): ``(id, last activity in Unix seconds)``, least recently
+        active first. None in cluster mode (the gate lives in Redis)."""
+        return [(sid, entry.last_activity) for sid, entry in self._entries.items()]
+
     def session_state(self, session_id: str) -> Mapping[str, Scalar]:
         """The admin view of a session in memory, else ``{}``; never touches the disk.
 

@@ -1,7 +1,8 @@
 """context-proxy: a streaming LLM proxy with a strict request-memory lifetime.
 
 The public API: the plugin interface (:class:`Plugin`, :class:`PrepareContext`,
-:class:`ExchangeRecord`, :class:`Outcome`, :class:`WireMetadata`, :class:`Protocol`), the structural
+:class:`ExchangeRecord`, :class:`Outcome`, :class:`WireMetadata`, :class:`Protocol`,
+:class:`UsageQuery`, :class:`UsagePage`, :class:`UsageRow`), the structural
 view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
 :class:`WireError`), the ledger's hash gate shared by a cluster's nodes
 (:class:`LedgerGate`, :class:`GateVerdict`, :class:`ClusterUnavailable`,
@@ -24,6 +25,9 @@ from ._plugins import (
     Plugin,
     PrepareContext,
     Scalar,
+    UsagePage,
+    UsageQuery,
+    UsageRow,
     open_ledger_gate,
     open_session_state,
 )
@@ -51,6 +55,9 @@ __all__ = [
     "Scalar",
     "Settings",
     "SharedSessionState",
+    "UsagePage",
+    "UsageQuery",
+    "UsageRow",
     "WireError",
     "WireMetadata",
     "build_app",

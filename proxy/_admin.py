@@ -4,7 +4,8 @@ Open to anyone: ``GET /healthz`` (alive), ``GET /readyz`` (503 while draining),
 ``GET /metrics`` (Prometheus text). Under ``/admin/`` (loopback, an address in
 ``admin_allow``, or ``Authorization: Bearer <admin_token>``; otherwise 403):
 ``GET /admin/sessions[?limit=N&cursor=C|?tombstoned=true]``, ``GET|DELETE /admin/sessions/{id}``,
-``GET /admin/exchanges``, ``POST /admin/shutdown``.
+``GET /admin/usage[?by=session|model&since=T&limit=N&cursor=C]``, ``GET /admin/exchanges``,
+``POST /admin/shutdown``.
 
 The peer address is the socket's, never ``X-Forwarded-For`` (a header any
 client can set). No admin answer ever contains a body, a prompt or a key.
@@ -13,15 +14,20 @@ client can set). No admin answer ever contains a body, a prompt or a key.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import datetime
 import hmac
 import ipaddress
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
 
 from ._front import Request
+from ._plugins import UsageQuery
 from ._sessions import SessionCloseError, SessionInfo
 from ._state import AppState
 
@@ -97,6 +103,7 @@ def _info_view(info: SessionInfo, tombstone_ttl_s: float | None) -> dict[str, An
         "pinned": info.pinned,
         "requests": info.requests,
         "idle_s": round(info.idle_s, 3),
+        "live": info.live,
         "tombstoned": info.tombstoned,
         "tombstone_ttl_s": _ttl_view(tombstone_ttl_s) if info.tombstoned else None,
     }
@@ -110,6 +117,7 @@ def _closed_view(sid: str, remaining: float) -> dict[str, Any]:
         "pinned": False,
         "requests": None,
         "idle_s": None,
+        "live": False,
         "tombstoned": True,
         "tombstone_ttl_s": _ttl_view(remaining),
         "plugins": None,
@@ -150,7 +158,10 @@ def _page_limit(raw: str | None) -> int | None:
 
 
 async def list_sessions(request: Request, state: AppState) -> web.Response:
-    """One page of the live sessions: in-flight count, pinned, last activity, tombstoned.
+    """One page of the sessions: in-flight count, pinned, last activity, live, tombstoned.
+
+    ``live`` is ``false`` for a session a plugin loaded from its storage at
+    start-up (the ledger's) that no request of this process has reached yet.
 
     ``?limit=N`` (1 to :data:`SESSIONS_PAGE_MAX`, default
     :data:`SESSIONS_PAGE_DEFAULT`) sessions in creation order, after
@@ -191,6 +202,110 @@ async def list_sessions(request: Request, state: AppState) -> web.Response:
         info = registry.info(sid)
         out.append(_closed_view(sid, left) if info is None else _info_view(info, left))
     return web.json_response({"sessions": out, "next_cursor": next_cursor})
+
+
+#: ``by`` values of ``GET /admin/usage``; the first is the default.
+USAGE_BY: Final = ("model", "session")
+
+
+def _since(raw: str | None) -> float | None:
+    """``since`` from the query: Unix seconds or an ISO-8601 time (UTC unless it
+    names an offset), as Unix seconds; ``None`` when absent.
+
+    Raises:
+        ValueError: neither form, or not finite.
+    """
+    if raw is None or raw == "":
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        when = datetime.datetime.fromisoformat(raw)  # raises ValueError itself
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = when.timestamp()
+    if not math.isfinite(seconds):
+        raise ValueError(raw)
+    return seconds
+
+
+def _usage_cursor(key: str) -> str:
+    """The opaque ``next_cursor`` after the row ``key`` (URL-safe base64 of the key)."""
+    return base64.urlsafe_b64encode(key.encode("utf-8", "surrogateescape")).decode("ascii")
+
+
+def _usage_after(cursor: str) -> str:
+    """The row key a :func:`_usage_cursor` token stands for.
+
+    Raises:
+        ValueError: not a token this endpoint issues.
+    """
+    try:
+        raw = base64.urlsafe_b64decode(cursor.encode("ascii"))
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise ValueError(cursor) from exc
+    if not raw or _usage_cursor(raw.decode("utf-8", "surrogateescape")) != cursor:
+        raise ValueError(cursor)
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+async def usage(request: Request, state: AppState) -> web.Response:
+    """Token usage per model or per session, from the plugin that keeps it (``usage``).
+
+    Query: ``by`` (``model``, the default, or ``session``); ``since`` (Unix
+    seconds or ISO-8601, UTC unless an offset is given): only the rows last
+    seen at or after it, with their whole totals; ``limit`` (1 to
+    :data:`SESSIONS_PAGE_MAX`, default :data:`SESSIONS_PAGE_DEFAULT`) and
+    ``cursor`` (a previous answer's ``next_cursor``), rows in ascending key order.
+
+    Answer: ``{"by", "rows": [{"key", "requests", "input_tokens",
+    "cached_input_tokens", "cache_write_tokens", "output_tokens",
+    "last_seen"}], "next_cursor"}``; tokens are counts, ``last_seen`` Unix
+    seconds. 400 for a bad parameter, 404 when no plugin keeps usage, 503 when
+    the plugin failed to answer (logged by the plugin host).
+    """
+    query = request.query
+    by = query.get("by") or USAGE_BY[0]
+    if by not in USAGE_BY:
+        return _bad_request(f"by: expected one of {', '.join(USAGE_BY)}")
+    limit = _page_limit(query.get("limit"))
+    if limit is None:
+        return _bad_request(f"limit: expected an integer from 1 to {SESSIONS_PAGE_MAX}")
+    try:
+        since = _since(query.get("since"))
+    except ValueError:
+        return _bad_request("since: expected Unix seconds or an ISO-8601 time")
+    cursor = query.get("cursor") or None
+    try:
+        after = None if cursor is None else _usage_after(cursor)
+    except ValueError:
+        return _bad_request("cursor: not one this endpoint issued (start again without one)")
+    if not state.host.keeps_usage:
+        return web.json_response(
+            {"error": 'no usage kept: enable the usage plugin (plugins = [..., "usage"])'},
+            status=404,
+        )
+    page = await state.host.usage_page(UsageQuery(by=by, since=since, after=after, limit=limit))
+    if page is None:
+        return web.json_response({"error": "the usage plugin failed to answer"}, status=503)
+    rows = [
+        {
+            "key": row.key,
+            "requests": row.requests,
+            "input_tokens": row.input_tokens,
+            "cached_input_tokens": row.cached_input_tokens,
+            "cache_write_tokens": row.cache_write_tokens,
+            "output_tokens": row.output_tokens,
+            "last_seen": row.last_seen,
+        }
+        for row in page.rows
+    ]
+    next_cursor = _usage_cursor(page.rows[-1].key) if page.more and page.rows else None
+    return web.json_response({"by": by, "rows": rows, "next_cursor": next_cursor})
 
 
 async def get_session(request: Request, state: AppState, sid: str) -> web.Response:
@@ -339,6 +454,7 @@ _PLAIN_ROUTES: Final[dict[str, dict[str, AdminHandler]]] = {
     "/readyz": {"GET": readyz},
     "/metrics": {"GET": metrics},
     "/admin/sessions": {"GET": list_sessions},
+    "/admin/usage": {"GET": usage},
     "/admin/exchanges": {"GET": list_exchanges},
     "/admin/shutdown": {"POST": shutdown},
 }

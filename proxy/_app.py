@@ -18,7 +18,7 @@ import signal
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
@@ -35,7 +35,7 @@ from ._body import (
     check_content_length,
     read_body,
 )
-from ._cancel import orderly_cancel_reason
+from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
 from ._front import Answer, FrontServer, Request, StreamAnswer
@@ -46,6 +46,10 @@ from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
 from ._state import AppState
+from ._tracing import ExchangeTrace, start_tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 
@@ -103,9 +107,7 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
     if route is None:
         return error_response(Protocol.OPENAI, 404, f"unknown route {request.path}")
     protocol = route.protocol
-    if state.draining:
-        # Not booked: the drain may have shut the plugins down already (_state.drain).
-        return _reject(protocol, 503, "proxy is shutting down", state)
+    draining = state.draining
     ex = Exchange(
         protocol=protocol,
         method=request.method,
@@ -118,13 +120,23 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
     logs.EXCHANGE_ID.set(ex.id)
     task = asyncio.current_task()
     assert task is not None
+    tracing = state.tracing
+    trace = (
+        None
+        if tracing is None or draining
+        else tracing.exchange(ex, request.headers, _peername(request))
+    )
     state.exchanges[ex.id] = ex
     state.handlers.add(task)
     state.metrics.in_flight.inc()
     try:
+        if draining:
+            # Refused, logged and counted like any refusal, but not booked (_book).
+            ex.conclude(503, Outcome.REJECTED, PROXY_SHUTDOWN.code)
+            return _reject(protocol, 503, PROXY_SHUTDOWN.message, state, code=PROXY_SHUTDOWN.code)
         if shed:
             return _shed(ex, state)
-        return await _run_exchange(request, state, ex, route.upstream, task)
+        return await _run_exchange(request, state, ex, route.upstream, task, trace)
     except BodyError as exc:
         ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
         if exc.kind == "incomplete":
@@ -188,6 +200,8 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
+        if trace is not None:
+            trace.end(ex)
         if settings.access_log:
             logs.log_access(
                 ex,
@@ -212,12 +226,16 @@ def _book(state: AppState, ex: Exchange) -> None:
     for this exchange finds its commit pending.
 
     Not booked (it enters the committed phase without a record): a request
-    refused because its session's commits are behind (``commit_backlog``), and
-    every exchange when no plugin has a ``commit`` hook (counted only).
+    refused because its session's commits are behind (``commit_backlog``), one
+    refused because the proxy drains (``proxy_shutdown``), and every exchange
+    when no plugin has a ``commit`` hook (counted only).
     """
     if ex.error == _COMMIT_BACKLOG:
         # Booking the refusal would queue one more record behind the session's
         # backlog, so the bound would not hold.
+        ex.skip_commit()
+    elif ex.outcome is Outcome.REJECTED and ex.error == PROXY_SHUTDOWN.code:
+        # Refused on arrival during the drain, which may have shut the plugins down.
         ex.skip_commit()
     elif state.commits.hooked:
         state.commits.start(ex.begin_commit())
@@ -226,14 +244,22 @@ def _book(state: AppState, ex: Exchange) -> None:
         state.commits.count_unbooked()
 
 
-def _peer(request: Request) -> str | None:
-    """The client socket's ``address:port`` (IPv6 in brackets), ``None`` if unknown."""
+def _peername(request: Request) -> tuple[str, int] | None:
+    """The client socket's address and port, ``None`` if unknown."""
     transport = request.transport
     info = transport.get_extra_info("peername") if transport is not None else None
     if not isinstance(info, tuple) or len(info) < 2:
         return None
-    host, port = info[0], info[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(info[0]), int(info[1])
+
+
+def _peer(request: Request) -> str | None:
+    """The client socket's ``address:port`` (IPv6 in brackets), ``None`` if unknown."""
+    peer = _peername(request)
+    if peer is None:
+        return None
+    host, port = peer
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _internal_error(
@@ -382,6 +408,7 @@ async def _run_exchange(
     ex: Exchange,
     upstream_name: str,
     task: asyncio.Task[object],
+    trace: ExchangeTrace | None,
 ) -> Answer:
     settings = state.settings
     body_hint: str | None = None
@@ -490,6 +517,7 @@ async def _run_exchange(
             target=state.upstream.target(upstream_name, request.raw_path, request.query_string),
             headers=forward_headers(request.headers),
             settings=settings,
+            trace=trace,
         )
         if isinstance(response, StreamAnswer):
             # Every byte of the answer is with the connection: a hang-up from now on
@@ -615,7 +643,8 @@ class ProxyApp:
         return upstream.pool.connections_in_use + upstream.pool.idle_connections
 
     async def startup(self) -> None:
-        """Start the plugins, open the upstream pool, join the cluster (in that order).
+        """Start the plugins, list their stored sessions, open the upstream pool, join
+        the cluster (in that order).
 
         Plugins first: when one refuses to start, nothing else is left open.
 
@@ -624,14 +653,22 @@ class ProxyApp:
         """
         state = self.state
         await state.host.startup()
+        # Sessions the plugins loaded from storage (the ledger's) are listed, not live.
+        now = time.time()
+        stored = sorted(state.host.stored_sessions().items(), key=lambda item: item[1])
+        listed = sum(state.registry.add_stored(sid, now - last) for sid, last in stored)
+        if stored:
+            log.info("%d stored session(s) listed as not live", listed)
         state.upstream = Upstream(state.settings, self.environ)
         if state.cluster is not None:
             await state.cluster.start()
 
     async def cleanup(self) -> None:
-        """Close the upstream pool (after the drain)."""
+        """Close the upstream pool (after the drain); export the spans still batched."""
         if self.state.upstream is not None:
             await self.state.upstream.close()
+        if self.state.tracing is not None:
+            await self.state.tracing.close()
 
 
 def build_app(
@@ -640,6 +677,7 @@ def build_app(
     host: PluginHost | None = None,
     clock: Callable[[], float] = time.monotonic,
     environ: Mapping[str, str] | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> ProxyApp:
     """Build the proxy application.
 
@@ -647,10 +685,15 @@ def build_app(
     ``clock`` is the session registry's monotonic clock in seconds (tests inject
     one to expire tombstones without sleeping); ``environ`` is where the
     upstream client reads ``HTTPS_PROXY``, ``HTTP_PROXY`` and ``NO_PROXY``
-    (``None``: the process environment).
+    (``None``: the process environment); ``tracer_provider`` is where the spans
+    go with ``tracing = "otel"`` (default: the global provider if one was set,
+    else one the SDK builds from the process's ``OTEL_*`` variables,
+    proxy/_tracing.py).
 
     Raises:
         proxy._plugins.PluginError: a configured plugin cannot be loaded.
+        ConfigError: ``tracing = "otel"`` without the extra ``context-proxy[otel]``,
+            or ``OTEL_TRACES_EXPORTER`` names an exporter that is not installed.
     """
     if host is None:
         host = load_plugins(
@@ -664,7 +707,8 @@ def build_app(
                 else None
             ),
         )
-    return ProxyApp(AppState(settings, host, clock=clock), environ)
+    tracing = start_tracing(tracer_provider) if settings.tracing == "otel" else None
+    return ProxyApp(AppState(settings, host, clock=clock, tracing=tracing), environ)
 
 
 @contextlib.asynccontextmanager

@@ -5,7 +5,8 @@ and the egress (a forward proxy URL from ``upstream_proxy`` or ``HTTPS_PROXY`` a
 the rest; an ``upstream_ca_file`` that cannot be read), imports every enabled
 plugin and constructs it with its options, and calls each plugin's optional
 ``check()`` hook, which opens the plugin's storage read-only (the ledger's SQLite
-file). Nothing is started, served or written.
+file); with ``tracing = "otel"``, it finds the extra and the exporters
+``OTEL_TRACES_EXPORTER`` names. Nothing is started, served or written.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ._config import check_settings
 from ._fdlimit import reachable_nofile_limit, reserve_problem
 from ._plugins import PluginError, load_plugins, unclaimed_tables
 from ._relay import egress_problems, upstream_targets
+from ._tracing import tracing_problems
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -67,6 +69,8 @@ def check_config(
         if not egress
         else []
     )
+    if settings.tracing == "otel":
+        problems.extend(tracing_problems(env))
     constructed: list[str] = []
     for spec in settings.plugins:
         try:

@@ -143,6 +143,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # writes one line per exchange on the logger context_proxy.access.
     log_format: Literal["text", "json"] = "text"
     access_log: bool = True
+    # OpenTelemetry traces (proxy/_tracing.py, the extra context-proxy[otel]), configured by
+    # the standard OTEL_* variables; "off" imports nothing.
+    tracing: Literal["off", "otel"] = "off"
 
     def __post_init__(self) -> None:
         for name in ("upstream_openai", "upstream_anthropic"):

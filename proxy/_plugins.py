@@ -28,6 +28,13 @@ Hooks, in the order an exchange meets them (docs/design.md §5):
     The session was shut down; flush and forget its state.
 ``session_state(session_id) -> Mapping[str, Scalar]``
     Scalars shown by ``GET /admin/sessions/{id}``; must not block.
+``stored_sessions() -> Iterable[tuple[str, float]]``
+    Asked once after ``startup``: the sessions the plugin loaded from its
+    storage, as ``(session id, last activity in Unix seconds)``. The proxy
+    lists them in ``/admin/sessions`` as not live until a request comes.
+``usage_page(query) -> UsagePage | None``
+    Token usage totals for ``GET /admin/usage`` (the built-in ``usage``
+    plugin answers it); ``None``: this plugin keeps none.
 ``startup()`` / ``shutdown()``
     Process start and graceful stop; ``shutdown`` must flush what it keeps.
 ``check()``
@@ -71,6 +78,9 @@ __all__ = [
     "PluginInfo",
     "PrepareContext",
     "Scalar",
+    "UsagePage",
+    "UsageQuery",
+    "UsageRow",
     "discover_plugins",
     "load_plugins",
     "open_ledger_gate",
@@ -308,6 +318,52 @@ class PrepareContext:
         self._draft = None
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UsageQuery:
+    """What ``GET /admin/usage`` asks a plugin's :meth:`Plugin.usage_page` for.
+
+    ``by``: ``"session"`` (one row per session id) or ``"model"`` (per model
+    label). ``since``: Unix seconds; only rows last seen at or after it, or
+    ``None`` for all. ``after``: the key of the previous page's last row
+    (rows come in ascending key order), ``None`` for the first page.
+    ``limit``: most rows wanted (>= 1).
+    """
+
+    by: str
+    since: float | None
+    after: str | None
+    limit: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UsageRow:
+    """One row of ``GET /admin/usage``: token totals of one session or model.
+
+    Counts are tokens (``requests``: exchanges); ``cached_input_tokens`` are
+    the input tokens read from the upstream's prompt cache and
+    ``cache_write_tokens`` those written to it, both part of
+    ``input_tokens``. ``last_seen``: Unix seconds of the end of the last
+    exchange counted.
+    """
+
+    key: str
+    requests: int
+    input_tokens: int
+    cached_input_tokens: int
+    cache_write_tokens: int
+    output_tokens: int
+    last_seen: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UsagePage:
+    """The answer to a :class:`UsageQuery`: ``rows`` in ascending key order, at
+    most ``limit``; ``more`` when rows follow the last one."""
+
+    rows: tuple[UsageRow, ...]
+    more: bool
+
+
 class Plugin:
     """Base class of a plugin; override only the hooks you need.
 
@@ -346,6 +402,18 @@ class Plugin:
         """Scalars describing ``session_id`` for the admin view (default: none)."""
         return {}
 
+    def stored_sessions(self) -> Iterable[tuple[str, float]]:
+        """Sessions loaded from storage at start-up: ``(id, last activity, Unix seconds)``.
+
+        Asked once, right after ``startup``; synchronous, no I/O (return what
+        ``startup`` loaded). Default: none.
+        """
+        return ()
+
+    async def usage_page(self, query: UsageQuery) -> UsagePage | None:
+        """Token usage totals for ``GET /admin/usage``; ``None`` (default): none kept."""
+        return None
+
     async def startup(self) -> None:
         """Called once before the proxy accepts requests; raise to refuse to start."""
 
@@ -359,6 +427,11 @@ class Plugin:
         read-only, create and change nothing; the exception's message (one
         line) is printed as the problem. Default: nothing to check.
         """
+
+
+def _listed(plugin: Plugin) -> list[tuple[str, float]]:
+    """``plugin.stored_sessions()`` read to the end (inside the failure isolation)."""
+    return list(plugin.stored_sessions())
 
 
 def open_ledger_gate(
@@ -422,6 +495,8 @@ _HOOKS: Final = (
     "commit",
     "session_closed",
     "session_state",
+    "stored_sessions",
+    "usage_page",
     "startup",
     "shutdown",
 )
@@ -759,6 +834,39 @@ class PluginHost:
             if scalars:
                 state[_plugin_name(plugin)] = scalars
         return state
+
+    def stored_sessions(self) -> dict[str, float]:
+        """Every plugin's :meth:`Plugin.stored_sessions`: ``{id: last activity}``
+        (Unix seconds, the latest any plugin reported); a failing plugin is
+        logged and skipped."""
+        merged: dict[str, float] = {}
+        for plugin in self._by_hook["stored_sessions"]:
+            items = self._dispatch_sync(plugin, "stored_sessions", _listed, plugin)
+            if items is SKIPPED:
+                continue
+            for sid, last in items:
+                if isinstance(sid, str) and sid and isinstance(last, int | float):
+                    merged[sid] = max(float(last), merged.get(sid, -math.inf))
+        return merged
+
+    @property
+    def keeps_usage(self) -> bool:
+        """Whether a plugin answers :meth:`usage_page` (``GET /admin/usage``)."""
+        return bool(self._by_hook["usage_page"])
+
+    async def usage_page(self, query: UsageQuery) -> UsagePage | None:
+        """The first usage-keeping plugin's answer to ``query``.
+
+        ``None``: no plugin keeps usage, or the one asked failed or ran past
+        ``plugin_timeout`` (logged and counted like any hook failure).
+        """
+        for plugin in self._by_hook["usage_page"]:
+            page = await self._dispatch(plugin, "usage_page", plugin.usage_page, query)
+            if page is SKIPPED:
+                return None
+            if page is not None:
+                return page
+        return None
 
     async def startup(self) -> None:
         """Start every plugin; unlike the other hooks a failure here is fatal.

@@ -18,7 +18,7 @@ import logging
 import os
 import ssl
 from collections.abc import Coroutine, Iterator, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -68,6 +68,9 @@ __all__ = [
     "upstream_targets",
     "upstream_tls",
 ]
+
+if TYPE_CHECKING:
+    from ._tracing import AttemptReason, AttemptTrace, ExchangeTrace
 
 log = logging.getLogger("context_proxy.relay")
 
@@ -338,6 +341,7 @@ class _Relay:
         "request",
         "retry_after",
         "target",
+        "trace",
         "upstream",
     )
 
@@ -349,8 +353,10 @@ class _Relay:
         target: tuple[UpstreamTarget, str],
         headers: CIMultiDict[str],
         settings: Settings,
+        trace: ExchangeTrace | None,
     ) -> None:
         self.request = request
+        self.trace = trace
         self.ex = ex
         self.upstream = upstream
         self.target = target
@@ -409,6 +415,17 @@ class _Relay:
                 502, Outcome.UPSTREAM_UNREACHABLE, str(exc), type(exc).__name__
             ) from None
 
+    def _attempt(self, reason: AttemptReason) -> AttemptTrace | None:
+        """The span of the attempt about to be sent; it puts its trace context in the
+        outbound header fields (``None`` when they are already gone)."""
+        trace = self.trace
+        headers = self.ex.outbound_headers
+        assert trace is not None
+        if headers is None:
+            return None
+        where = self.target[0]
+        return trace.attempt(self.ex, headers, reason=reason, host=where.host, port=where.port)
+
     def _can_refold(self) -> bool:
         # After release the preparer is gone: an overflow seen later (e.g. in a
         # chat stream gated for a resend) goes to the client as it came.
@@ -421,6 +438,7 @@ class _Relay:
         ex = self.ex
         # The loop and its cancel handling in one coroutine: each frame of the
         # await chain lives as long as the stream, idle or not.
+        attempt_reason: AttemptReason = "first"
         try:
             while True:
                 if self.request.client_gone():
@@ -429,27 +447,38 @@ class _Relay:
                     # The release boundary comes before the last send: the parsed
                     # body must not sit in memory while the upstream reads and thinks.
                     ex.release(keep_outbound=True)
+                attempt = None if self.trace is None else self._attempt(attempt_reason)
                 try:
-                    resp = await self._send()
-                except _UpstreamFailure as failure:
-                    ex.release()
-                    ex.conclude(failure.status, failure.outcome, failure.message)
-                    self.upstream.log_failure(ex, self.target[0], failure)
-                    retry = (
-                        {"Retry-After": str(self.retry_after)} if failure.status == 503 else None
-                    )
-                    return error_response(
-                        ex.protocol, failure.status, failure.message, headers=retry
-                    )
-                try:
-                    verdict = await self._answer(resp)
+                    try:
+                        resp = await self._send()
+                    except _UpstreamFailure as failure:
+                        if attempt is not None:
+                            attempt.failed(failure.outcome)
+                        ex.release()
+                        ex.conclude(failure.status, failure.outcome, failure.message)
+                        self.upstream.log_failure(ex, self.target[0], failure)
+                        retry = (
+                            {"Retry-After": str(self.retry_after)}
+                            if failure.status == 503
+                            else None
+                        )
+                        return error_response(
+                            ex.protocol, failure.status, failure.message, headers=retry
+                        )
+                    if attempt is not None:
+                        attempt.answered(resp.status)
+                    try:
+                        verdict = await self._answer(resp)
+                    finally:
+                        # Closing (not releasing) an unfinished response drops its
+                        # connection, which is how the upstream learns we are gone.
+                        if resp.at_eof:
+                            resp.release()
+                        else:
+                            resp.close()
                 finally:
-                    # Closing (not releasing) an unfinished response drops its connection,
-                    # which is how the upstream learns we are gone.
-                    if resp.at_eof:
-                        resp.release()
-                    else:
-                        resp.close()
+                    if attempt is not None:
+                        attempt.end()
                 if verdict == "done":
                     if self.rejection is not None:
                         return self.rejection
@@ -460,7 +489,10 @@ class _Relay:
                 ex.hold_response(0)
                 if verdict == "retry":
                     ex.count_retry()
-                # "refold": the exchange already re-prepared itself; send again.
+                    attempt_reason = "resend"
+                else:
+                    # "refold": the exchange already re-prepared itself; send again.
+                    attempt_reason = "refold"
         except asyncio.CancelledError as exc:
             reason = orderly_cancel_reason(exc)
             if reason is None:
@@ -739,15 +771,17 @@ def relay(
     target: tuple[UpstreamTarget, str],
     headers: CIMultiDict[str],
     settings: Settings,
+    trace: ExchangeTrace | None = None,
 ) -> Coroutine[Any, Any, Answer]:
     """Send ``ex`` to ``target`` and relay the answer to ``request``'s client (awaitable).
 
     The header fields go to ``ex`` (:meth:`Exchange.attach_headers`), which
-    drops them when no send can follow. Returns the response already
-    prepared and written (or a plain error response to return). Upstream
-    4xx/5xx pass through with their status and body; unreachable → 502, no
-    headers in time → 504, both in the client's protocol shape; a stream that
-    dies mid-way ends with an in-band error event.
+    drops them when no send can follow. ``trace`` (tracing on) gets a span per
+    upstream attempt, whose trace context goes upstream in the header fields.
+    Returns the response already prepared and written (or a plain error
+    response to return). Upstream 4xx/5xx pass through with their status and
+    body; unreachable → 502, no headers in time → 504, both in the client's
+    protocol shape; a stream that dies mid-way ends with an in-band error event.
 
     Raises:
         ClientGone: the client disconnected; the upstream request was closed.
@@ -755,4 +789,4 @@ def relay(
             request is closed on the way out).
     """
     # The coroutine itself, not awaited here: one frame less held per open stream.
-    return _Relay(request, ex, upstream, target, headers, settings).run()
+    return _Relay(request, ex, upstream, target, headers, settings, trace).run()

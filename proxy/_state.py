@@ -28,6 +28,7 @@ from ._sessions import SessionRegistry, Tracking
 
 if TYPE_CHECKING:
     from ._cluster import ClusterNode
+    from ._tracing import Tracing
 
 __all__ = ["AppState"]
 
@@ -63,6 +64,7 @@ class AppState:
         "registry",
         "settings",
         "stop",
+        "tracing",
         "upstream",
     )
 
@@ -72,8 +74,11 @@ class AppState:
         host: PluginHost,
         *,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings: Final = settings
+        #: OpenTelemetry spans (``tracing = "otel"``); ``None``: off, nothing imported.
+        self.tracing: Final = tracing
         self.host: Final = host
         self.registry: Final = SessionRegistry(
             idle_cap=settings.idle_session_cap,

@@ -39,7 +39,7 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 
@@ -49,6 +49,9 @@ from ._emulator import EmulatorServer, start_emulator
 from ._emulator_script import window_script
 from ._plugins import ExchangeRecord, Outcome, Plugin, PluginHost, Scalar, load_plugins
 from ._protocols import Protocol
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = [
     "EmulatorServer",
@@ -119,7 +122,7 @@ class Harness:
     async def session_view(self, session_id: str) -> dict[str, Any] | None:
         """``GET /admin/sessions/{session_id}`` decoded, or ``None`` for an unknown session.
 
-        The view has ``id``, ``in_flight``, ``requests``, ``idle_s`` (seconds),
+        The view has ``id``, ``in_flight``, ``requests``, ``idle_s`` (seconds), ``live``,
         ``tombstoned`` and ``plugins``: ``{plugin name: {key: scalar}}`` from each
         plugin's ``session_state``. Call :meth:`settle` first to see the last commit.
 
@@ -167,6 +170,7 @@ async def proxy_with_emulator(
     clock: Callable[[], float] = time.monotonic,
     config: str | os.PathLike[str] | None = None,
     context_window_tokens: int | None = None,
+    tracer_provider: TracerProvider | None = None,
     **settings: Any,
 ) -> AsyncIterator[Harness]:
     """Run the emulator and a proxy using ``plugins``, in order.
@@ -185,6 +189,10 @@ async def proxy_with_emulator(
     emulator a context window, as ``context-proxy emulate
     --context-window-tokens N`` does: a prompt over N tokens (body bytes // 4)
     gets the protocol's overflow error, stating N as the maximum.
+    ``tracer_provider`` receives the spans
+    when ``tracing="otel"`` is among ``settings`` (e.g. an SDK provider with an
+    ``InMemorySpanExporter``); without one, the SDK reads the process's ``OTEL_*``
+    variables, as ``serve`` does.
 
     Raises:
         proxy.ConfigError: a bad setting.
@@ -215,7 +223,9 @@ async def proxy_with_emulator(
                 for item in plugins
             ]
             host = PluginHost(instances, timeout=timeout)
-        app = build_app(resolved, host=host, clock=clock, environ={})
+        app = build_app(
+            resolved, host=host, clock=clock, environ={}, tracer_provider=tracer_provider
+        )
         port = await stack.enter_async_context(running(app, "127.0.0.1", 0))
         yield Harness(f"http://127.0.0.1:{port}", emulator, app, resolved, _stack=stack)
 
