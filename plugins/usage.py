@@ -10,7 +10,9 @@ record's ``input_tokens``, ``output_tokens``, ``cache_read_tokens`` and
   ``context_proxy_input_tokens_total``, ``context_proxy_output_tokens_total``,
   ``context_proxy_cache_read_tokens_total`` and
   ``context_proxy_cache_write_tokens_total`` with labels ``protocol`` and
-  ``model``; plus the histogram ``context_proxy_cached_input_share`` of each
+  ``model``; ``context_proxy_cache_write_lifetime_tokens_total`` splits the
+  writes by cache lifetime (extra label ``ttl``: ``5m`` or ``1h``) where the
+  upstream reported the split; plus the histogram ``context_proxy_cached_input_share`` of each
   exchange's cached share of its input tokens (cache reads / input tokens, 0..1),
   same labels;
 * per session, for ``GET /admin/sessions/{id}``: the same totals, the 5m/1h
@@ -139,6 +141,14 @@ METRIC_NAMES: Final = (
     "context_proxy_cache_write_tokens",
 )
 """The counters' family names (Prometheus adds ``_total`` to each sample)."""
+
+LIFETIME_METRIC: Final = "context_proxy_cache_write_lifetime_tokens"
+"""Cache writes by lifetime (label ``ttl``: ``5m`` or ``1h``), where the upstream split them."""
+_LIFETIME_LABELS: Final = (*_LABELS, "ttl")
+_LIFETIME_HELP: Final = (
+    "Input tokens written to the prompt cache, by cache lifetime (Anthropic's "
+    "cache_creation split: 5m or 1h), where the upstream reported it."
+)
 
 SHARE_METRIC: Final = "context_proxy_cached_input_share"
 """The histogram of each exchange's cached share of input tokens (a ratio, 0..1)."""
@@ -790,6 +800,7 @@ class UsagePlugin(Plugin):
         """The metric families without samples (used by a registry to check names)."""
         for name, help_text in zip(METRIC_NAMES, _HELP, strict=True):
             yield CounterMetricFamily(name, help_text, labels=_LABELS)
+        yield CounterMetricFamily(LIFETIME_METRIC, _LIFETIME_HELP, labels=_LIFETIME_LABELS)
         yield HistogramMetricFamily(SHARE_METRIC, _SHARE_HELP, labels=_LABELS)
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
@@ -803,6 +814,7 @@ class UsagePlugin(Plugin):
             CounterMetricFamily(name, help_text, labels=_LABELS)
             for name, help_text in zip(METRIC_NAMES, _HELP, strict=True)
         ]
+        lifetime = CounterMetricFamily(LIFETIME_METRIC, _LIFETIME_HELP, labels=_LIFETIME_LABELS)
         share = HistogramMetricFamily(SHARE_METRIC, _SHARE_HELP, labels=_LABELS)
         for (protocol, model), totals in sorted(snapshot.items()):
             labels = (protocol, model)
@@ -810,6 +822,11 @@ class UsagePlugin(Plugin):
             families[1].add_metric(labels, totals.output_tokens)
             families[2].add_metric(labels, totals.cache_read_tokens)
             families[3].add_metric(labels, totals.cache_write_tokens)
+            if totals.cache_write_5m_tokens or totals.cache_write_1h_tokens:
+                # Only where the upstream split its writes: OpenAI reports none, and
+                # Anthropic's total without a split has no lifetime to name.
+                lifetime.add_metric([*labels, "5m"], totals.cache_write_5m_tokens)
+                lifetime.add_metric([*labels, "1h"], totals.cache_write_1h_tokens)
             counts = list(totals.share_buckets)
             buckets: list[tuple[str, float]] = []
             running = 0
@@ -819,6 +836,7 @@ class UsagePlugin(Plugin):
             buckets.append(("+Inf", totals.share_count))
             share.add_metric(list(labels), buckets, totals.share_sum)
         yield from families
+        yield lifetime
         yield share
 
     # -- helpers ---------------------------------------------------------------------------
