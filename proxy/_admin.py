@@ -5,7 +5,8 @@ Open to anyone: ``GET /healthz`` (alive), ``GET /readyz`` (503 while draining),
 ``admin_allow``, or ``Authorization: Bearer <admin_token>``; otherwise 403):
 ``GET /admin/sessions[?limit=N&cursor=C|?tombstoned=true]``, ``GET|DELETE /admin/sessions/{id}``,
 ``GET /admin/usage[?by=session|model&since=T&limit=N&cursor=C]``, ``GET /admin/exchanges``,
-``POST /admin/shutdown``.
+``POST /admin/shutdown``, and the live page (:mod:`proxy._live`): ``GET /admin/``
+and its files, ``GET /admin/events``.
 
 The peer address is the socket's, never ``X-Forwarded-For`` (a header any
 client can set). No admin answer ever contains a body, a prompt or a key.
@@ -26,7 +27,8 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from ._front import Request
+from ._front import Answer, Request
+from ._live import exchange_views, page_asset, page_routes, stream_events
 from ._plugins import UsageQuery
 from ._sessions import SessionCloseError, SessionInfo
 from ._state import AppState
@@ -413,30 +415,9 @@ def _log_failure(sid: str, done: asyncio.Future[Any]) -> None:
 
 
 async def list_exchanges(request: Request, state: AppState) -> web.Response:
-    """Each in-flight exchange: session, protocol, phase, bytes held by kind, age."""
-    out = []
-    for ex in list(state.exchanges.values()):
-        held = ex.held_bytes()
-        out.append(
-            {
-                "id": ex.id,
-                "session": ex.session_id,
-                "protocol": str(ex.protocol),
-                "phase": ex.phase.value,
-                "fold_level": ex.fold_level,
-                # Content-Length of a body being read (0: none); only received bytes are held.
-                "declared_bytes": ex.declared_bytes,
-                "held_bytes": {
-                    "raw": held.raw,
-                    "parsed": held.parsed,
-                    "outbound": held.outbound,
-                    "response": held.response,
-                    "total": held.total,
-                },
-                "age_s": round(ex.age(), 3),
-            }
-        )
-    return web.json_response({"exchanges": out})
+    """Each in-flight exchange: session, protocol, phase, bytes held by kind, age
+    (:func:`proxy._live.exchange_views`)."""
+    return web.json_response({"exchanges": exchange_views(state)})
 
 
 async def shutdown(request: Request, state: AppState) -> web.Response:
@@ -446,8 +427,9 @@ async def shutdown(request: Request, state: AppState) -> web.Response:
     return web.json_response({"status": "draining"}, status=202)
 
 
-AdminHandler = Callable[[Request, AppState], Awaitable[web.Response]]
-"""A health, metrics or admin route's handler."""
+AdminHandler = Callable[[Request, AppState], Awaitable[Answer]]
+"""A health, metrics or admin route's handler: a small answer, or a streamed one
+(``/admin/events``)."""
 
 _PLAIN_ROUTES: Final[dict[str, dict[str, AdminHandler]]] = {
     "/healthz": {"GET": healthz},
@@ -456,6 +438,7 @@ _PLAIN_ROUTES: Final[dict[str, dict[str, AdminHandler]]] = {
     "/admin/sessions": {"GET": list_sessions},
     "/admin/usage": {"GET": usage},
     "/admin/exchanges": {"GET": list_exchanges},
+    "/admin/events": {"GET": stream_events},
     "/admin/shutdown": {"POST": shutdown},
 }
 _SESSION_PREFIX: Final = "/admin/sessions/"
@@ -471,6 +454,13 @@ def _session_routes(sid: str) -> dict[str, AdminHandler]:
     return {"GET": get, "DELETE": delete}
 
 
+def _page_route(name: str) -> dict[str, AdminHandler]:
+    async def get(request: Request, state: AppState) -> web.Response:
+        return page_asset(name)
+
+    return {"GET": get}
+
+
 def admin_routes(path: str) -> dict[str, AdminHandler] | None:
     """The handlers of ``path`` (percent-decoded) by method, or None when it is no admin route.
 
@@ -480,6 +470,9 @@ def admin_routes(path: str) -> dict[str, AdminHandler] | None:
     routes = _PLAIN_ROUTES.get(path)
     if routes is not None:
         return routes
+    asset = page_routes(path)
+    if asset is not None:
+        return _page_route(asset)
     if path.startswith(_SESSION_PREFIX):
         sid = path[len(_SESSION_PREFIX) :]
         if sid and "/" not in sid:

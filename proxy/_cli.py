@@ -1,4 +1,4 @@
-"""The ``context-proxy`` command: serve | emulate | bench | sessions | usage | plugins."""
+"""The ``context-proxy`` command: serve | emulate | bench | sessions | usage | top | plugins."""
 
 from __future__ import annotations
 
@@ -517,6 +517,55 @@ def usage(url: str, token: str | None, by: str, since: str | None, as_json: bool
         ellipsis=frozenset({by}),
         ellipsis_width=USAGE_KEY_WIDTH,
     )
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8787", show_default=True, help="Proxy URL.")
+@click.option(
+    "--token",
+    envvar="CONTEXT_PROXY_ADMIN_TOKEN",
+    help="Admin bearer token [env CONTEXT_PROXY_ADMIN_TOKEN; a flag shows in ps].",
+)
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+def top(url: str, token: str | None, once: bool) -> None:
+    """Show the in-flight exchanges of a running proxy, live (like top).
+
+    One row per exchange: protocol, session, phase, fold level, bytes held by
+    kind (raw, parsed, outbound, response) and age, under a line with the
+    process's RSS and the bytes held by phase. Reads GET /admin/events; ends
+    when the proxy drains, or on Ctrl-C. Piped, it prints each frame after the last.
+    """
+    from rich.console import Console
+    from rich.live import Live
+
+    from ._top import TopError, print_once, render, snapshots
+
+    stream = snapshots(url.rstrip("/"), token)
+    try:
+        first = next(stream, None)
+        if first is None:
+            click.echo("the proxy ended the stream (draining)")
+            return
+        if once:
+            click.echo(print_once(first, TABLE_WIDTH))
+            return
+        console = Console()
+        if not console.is_terminal:
+            # Piped (e.g. into a log): one plain frame per snapshot, a blank line between.
+            click.echo(print_once(first, TABLE_WIDTH))
+            for snap in stream:  # bounded: the proxy ends the stream
+                click.echo("\n" + print_once(snap, TABLE_WIDTH))
+        else:
+            with Live(render(first), console=console, auto_refresh=False) as live:
+                for snap in stream:  # bounded: the proxy ends the stream
+                    live.update(render(snap), refresh=True)
+        click.echo("the proxy ended the stream (draining)")
+    except TopError as exc:
+        raise click.ClickException(f"{exc}{_refusal_hint(exc.status or 0, token)}") from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stream.close()
 
 
 @main.command()

@@ -159,9 +159,11 @@ class AppState:
         Cancelled streams end with an in-band protocol error event (the relay
         recognises :data:`SHUTDOWN_CANCEL`). Then the pending commits finish
         (each bounded, see :attr:`commits`), every session is closed and the
-        plugins are flushed.
+        plugins are flushed. Sets :attr:`stop` (when it was not yet).
         """
         self.draining = True
+        # Whatever waits for the stop (the admin event streams) ends now, not at the grace's end.
+        self.stop.set()
         pending = {t for t in self.handlers if not t.done()}
         if pending:
             log.info("draining %d in-flight request(s), grace %.1fs", len(pending), grace)
