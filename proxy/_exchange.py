@@ -503,8 +503,14 @@ class Exchange:
         """
         await self._prepare_at(0)
 
-    async def refold(self) -> bool:
+    async def refold(
+        self, *, prompt_tokens: int | None = None, window_tokens: int | None = None
+    ) -> bool:
         """Re-run prepare at the next fold level after a context overflow.
+
+        ``prompt_tokens`` and ``window_tokens`` are what the upstream's error
+        stated (``None`` where it states nothing); the hooks see them, and the
+        size of the body just rejected (bytes), on their :class:`PrepareContext`.
 
         Returns ``True`` when the outbound body changed and is smaller than
         before, i.e. a resend may succeed; ``False`` when nothing shrank (the
@@ -513,13 +519,16 @@ class Exchange:
         ``refolds`` + ``retries``; ``fold_level`` counts every prepare run.
         """
         before = self.outbound_size
-        changed = await self._prepare_at(self.fold_level + 1)
+        overflow = (before, prompt_tokens, window_tokens)
+        changed = await self._prepare_at(self.fold_level + 1, overflow)
         shrank = changed and self.outbound_size < before
         if shrank:
             self.refolds += 1
         return shrank
 
-    async def _prepare_at(self, level: int) -> bool:
+    async def _prepare_at(
+        self, level: int, overflow: tuple[int, int | None, int | None] | None = None
+    ) -> bool:
         preparer, meta = self._preparer, self.meta
         if preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
@@ -550,6 +559,7 @@ class Exchange:
                 session_id=preparer.session_id,
                 path=self.path,
                 draft=draft,
+                overflow=overflow,
             )
             try:
                 reported = await host.run_prepare(ctx, wants)
