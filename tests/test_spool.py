@@ -960,3 +960,35 @@ async def test_a_spool_dir_gone_after_start_up_is_a_503_and_small_bodies_go_on(
     assert (status, retry_after, small) == (503, "5", 200)
     assert error["error"]["code"] == "spool_unavailable"
     assert any("cannot be used" in r.getMessage() for r in caplog.records)
+
+
+def _small_file_limit() -> None:
+    """In the child before exec: files of at most 256 KiB (``RLIMIT_FSIZE``)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, hard))
+
+
+async def test_a_serving_process_past_its_file_size_limit_answers_503_and_goes_on(
+    emulator: EmulatorServer, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """``SIGXFSZ`` does not kill ``serve`` (CPython ignores it): the write fails, 503."""
+    body = encode(conversation(CHAT, turns=40, turn_bytes=50_000))  # ~2 MB
+    proc, port = await Proc.serve(
+        emulator.url,
+        env={"CONTEXT_PROXY_SPOOL_DIR": str(tmp_path), "CONTEXT_PROXY_SPOOL_ABOVE_BYTES": "16384"},
+        preexec_fn=_small_file_limit,
+    )
+    url = f"http://127.0.0.1:{port}{CHAT}"
+    try:
+        async with http.post(url, data=body) as resp:
+            status, error = resp.status, await resp.json()
+        async with http.post(url, data=encode(conversation(CHAT, turns=1))) as resp:
+            small = resp.status
+            await resp.read()
+        assert proc.proc.returncode is None
+        await proc.wait_line(r"spool_dir .* is full")
+    finally:
+        await proc.stop()
+    assert (status, small) == (503, 200)
+    assert error["error"]["code"] == "spool_full"
+    assert os.listdir(tmp_path) == []
