@@ -91,11 +91,13 @@ _CONTROL: Final = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 def clean_user_agent(value: str | None) -> str | None:
     """The User-Agent as logged: control characters removed, at most 80 characters.
 
-    ``None`` (no header) stays ``None``; the text line shows it as ``-``.
+    ``None`` (no header) stays ``None``; the text line shows it as ``-``. A value that
+    is empty once cleaned (only control characters, or an empty header) is ``"-"``
+    in both formats, so the field never reads as an empty, easily misparsed token.
     """
     if value is None:
         return None
-    return _CONTROL.sub("", value)[:USER_AGENT_CHARS]
+    return _CONTROL.sub("", value)[:USER_AGENT_CHARS] or "-"
 
 _CREDENTIAL_MARKERS: Final = ("authorization", "x-api-key", "bearer ")
 _WITHHELD: Final = "[log line withheld: it named a credential]"

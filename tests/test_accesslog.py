@@ -2,8 +2,9 @@
 
 Every access line, text and JSON, carries ``peer`` (the client socket's
 ``address:port``), ``model``, ``user_agent`` (control characters removed, at
-most 80 characters), ``upstream_status`` and ``upstream_s`` (seconds from send
-to the upstream's response head; ``-``/null when nothing went upstream). The
+most 80 characters, ``-`` when nothing is left), ``upstream_status`` and
+``upstream_s`` (seconds from send to the upstream's response head; ``-``/null
+when nothing went upstream). The
 JSON record's ``message`` is the fixed word ``access``, not the fields again.
 """
 
@@ -24,7 +25,9 @@ UA_HEAD = "ua-test/1.0"
 USER_AGENT = UA_HEAD + "\tpart" + "x" * 200
 
 
-async def _raw_post(base: str, body: bytes) -> tuple[str, bytes]:
+async def _raw_post(
+    base: str, body: bytes, user_agent: bytes = USER_AGENT.encode()
+) -> tuple[str, bytes]:
     """POST ``body`` to /v1/chat/completions on a fresh socket; the client's ``host:port``
     and the whole response (read to EOF, ``Connection: close``)."""
     host, port = base.removeprefix("http://").split(":")
@@ -33,10 +36,9 @@ async def _raw_post(base: str, body: bytes) -> tuple[str, bytes]:
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
         f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n"
-        f"User-Agent: {USER_AGENT}\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
     ).encode()
-    writer.write(head + body)
+    writer.write(head + b"User-Agent: " + user_agent + b"\r\n\r\n" + body)
     await writer.drain()
     response = await asyncio.wait_for(reader.read(), BOUND_S)
     writer.close()
@@ -104,3 +106,33 @@ async def test_text_access_lines_carry_the_same_fields(emulator: EmulatorServer)
     expected_ua = (UA_HEAD + "part" + "x" * 200)[:80]
     assert f" user_agent={expected_ua} " in ok
     assert "\t" not in ok and "x" * 81 not in ok
+
+
+#: U+0085 (NEL), a tab and U+009F, UTF-8 on the wire: a field value llhttp accepts whose
+#: every character the cleaning removes.
+CONTROL_ONLY_UA = "\u0085\t\u009f".encode()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("log_format", ["text", "json"])
+async def test_a_user_agent_of_control_characters_only_is_logged_as_a_dash(
+    emulator: EmulatorServer, log_format: str
+) -> None:
+    proc, base = await _serve(emulator.url, log_format=log_format)
+    try:
+        good = json.dumps(
+            {"model": "gpt-acc", "stream": True, "messages": [{"role": "user", "content": PROMPT}]}
+        ).encode()
+        _, answer = await _raw_post(base, good, CONTROL_ONLY_UA)
+        assert answer.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in answer
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.wait_exit(BOUND_S) == 0
+    finally:
+        await proc.stop()
+    if log_format == "json":
+        records = [json.loads(line) for line in proc.lines if line]
+        (access,) = [r for r in records if r["logger"] == "context_proxy.access"]
+        assert access["user_agent"] == "-"
+    else:
+        (access_line,) = [line for line in proc.lines if " context_proxy.access: " in line]
+        assert " user_agent=- " in access_line
