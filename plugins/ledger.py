@@ -601,17 +601,19 @@ class LedgerPlugin(Plugin):
     async def commit(self, record: ExchangeRecord) -> None:
         """Pass one finished exchange through the hash gate and count it.
 
-        Ignores records without a session id or with an outcome other than
-        ``ok``. An identical retry updates the counters in memory only; every
-        other gate outcome schedules the debounced write. With ``sync =
-        "commit"`` every one is written (fsynced) before this returns.
+        Ignores records without a session id, without a wire digest (a request
+        refused before its body was parsed, a passthrough route: no history to
+        compare) or with an outcome other than ``ok``. An identical retry
+        updates the counters in memory only; every other gate outcome schedules
+        the debounced write. With ``sync = "commit"`` every one is written
+        (fsynced) before this returns.
 
         Raises:
             LedgerError: the plugin is not started, looking up a session not
                 in memory failed, or (``sync = "commit"``) the write failed.
         """
         sid = record.session_id
-        if sid is None or record.outcome is not Outcome.OK:
+        if sid is None or not record.wire_digest or record.outcome is not Outcome.OK:
             return
         if self._gate is not None:
             self._hold(sid, record)
@@ -665,6 +667,12 @@ class LedgerPlugin(Plugin):
         entry = self._entries.get(session_id)
         if entry is not None and entry.saved:
             del self._entries[session_id]
+
+    def stored_sessions(self) -> list[tuple[str, float]]:
+        """The sessions in memory, loaded from the database at start-up (asked right
+        after :meth:`startup`): ``(id, last activity in Unix seconds)``, least recently
+        active first. None in cluster mode (the gate lives in Redis)."""
+        return [(sid, entry.last_activity) for sid, entry in self._entries.items()]
 
     def session_state(self, session_id: str) -> Mapping[str, Scalar]:
         """The admin view of a session in memory, else ``{}``; never touches the disk.

@@ -1,11 +1,13 @@
 """context-proxy: a streaming LLM proxy with a strict request-memory lifetime.
 
 The public API: the plugin interface (:class:`Plugin`, :class:`PrepareContext`,
-:class:`ExchangeRecord`, :class:`Outcome`, :class:`WireMetadata`, :class:`Protocol`), the structural
+:class:`ExchangeRecord`, :class:`Outcome`, :class:`WireMetadata`, :class:`Protocol`,
+:class:`UsageQuery`, :class:`UsagePage`, :class:`UsageRow`), the structural
 view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
 :class:`WireError`), the ledger's hash gate shared by a cluster's nodes
 (:class:`LedgerGate`, :class:`GateVerdict`, :class:`ClusterUnavailable`,
-:func:`open_ledger_gate`), settings (:class:`Settings`,
+:func:`open_ledger_gate`) and a plugin's shared session state
+(:class:`SharedSessionState`, :func:`open_session_state`), settings (:class:`Settings`,
 :func:`load_settings`) and the application (:func:`build_app` and
 :func:`running` to embed the proxy in a program of your own, :func:`serve` to
 run it until SIGTERM). Test helpers live in
@@ -23,10 +25,14 @@ from ._plugins import (
     Plugin,
     PrepareContext,
     Scalar,
+    UsagePage,
+    UsageQuery,
+    UsageRow,
     open_ledger_gate,
+    open_session_state,
 )
 from ._protocols import Protocol
-from ._shared import ClusterUnavailable, GateRun, GateVerdict, LedgerGate
+from ._shared import ClusterUnavailable, GateRun, GateVerdict, LedgerGate, SharedSessionState
 from ._structure import BodyView, EditConflict, Node
 from ._wire import WireError, WireMetadata
 
@@ -48,11 +54,16 @@ __all__ = [
     "ProxyApp",
     "Scalar",
     "Settings",
+    "SharedSessionState",
+    "UsagePage",
+    "UsageQuery",
+    "UsageRow",
     "WireError",
     "WireMetadata",
     "build_app",
     "load_settings",
     "open_ledger_gate",
+    "open_session_state",
     "running",
     "serve",
 ]

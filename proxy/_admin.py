@@ -4,7 +4,9 @@ Open to anyone: ``GET /healthz`` (alive), ``GET /readyz`` (503 while draining),
 ``GET /metrics`` (Prometheus text). Under ``/admin/`` (loopback, an address in
 ``admin_allow``, or ``Authorization: Bearer <admin_token>``; otherwise 403):
 ``GET /admin/sessions[?limit=N&cursor=C|?tombstoned=true]``, ``GET|DELETE /admin/sessions/{id}``,
-``GET /admin/exchanges``, ``POST /admin/shutdown``.
+``GET /admin/usage[?by=session|model&since=T&limit=N&cursor=C]``, ``GET /admin/exchanges``,
+``POST /admin/shutdown``, and the live page (:mod:`proxy._live`): ``GET /admin/``
+and its files, ``GET /admin/events``.
 
 The peer address is the socket's, never ``X-Forwarded-For`` (a header any
 client can set). No admin answer ever contains a body, a prompt or a key.
@@ -13,15 +15,21 @@ client can set). No admin answer ever contains a body, a prompt or a key.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import datetime
 import hmac
 import ipaddress
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import web
 
-from ._front import Request
+from ._front import Answer, Request
+from ._live import exchange_views, page_asset, page_routes, stream_events
+from ._plugins import UsageQuery
 from ._sessions import SessionCloseError, SessionInfo
 from ._state import AppState
 
@@ -97,6 +105,7 @@ def _info_view(info: SessionInfo, tombstone_ttl_s: float | None) -> dict[str, An
         "pinned": info.pinned,
         "requests": info.requests,
         "idle_s": round(info.idle_s, 3),
+        "live": info.live,
         "tombstoned": info.tombstoned,
         "tombstone_ttl_s": _ttl_view(tombstone_ttl_s) if info.tombstoned else None,
     }
@@ -110,6 +119,7 @@ def _closed_view(sid: str, remaining: float) -> dict[str, Any]:
         "pinned": False,
         "requests": None,
         "idle_s": None,
+        "live": False,
         "tombstoned": True,
         "tombstone_ttl_s": _ttl_view(remaining),
         "plugins": None,
@@ -150,7 +160,10 @@ def _page_limit(raw: str | None) -> int | None:
 
 
 async def list_sessions(request: Request, state: AppState) -> web.Response:
-    """One page of the live sessions: in-flight count, pinned, last activity, tombstoned.
+    """One page of the sessions: in-flight count, pinned, last activity, live, tombstoned.
+
+    ``live`` is ``false`` for a session a plugin loaded from its storage at
+    start-up (the ledger's) that no request of this process has reached yet.
 
     ``?limit=N`` (1 to :data:`SESSIONS_PAGE_MAX`, default
     :data:`SESSIONS_PAGE_DEFAULT`) sessions in creation order, after
@@ -191,6 +204,110 @@ async def list_sessions(request: Request, state: AppState) -> web.Response:
         info = registry.info(sid)
         out.append(_closed_view(sid, left) if info is None else _info_view(info, left))
     return web.json_response({"sessions": out, "next_cursor": next_cursor})
+
+
+#: ``by`` values of ``GET /admin/usage``; the first is the default.
+USAGE_BY: Final = ("model", "session")
+
+
+def _since(raw: str | None) -> float | None:
+    """``since`` from the query: Unix seconds or an ISO-8601 time (UTC unless it
+    names an offset), as Unix seconds; ``None`` when absent.
+
+    Raises:
+        ValueError: neither form, or not finite.
+    """
+    if raw is None or raw == "":
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        when = datetime.datetime.fromisoformat(raw)  # raises ValueError itself
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        seconds = when.timestamp()
+    if not math.isfinite(seconds):
+        raise ValueError(raw)
+    return seconds
+
+
+def _usage_cursor(key: str) -> str:
+    """The opaque ``next_cursor`` after the row ``key`` (URL-safe base64 of the key)."""
+    return base64.urlsafe_b64encode(key.encode("utf-8", "surrogateescape")).decode("ascii")
+
+
+def _usage_after(cursor: str) -> str:
+    """The row key a :func:`_usage_cursor` token stands for.
+
+    Raises:
+        ValueError: not a token this endpoint issues.
+    """
+    try:
+        raw = base64.urlsafe_b64decode(cursor.encode("ascii"))
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise ValueError(cursor) from exc
+    if not raw or _usage_cursor(raw.decode("utf-8", "surrogateescape")) != cursor:
+        raise ValueError(cursor)
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _bad_request(message: str) -> web.Response:
+    return web.json_response({"error": message}, status=400)
+
+
+async def usage(request: Request, state: AppState) -> web.Response:
+    """Token usage per model or per session, from the plugin that keeps it (``usage``).
+
+    Query: ``by`` (``model``, the default, or ``session``); ``since`` (Unix
+    seconds or ISO-8601, UTC unless an offset is given): only the rows last
+    seen at or after it, with their whole totals; ``limit`` (1 to
+    :data:`SESSIONS_PAGE_MAX`, default :data:`SESSIONS_PAGE_DEFAULT`) and
+    ``cursor`` (a previous answer's ``next_cursor``), rows in ascending key order.
+
+    Answer: ``{"by", "rows": [{"key", "requests", "input_tokens",
+    "cached_input_tokens", "cache_write_tokens", "output_tokens",
+    "last_seen"}], "next_cursor"}``; tokens are counts, ``last_seen`` Unix
+    seconds. 400 for a bad parameter, 404 when no plugin keeps usage, 503 when
+    the plugin failed to answer (logged by the plugin host).
+    """
+    query = request.query
+    by = query.get("by") or USAGE_BY[0]
+    if by not in USAGE_BY:
+        return _bad_request(f"by: expected one of {', '.join(USAGE_BY)}")
+    limit = _page_limit(query.get("limit"))
+    if limit is None:
+        return _bad_request(f"limit: expected an integer from 1 to {SESSIONS_PAGE_MAX}")
+    try:
+        since = _since(query.get("since"))
+    except ValueError:
+        return _bad_request("since: expected Unix seconds or an ISO-8601 time")
+    cursor = query.get("cursor") or None
+    try:
+        after = None if cursor is None else _usage_after(cursor)
+    except ValueError:
+        return _bad_request("cursor: not one this endpoint issued (start again without one)")
+    if not state.host.keeps_usage:
+        return web.json_response(
+            {"error": 'no usage kept: enable the usage plugin (plugins = [..., "usage"])'},
+            status=404,
+        )
+    page = await state.host.usage_page(UsageQuery(by=by, since=since, after=after, limit=limit))
+    if page is None:
+        return web.json_response({"error": "the usage plugin failed to answer"}, status=503)
+    rows = [
+        {
+            "key": row.key,
+            "requests": row.requests,
+            "input_tokens": row.input_tokens,
+            "cached_input_tokens": row.cached_input_tokens,
+            "cache_write_tokens": row.cache_write_tokens,
+            "output_tokens": row.output_tokens,
+            "last_seen": row.last_seen,
+        }
+        for row in page.rows
+    ]
+    next_cursor = _usage_cursor(page.rows[-1].key) if page.more and page.rows else None
+    return web.json_response({"by": by, "rows": rows, "next_cursor": next_cursor})
 
 
 async def get_session(request: Request, state: AppState, sid: str) -> web.Response:
@@ -298,30 +415,9 @@ def _log_failure(sid: str, done: asyncio.Future[Any]) -> None:
 
 
 async def list_exchanges(request: Request, state: AppState) -> web.Response:
-    """Each in-flight exchange: session, protocol, phase, bytes held by kind, age."""
-    out = []
-    for ex in list(state.exchanges.values()):
-        held = ex.held_bytes()
-        out.append(
-            {
-                "id": ex.id,
-                "session": ex.session_id,
-                "protocol": str(ex.protocol),
-                "phase": ex.phase.value,
-                "fold_level": ex.fold_level,
-                # Content-Length of a body being read (0: none); only received bytes are held.
-                "declared_bytes": ex.declared_bytes,
-                "held_bytes": {
-                    "raw": held.raw,
-                    "parsed": held.parsed,
-                    "outbound": held.outbound,
-                    "response": held.response,
-                    "total": held.total,
-                },
-                "age_s": round(ex.age(), 3),
-            }
-        )
-    return web.json_response({"exchanges": out})
+    """Each in-flight exchange: session, protocol, phase, bytes held by kind, age
+    (:func:`proxy._live.exchange_views`)."""
+    return web.json_response({"exchanges": exchange_views(state)})
 
 
 async def shutdown(request: Request, state: AppState) -> web.Response:
@@ -331,15 +427,18 @@ async def shutdown(request: Request, state: AppState) -> web.Response:
     return web.json_response({"status": "draining"}, status=202)
 
 
-AdminHandler = Callable[[Request, AppState], Awaitable[web.Response]]
-"""A health, metrics or admin route's handler."""
+AdminHandler = Callable[[Request, AppState], Awaitable[Answer]]
+"""A health, metrics or admin route's handler: a small answer, or a streamed one
+(``/admin/events``)."""
 
 _PLAIN_ROUTES: Final[dict[str, dict[str, AdminHandler]]] = {
     "/healthz": {"GET": healthz},
     "/readyz": {"GET": readyz},
     "/metrics": {"GET": metrics},
     "/admin/sessions": {"GET": list_sessions},
+    "/admin/usage": {"GET": usage},
     "/admin/exchanges": {"GET": list_exchanges},
+    "/admin/events": {"GET": stream_events},
     "/admin/shutdown": {"POST": shutdown},
 }
 _SESSION_PREFIX: Final = "/admin/sessions/"
@@ -355,6 +454,13 @@ def _session_routes(sid: str) -> dict[str, AdminHandler]:
     return {"GET": get, "DELETE": delete}
 
 
+def _page_route(name: str) -> dict[str, AdminHandler]:
+    async def get(request: Request, state: AppState) -> web.Response:
+        return page_asset(name)
+
+    return {"GET": get}
+
+
 def admin_routes(path: str) -> dict[str, AdminHandler] | None:
     """The handlers of ``path`` (percent-decoded) by method, or None when it is no admin route.
 
@@ -364,6 +470,9 @@ def admin_routes(path: str) -> dict[str, AdminHandler] | None:
     routes = _PLAIN_ROUTES.get(path)
     if routes is not None:
         return routes
+    asset = page_routes(path)
+    if asset is not None:
+        return _page_route(asset)
     if path.startswith(_SESSION_PREFIX):
         sid = path[len(_SESSION_PREFIX) :]
         if sid and "/" not in sid:

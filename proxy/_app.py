@@ -17,8 +17,8 @@ import os
 import signal
 import time
 import traceback
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Final
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
@@ -27,25 +27,36 @@ from . import _logs as logs
 from . import _protocols as protocols
 from . import _wire as wire
 from ._admin import admin_guard, admin_routes
-from ._body import BodyBusy, BodyError, BodyMemory, check_content_length, read_body
-from ._cancel import orderly_cancel_reason
+from ._body import (
+    BodyBusy,
+    BodyError,
+    BodyIncomplete,
+    BodyMemory,
+    check_content_length,
+    read_body,
+)
+from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
 from ._front import Answer, FrontServer, Request, StreamAnswer
 from ._headers import forward_headers
 from ._plugins import PluginHost, load_plugins
 from ._protocols import Protocol
-from ._relay import ClientGone, Upstream, error_response, relay
+from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
 from ._state import AppState
+from ._tracing import ExchangeTrace, start_tracing
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 
 log = logging.getLogger("context_proxy")
 
 #: The error code of a request refused because its session's commits are behind
-#: (``max_pending_commits``); such a refusal is the one exchange that is not booked.
+#: (``max_pending_commits``); such a refusal is not booked (see :func:`_book`).
 _COMMIT_BACKLOG: Final = "commit_backlog"
 
 #: Requests refused for want of memory: this line once per 10 s, then a count.
@@ -82,15 +93,21 @@ def _reject(
     return resp
 
 
-async def handle_exchange(request: Request, state: AppState) -> Answer:
-    """Proxy one request: admit, read the body, prepare, relay, commit."""
+async def handle_exchange(request: Request, state: AppState, *, shed: bool = False) -> Answer:
+    """Proxy one request: admit, read the body, prepare, relay, commit.
+
+    Every request routed to an exchange or a passthrough is booked once, whatever
+    its end (:func:`_book`), except one refused while the proxy drains (the
+    plugins may already have shut down) or for its session's commit backlog.
+    ``shed``: the connection came from the descriptor reserve; the request is
+    refused with 503 ``fd_reserve`` before its body is read (and booked).
+    """
     settings = state.settings
     route = protocols.route(request.method, request.path, request.headers)
     if route is None:
         return error_response(Protocol.OPENAI, 404, f"unknown route {request.path}")
     protocol = route.protocol
-    if state.draining:
-        return _reject(protocol, 503, "proxy is shutting down", state)
+    draining = state.draining
     ex = Exchange(
         protocol=protocol,
         method=request.method,
@@ -103,11 +120,23 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
     logs.EXCHANGE_ID.set(ex.id)
     task = asyncio.current_task()
     assert task is not None
+    tracing = state.tracing
+    trace = (
+        None
+        if tracing is None or draining
+        else tracing.exchange(ex, request.headers, _peername(request))
+    )
     state.exchanges[ex.id] = ex
     state.handlers.add(task)
     state.metrics.in_flight.inc()
     try:
-        return await _run_exchange(request, state, ex, route.upstream, task)
+        if draining:
+            # Refused, logged and counted like any refusal, but not booked (_book).
+            ex.conclude(503, Outcome.REJECTED, PROXY_SHUTDOWN.code)
+            return _reject(protocol, 503, PROXY_SHUTDOWN.message, state, code=PROXY_SHUTDOWN.code)
+        if shed:
+            return _shed(ex, state)
+        return await _run_exchange(request, state, ex, route.upstream, task, trace)
     except BodyError as exc:
         ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
         if exc.kind == "incomplete":
@@ -167,24 +196,12 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
         del state.exchanges[ex.id]
         state.handlers.discard(task)
         state.metrics.in_flight.dec()
-        if ex.meta is not None:
-            # Every exchange whose body was read is booked exactly once, here, as
-            # tracked work of its own (proxy/_commits.py): a client that hangs up now
-            # cannot cancel it, and the keep-alive connection's next request does not
-            # wait for it. Synchronous with leaving the session's track() span, so a
-            # session shutdown that waited for this exchange finds its commit pending.
-            if ex.error == _COMMIT_BACKLOG:
-                # Refused because its session's commits are behind: booking the refusal
-                # would queue one more record behind them, so the bound would not hold.
-                ex.skip_commit()
-            elif state.commits.hooked:
-                state.commits.start(ex.begin_commit())
-            else:
-                ex.skip_commit()  # no plugin books anything: no record, no task
-                state.commits.count_unbooked()
+        _book(state, ex)
         ex.close()
         # After close: an exchange released only there is counted too.
         state.metrics.finished(ex)
+        if trace is not None:
+            trace.end(ex)
         if settings.access_log:
             logs.log_access(
                 ex,
@@ -194,14 +211,55 @@ async def handle_exchange(request: Request, state: AppState) -> Answer:
             )
 
 
-def _peer(request: Request) -> str | None:
-    """The client socket's ``address:port`` (IPv6 in brackets), ``None`` if unknown."""
+def _book(state: AppState, ex: Exchange) -> None:
+    """Book a finished exchange exactly once: the one place every record starts from.
+
+    Called from the handler's ``finally`` for every exchange, admitted or
+    refused: a body refused before or while it was read (413, 415, 408, 503
+    ``busy``/``fd_reserve``), one that is not JSON (400), a client gone
+    mid-body, a passthrough route. The record of an exchange without a parsed
+    exchange body has no digest (``wire_digest`` ``""``, see
+    :meth:`Exchange.commit_record`). It runs as tracked work of its own
+    (proxy/_commits.py): a client that hangs up now cannot cancel it, and the
+    keep-alive connection's next request does not wait for it. Synchronous with
+    leaving the session's ``track()`` span, so a session shutdown that waited
+    for this exchange finds its commit pending.
+
+    Not booked (it enters the committed phase without a record): a request
+    refused because its session's commits are behind (``commit_backlog``), one
+    refused because the proxy drains (``proxy_shutdown``), and every exchange
+    when no plugin has a ``commit`` hook (counted only).
+    """
+    if ex.error == _COMMIT_BACKLOG:
+        # Booking the refusal would queue one more record behind the session's
+        # backlog, so the bound would not hold.
+        ex.skip_commit()
+    elif ex.outcome is Outcome.REJECTED and ex.error == PROXY_SHUTDOWN.code:
+        # Refused on arrival during the drain, which may have shut the plugins down.
+        ex.skip_commit()
+    elif state.commits.hooked:
+        state.commits.start(ex.begin_commit())
+    else:
+        ex.skip_commit()  # no plugin books anything: no record, no task
+        state.commits.count_unbooked()
+
+
+def _peername(request: Request) -> tuple[str, int] | None:
+    """The client socket's address and port, ``None`` if unknown."""
     transport = request.transport
     info = transport.get_extra_info("peername") if transport is not None else None
     if not isinstance(info, tuple) or len(info) < 2:
         return None
-    host, port = info[0], info[1]
-    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+    return str(info[0]), int(info[1])
+
+
+def _peer(request: Request) -> str | None:
+    """The client socket's ``address:port`` (IPv6 in brackets), ``None`` if unknown."""
+    peer = _peername(request)
+    if peer is None:
+        return None
+    host, port = peer
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _internal_error(
@@ -269,7 +327,8 @@ def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Respo
 def _gone_mid_body(state: AppState, ex: Exchange) -> None:
     """The client hung up before its body completed (seen as a payload error or a cancel)."""
     log.warning("%s: client closed the connection before the body completed", ex.id)
-    ex.set_outcome(Outcome.CLIENT_GONE, ex.error)
+    # The same error whichever way the hang-up was seen (a payload error or a cancel).
+    ex.set_outcome(Outcome.CLIENT_GONE, BodyIncomplete.kind)
     state.metrics.disconnects.labels(Phase.READING.value).inc()
 
 
@@ -288,6 +347,19 @@ def _over_reading_budget(state: AppState, declared: int) -> bool:
     """
     reading = state.reading_bytes
     return reading > 0 and reading + declared > state.settings.max_reading_bytes
+
+
+def _shed(ex: Exchange, state: AppState) -> web.Response:
+    """503 ``fd_reserve`` for a request on a connection from the descriptor reserve.
+
+    Counted in ``context_proxy_fd_exhausted_total``; the body is never read, so
+    the connection closes.
+    """
+    state.metrics.fd_exhausted.inc()
+    ex.conclude(503, Outcome.REJECTED, "fd_reserve")
+    resp = _reject(ex.protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve")
+    resp.force_close()
+    return resp
 
 
 def _busy(ex: Exchange, state: AppState) -> web.Response:
@@ -336,6 +408,7 @@ async def _run_exchange(
     ex: Exchange,
     upstream_name: str,
     task: asyncio.Task[object],
+    trace: ExchangeTrace | None,
 ) -> Answer:
     settings = state.settings
     body_hint: str | None = None
@@ -347,6 +420,11 @@ async def _run_exchange(
         declared = request.content_length or 0
         if _over_reading_budget(state, declared):
             return _busy(ex, state)
+        if request.headers.get("Expect") is not None:
+            # RFC 9110 §10.1.1: the refusals above (413, 415, 503) went out instead
+            # of 100 (Continue), before the upload; now the client may send its body.
+            # Any other expectation never gets here (_refuse_expectation).
+            await request.send_continue()
         ex.start_reading(declared)
         account = _ReadingAccount(state, ex)
         try:
@@ -439,6 +517,7 @@ async def _run_exchange(
             target=state.upstream.target(upstream_name, request.raw_path, request.query_string),
             headers=forward_headers(request.headers),
             settings=settings,
+            trace=trace,
         )
         if isinstance(response, StreamAnswer):
             # Every byte of the answer is with the connection: a hang-up from now on
@@ -449,50 +528,6 @@ async def _run_exchange(
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
         return response
-
-
-async def _expect_continue(request: Request, state: AppState) -> web.Response | None:
-    """``Expect: 100-continue`` (curl sends it for bodies over 1 MB): refuse or go on.
-
-    RFC 9110 section 10.1.1: a server that answers without reading the content
-    should send that final status instead of 100 (Continue), so the client does
-    not upload for nothing. A draining proxy (503), a declared length over the
-    limit (413) or an unknown Content-Encoding (415) are refused here, before
-    the upload; anything else gets 100 (Continue). An expectation other than
-    ``100-continue`` never gets here (:func:`_refuse_expectation`).
-    """
-    route = protocols.route(request.method, request.path, request.headers)
-    if route is None:
-        return None  # the handler answers 404 without reading the body
-    refusal: web.Response | None = None
-    if state.draining:
-        refusal = _reject(route.protocol, 503, "proxy is shutting down", state)
-    else:
-        codings = request.headers.getall("Content-Encoding", [])
-        try:
-            check_content_length(
-                request.content_length,
-                ", ".join(codings) if codings else None,
-                state.settings.max_body_bytes,
-            )
-        except BodyError as exc:
-            refusal = _reject(route.protocol, exc.status, exc.message, state, code=exc.kind)
-        else:
-            if _over_reading_budget(state, request.content_length or 0):
-                refusal = _reject(route.protocol, 503, BodyBusy().message, state, code="busy")
-    if refusal is not None:
-        refusal.force_close()  # the body was never read
-        return refusal
-    await request.send_continue()
-    return None
-
-
-async def _continue_then_exchange(request: Request, state: AppState) -> Answer:
-    """An exchange whose client waits for ``100 Continue`` before its upload."""
-    refusal = await _expect_continue(request, state)
-    if refusal is not None:
-        return refusal
-    return await handle_exchange(request, state)
 
 
 def _path_protocol(path: str) -> Protocol:
@@ -545,10 +580,13 @@ class ProxyApp:
     method 405, both as JSON errors.
     """
 
-    __slots__ = ("state",)
+    __slots__ = ("environ", "state")
 
-    def __init__(self, state: AppState) -> None:
+    def __init__(self, state: AppState, environ: Mapping[str, str] | None = None) -> None:
         self.state = state
+        #: Where the upstream client reads ``HTTPS_PROXY`` and the rest (proxy/_egress.py);
+        #: ``None``: the process environment.
+        self.environ = environ
 
     def dispatch(self, request: Request) -> Awaitable[Answer]:
         """The answer to ``request`` (awaitable: the handler's coroutine, not a frame
@@ -559,8 +597,6 @@ class ProxyApp:
         if expect is not None and expect.strip().lower() != "100-continue":
             return _answer(_refuse_expectation(request))
         if path.startswith("/v1/"):
-            if expect is not None:
-                return _continue_then_exchange(request, state)
             return handle_exchange(request, state)
         if path == "/":
             return _answer(_root(request))
@@ -583,14 +619,18 @@ class ProxyApp:
         ``/healthz``, ``/readyz`` and ``/metrics`` are answered as ever (they need
         no descriptor); anything else gets a 503 with ``Retry-After`` in its
         protocol's shape, counted in ``context_proxy_fd_exhausted_total``, and
-        the connection closes (its body, if any, is not read).
+        the connection closes (its body, if any, is not read). A ``/v1/`` request
+        goes through :func:`handle_exchange` (``shed=True``) so that it is booked
+        like every exchange: an unknown route is its 404 there, a draining proxy
+        its 503 "proxy is shutting down".
         """
         state = self.state
         if request.path in _PROBES and request.method in ("GET", "HEAD"):
             return self.dispatch(request)
-        route = protocols.route(request.method, request.path, request.headers)
-        protocol = route.protocol if route is not None else _path_protocol(request.path)
+        if request.path.startswith("/v1/"):
+            return handle_exchange(request, state, shed=True)  # booked, as every exchange
         state.metrics.fd_exhausted.inc()
+        protocol = _path_protocol(request.path)
         resp = _reject(protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve")
         resp.force_close()
         return _answer(resp)
@@ -603,7 +643,8 @@ class ProxyApp:
         return upstream.pool.connections_in_use + upstream.pool.idle_connections
 
     async def startup(self) -> None:
-        """Start the plugins, open the upstream pool, join the cluster (in that order).
+        """Start the plugins, list their stored sessions, open the upstream pool, join
+        the cluster (in that order).
 
         Plugins first: when one refuses to start, nothing else is left open.
 
@@ -612,14 +653,22 @@ class ProxyApp:
         """
         state = self.state
         await state.host.startup()
-        state.upstream = Upstream(state.settings)
+        # Sessions the plugins loaded from storage (the ledger's) are listed, not live.
+        now = time.time()
+        stored = sorted(state.host.stored_sessions().items(), key=lambda item: item[1])
+        listed = sum(state.registry.add_stored(sid, now - last) for sid, last in stored)
+        if stored:
+            log.info("%d stored session(s) listed as not live", listed)
+        state.upstream = Upstream(state.settings, self.environ)
         if state.cluster is not None:
             await state.cluster.start()
 
     async def cleanup(self) -> None:
-        """Close the upstream pool (after the drain)."""
+        """Close the upstream pool (after the drain); export the spans still batched."""
         if self.state.upstream is not None:
             await self.state.upstream.close()
+        if self.state.tracing is not None:
+            await self.state.tracing.close()
 
 
 def build_app(
@@ -627,15 +676,24 @@ def build_app(
     *,
     host: PluginHost | None = None,
     clock: Callable[[], float] = time.monotonic,
+    environ: Mapping[str, str] | None = None,
+    tracer_provider: TracerProvider | None = None,
 ) -> ProxyApp:
     """Build the proxy application.
 
     ``host`` overrides the plugins named in ``settings`` (tests pass their own);
     ``clock`` is the session registry's monotonic clock in seconds (tests inject
-    one to expire tombstones without sleeping).
+    one to expire tombstones without sleeping); ``environ`` is where the
+    upstream client reads ``HTTPS_PROXY``, ``HTTP_PROXY`` and ``NO_PROXY``
+    (``None``: the process environment); ``tracer_provider`` is where the spans
+    go with ``tracing = "otel"`` (default: the global provider if one was set,
+    else one the SDK builds from the process's ``OTEL_*`` variables,
+    proxy/_tracing.py).
 
     Raises:
         proxy._plugins.PluginError: a configured plugin cannot be loaded.
+        ConfigError: ``tracing = "otel"`` without the extra ``context-proxy[otel]``,
+            or ``OTEL_TRACES_EXPORTER`` names an exporter that is not installed.
     """
     if host is None:
         host = load_plugins(
@@ -649,7 +707,8 @@ def build_app(
                 else None
             ),
         )
-    return ProxyApp(AppState(settings, host, clock=clock))
+    tracing = start_tracing(tracer_provider) if settings.tracing == "otel" else None
+    return ProxyApp(AppState(settings, host, clock=clock, tracing=tracing), environ)
 
 
 @contextlib.asynccontextmanager
@@ -705,6 +764,9 @@ async def serve(settings: Settings) -> None:
     fd_problem = fdlimit.reserve_problem(settings.fd_reserve, limit)
     if fd_problem is not None:
         raise ConfigError(fd_problem)
+    egress = egress_problems(settings, os.environ)
+    if egress:
+        raise ConfigError(egress[0])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.stop.set)
@@ -725,6 +787,15 @@ async def serve(settings: Settings) -> None:
             settings.upstream_openai,
             settings.upstream_anthropic,
         )
+        if state.upstream is not None:
+            for name, target in state.upstream.targets.items():
+                if target.via is not None:  # shown without its credentials
+                    log.info(
+                        "egress: %s upstream through %s (from %s)",
+                        name,
+                        target.via.shown,
+                        target.via.source,
+                    )
         await state.stop.wait()
         log.info("shutting down: readiness is now 503; grace %.1fs", settings.shutdown_grace)
         state.draining = True

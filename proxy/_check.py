@@ -1,9 +1,12 @@
 """``context-proxy check``: validate a configuration before a restart, like ``nginx -t``.
 
-:func:`check_config` validates every setting on its own (one line per bad one),
-imports every enabled plugin and constructs it with its options, and calls each
-plugin's optional ``check()`` hook, which opens the plugin's storage read-only
-(the ledger's SQLite file). Nothing is started, served or written.
+:func:`check_config` validates every setting on its own (one line per bad one)
+and the egress (a forward proxy URL from ``upstream_proxy`` or ``HTTPS_PROXY`` and
+the rest; an ``upstream_ca_file`` that cannot be read), imports every enabled
+plugin and constructs it with its options, and calls each plugin's optional
+``check()`` hook, which opens the plugin's storage read-only (the ledger's SQLite
+file); with ``tracing = "otel"``, it finds the extra and the exporters
+``OTEL_TRACES_EXPORTER`` names. Nothing is started, served or written.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from collections.abc import Mapping
 from ._config import check_settings
 from ._fdlimit import reachable_nofile_limit, reserve_problem
 from ._plugins import PluginError, load_plugins, unclaimed_tables
+from ._relay import egress_problems, upstream_targets
+from ._tracing import tracing_problems
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -50,6 +55,22 @@ def check_config(
     fd_problem = reserve_problem(settings.fd_reserve, reachable_nofile_limit())
     if fd_problem is not None:
         problems.append(fd_problem)
+    # The proxy URLs (setting or HTTPS_PROXY and the rest) and upstream_ca_file.
+    env = os.environ if environ is None else environ
+    egress = egress_problems(settings, env)
+    problems.extend(egress)
+    # Where each upstream's connections go, when a proxy is in the way (never its credentials).
+    routes = (
+        [
+            f"{name} upstream through {target.via.shown} (from {target.via.source})"
+            for name, target in upstream_targets(settings, env).items()
+            if target.via is not None
+        ]
+        if not egress
+        else []
+    )
+    if settings.tracing == "otel":
+        problems.extend(tracing_problems(env))
     constructed: list[str] = []
     for spec in settings.plugins:
         try:
@@ -74,5 +95,6 @@ def check_config(
         f"{where}: settings ok, {len(constructed)} plugin(s) ok"
         f"{' (' + ', '.join(constructed) + ')' if constructed else ''},"
         f" would listen on {settings.host}:{settings.port}"
+        f"{'; ' + ', '.join(routes) if routes else ''}"
     )
     return CheckReport(tuple(problems), summary)

@@ -1,4 +1,4 @@
-"""The ``context-proxy`` command: serve | emulate | bench | sessions | plugins."""
+"""The ``context-proxy`` command: serve | emulate | bench | sessions | usage | top | plugins."""
 
 from __future__ import annotations
 
@@ -71,7 +71,13 @@ def main() -> None:
 @click.option(
     "--shutdown-grace", type=float, help="Seconds in-flight streams get at shutdown [30]."
 )
-@click.option("--plugin", "plugins", multiple=True, help="Plugin to enable (repeatable).")
+@click.option(
+    "--plugin",
+    "plugins",
+    multiple=True,
+    help="Plugin to enable (repeatable); replaces the default list: add --plugin fold "
+    "to keep refolds.",
+)
 @click.option(
     "--redis-url", help="Cluster mode: shared state in Redis (docs/cluster.md) [unset: one node]."
 )
@@ -84,6 +90,11 @@ def main() -> None:
     "--log-format", type=click.Choice(["text", "json"]), help="Log lines as text or JSON [text]."
 )
 @click.option("--access-log/--no-access-log", default=None, help="One log line per exchange [on].")
+@click.option(
+    "--tracing",
+    type=click.Choice(["off", "otel"]),
+    help="OpenTelemetry traces, configured by OTEL_* (extra context-proxy[otel]) [off].",
+)
 def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     """Run the proxy until SIGTERM/SIGINT, then drain and exit 0."""
     from ._app import serve as serve_app
@@ -119,16 +130,14 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
 def emulate(host: str, port: int, context_window_tokens: int | None, prompt_cache: bool) -> None:
     """Run the local upstream emulator (all three protocols, scriptable per request)."""
     from ._emulator import run_emulator
-    from ._emulator_script import Script
+    from ._emulator_script import Script, window_script
 
     setup_logging("INFO")
     script = None
-    if context_window_tokens is not None or prompt_cache:
-        # body bytes > 4N + 3 is exactly body bytes // 4 > N, the emulator's token count.
-        over = None if context_window_tokens is None else 4 * context_window_tokens + 3
-        script = Script(
-            overflow_above=over, context=context_window_tokens, prompt_cache=prompt_cache
-        )
+    if context_window_tokens is not None:
+        script = window_script(context_window_tokens, prompt_cache=prompt_cache)
+    elif prompt_cache:
+        script = Script(prompt_cache=True)
     try:
         run_emulator(host, port, default_script=script)
     except OSError as exc:
@@ -142,13 +151,18 @@ def demo(port: int, once: bool) -> None:
     """Start the emulator and the proxy, stream one answer through it, keep serving.
 
     The proxy listens on 127.0.0.1:PORT with both upstreams pointed at the
-    built-in emulator, so clients and SDKs can be tried with no network.
+    built-in emulator, so clients and SDKs can be tried with no network. Other
+    settings come from the config file and environment, as for `serve`.
     """
     from ._demo import run_demo
 
     setup_logging("WARNING")
     try:
         asyncio.run(run_demo(port, once=once))
+    except PluginError as exc:
+        raise click.ClickException(str(exc)) from None
+    except ConfigError as exc:
+        raise click.ClickException(f"bad setting: {exc}") from None
     except OSError as exc:
         raise _cannot_listen("127.0.0.1", port, exc) from None
     except KeyboardInterrupt:
@@ -202,6 +216,16 @@ def _refusal_hint(status: int, token: str | None) -> str:
     return ": set CONTEXT_PROXY_ADMIN_TOKEN or --token to the proxy's admin_token"
 
 
+def _answered_error(exc: urllib.error.HTTPError) -> str:
+    """The ``error`` of a JSON error answer (the proxy's own words), else ``""``."""
+    try:
+        answer = json.loads(exc.read(4096))
+    except (OSError, ValueError):
+        return ""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    return f" ({error})" if isinstance(error, str) and error else ""
+
+
 def _admin_get(url: str, token: str | None) -> Any:
     request = urllib.request.Request(url)
     if token:
@@ -210,9 +234,8 @@ def _admin_get(url: str, token: str | None) -> Any:
         with urllib.request.urlopen(request, timeout=10) as resp:
             return json.load(resp)
     except urllib.error.HTTPError as exc:
-        raise click.ClickException(
-            f"{url}: HTTP {exc.code}{_refusal_hint(exc.code, token)}"
-        ) from None
+        hint = _refusal_hint(exc.code, token) or _answered_error(exc)
+        raise click.ClickException(f"{url}: HTTP {exc.code}{hint}") from None
     except OSError as exc:
         raise click.ClickException(f"{url}: {exc}") from None
 
@@ -230,12 +253,14 @@ def _print_table(
     *,
     numeric: frozenset[str] = frozenset(),
     ellipsis: frozenset[str] = frozenset(),
+    ellipsis_width: int = ELLIPSIS_WIDTH,
 ) -> None:
     """A borderless rich table, at most :data:`TABLE_WIDTH` columns wide.
 
     Columns named in ``numeric`` never wrap (a number is never split across
-    lines); columns in ``ellipsis`` are cut with an ellipsis at
-    :data:`ELLIPSIS_WIDTH` characters; other long cells fold.
+    lines; a header may be given in lines, ``"cache\nread"``); columns in
+    ``ellipsis`` are cut with an ellipsis at ``ellipsis_width`` characters;
+    other long cells fold.
     """
     from rich.console import Console
     from rich.table import Table
@@ -243,9 +268,10 @@ def _print_table(
     table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False, padding=(0, 1))
     for column in columns:
         if column in numeric:
-            table.add_column(column, no_wrap=True, justify="right", min_width=len(column))
+            widest = max(len(line) for line in column.split("\n"))
+            table.add_column(column, no_wrap=True, justify="right", min_width=widest)
         elif column in ellipsis:
-            table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=ELLIPSIS_WIDTH)
+            table.add_column(column, no_wrap=True, overflow="ellipsis", max_width=ellipsis_width)
         else:
             table.add_column(column, overflow="fold")
     for row in rows:
@@ -291,6 +317,13 @@ def _cell(value: object) -> str:
     return str(value)
 
 
+def _session_state(detail: dict[str, Any]) -> str:
+    """A session's ``state`` cell: ``closed`` (tombstoned), ``stored`` (not live) or ``live``."""
+    if detail.get("tombstoned"):
+        return "closed"
+    return "live" if detail.get("live", True) else "stored"
+
+
 #: Sessions asked for per ``GET /admin/sessions`` page (the proxy's largest page).
 LISTING_PAGE: Final = 250
 
@@ -324,8 +357,11 @@ def _listing(base: str, token: str | None) -> Iterator[dict[str, Any]]:
 def sessions(url: str, token: str | None, as_json: bool) -> None:
     """Print the sessions of a running proxy, with each plugin's state.
 
-    The table has a row per session; --json prints {"sessions": [...]} with each
-    session as GET /admin/sessions/{id} describes it.
+    The table has a row per session; its state is "closed" (tombstoned),
+    "stored" (loaded from a plugin's storage, the ledger's, and not reached by a
+    request since the start) or "live".
+    --json prints {"sessions": [...]} with each session as GET /admin/sessions/{id}
+    describes it.
     """
     base = url.rstrip("/")
     listing = list(_listing(base, token))
@@ -358,16 +394,178 @@ def sessions(url: str, token: str | None, as_json: bool) -> None:
                 _cell(detail.get("in_flight")),
                 _cell(detail.get("requests")),
                 _age(float(idle)) if isinstance(idle, (int, float)) else "-",
-                _cell(detail.get("tombstoned")),
+                _session_state(detail),
                 state or "-",
             ]
         )
     _print_table(
-        ["id", "in_flight", "requests", "active", "closed", "plugins"],
+        ["id", "in_flight", "requests", "active", "state", "plugins"],
         rows,
-        numeric=frozenset({"in_flight", "requests", "active", "closed"}),
+        numeric=frozenset({"in_flight", "requests", "active", "state"}),
         ellipsis=frozenset({"id"}),
     )
+
+
+#: Rows asked for per ``GET /admin/usage`` page (the proxy's largest page).
+USAGE_PAGE: Final = 250
+
+#: Widest a usage key (model name, session id) gets before its ellipsis: room for
+#: ``claude-sonnet-4-5-20250929`` beside six numbers of up to 6 digits and an age.
+USAGE_KEY_WIDTH: Final = 26
+
+#: ``--since`` units a person types: seconds per unit.
+_SINCE_UNITS: Final = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _since_query(since: str | None, now: float) -> str | None:
+    """``--since`` for the proxy: ``30m``, ``24h``, ``7d`` (ago, from ``now`` in Unix
+    seconds) become Unix seconds; anything else (Unix seconds, ISO-8601) goes as it is,
+    for the proxy to judge."""
+    if since is None:
+        return None
+    number, unit = since[:-1], since[-1:]
+    if unit in _SINCE_UNITS and number.replace(".", "", 1).isdigit():
+        return f"{now - float(number) * _SINCE_UNITS[unit]:.3f}"
+    return since
+
+
+def _count(tokens: int) -> str:
+    """A token count in at most 5 characters past a million: whole below a million,
+    then 1.2M, 12M, 123M, 1.2G... (SI prefixes, rounded)."""
+    if tokens < 1_000_000:
+        return str(tokens)
+    text = ""
+    for power, unit in enumerate(("M", "G", "T", "P"), start=2):
+        value = tokens / 1000**power
+        text = (f"{value:.1f}" if value < 9.95 else f"{value:.0f}") + unit
+        if value < 999.5:
+            break
+    return text
+
+
+def _usage_rows(base: str, token: str | None, by: str, since: str | None) -> Iterator[Any]:
+    """Every row of ``GET /admin/usage``, page after page (following ``next_cursor``).
+
+    Raises:
+        click.ClickException: a page could not be read.
+    """
+    cursor: str | None = None
+    while True:  # bounded: each page moves the cursor forward through the keys
+        query = {"by": by, "limit": str(USAGE_PAGE)}
+        if since is not None:
+            query["since"] = since
+        if cursor is not None:
+            query["cursor"] = cursor
+        page = _admin_get(f"{base}/admin/usage?{urllib.parse.urlencode(query)}", token)
+        yield from page["rows"]
+        cursor = page.get("next_cursor")
+        if cursor is None:
+            return
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8787", show_default=True, help="Proxy URL.")
+@click.option(
+    "--token",
+    envvar="CONTEXT_PROXY_ADMIN_TOKEN",
+    help="Admin bearer token [env CONTEXT_PROXY_ADMIN_TOKEN; a flag shows in ps].",
+)
+@click.option("--by", type=click.Choice(["model", "session"]), default="model", show_default=True)
+@click.option(
+    "--since",
+    help="Only rows active since: 30m, 24h, 7d ago, Unix seconds or ISO-8601 (UTC).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def usage(url: str, token: str | None, by: str, since: str | None, as_json: bool) -> None:
+    """Print token usage per model or per session (needs the usage plugin).
+
+    A row per model (or session), most recently active first: requests, then
+    input, cache-read, cache-write and output tokens (a million and more as
+    1.2M). --json prints {"by": ..., "rows": [...]} with the exact counts, each
+    row as GET /admin/usage describes it.
+    """
+    base = url.rstrip("/")
+    now = time.time()
+    rows = list(_usage_rows(base, token, by, _since_query(since, now)))
+    if as_json:
+        click.echo(json.dumps({"by": by, "rows": rows}, indent=2))
+        return
+    if not rows:
+        click.echo("no usage")
+        return
+    rows.sort(key=lambda r: float(r.get("last_seen") or 0.0), reverse=True)
+    # Two-line headers leave the key column room for a dated model name.
+    numbers = ("requests", "input", "cache\nread", "cache\nwrite", "output")
+    fields = (
+        "requests",
+        "input_tokens",
+        "cached_input_tokens",
+        "cache_write_tokens",
+        "output_tokens",
+    )
+    _print_table(
+        [by, *numbers, "last seen"],
+        [
+            [
+                str(r.get("key")),
+                *(_count(int(r.get(field) or 0)) for field in fields),
+                _age(max(0.0, now - float(r.get("last_seen") or 0.0))),
+            ]
+            for r in rows
+        ],
+        numeric=frozenset({*numbers, "last seen"}),
+        ellipsis=frozenset({by}),
+        ellipsis_width=USAGE_KEY_WIDTH,
+    )
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8787", show_default=True, help="Proxy URL.")
+@click.option(
+    "--token",
+    envvar="CONTEXT_PROXY_ADMIN_TOKEN",
+    help="Admin bearer token [env CONTEXT_PROXY_ADMIN_TOKEN; a flag shows in ps].",
+)
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+def top(url: str, token: str | None, once: bool) -> None:
+    """Show the in-flight exchanges of a running proxy, live (like top).
+
+    One row per exchange: protocol, session, phase, fold level, bytes held by
+    kind (raw, parsed, outbound, response) and age, under a line with the
+    process's RSS and the bytes held by phase. Reads GET /admin/events; ends
+    when the proxy drains, or on Ctrl-C. Piped, it prints each frame after the last.
+    """
+    from rich.console import Console
+    from rich.live import Live
+
+    from ._top import TopError, print_once, render, snapshots
+
+    stream = snapshots(url.rstrip("/"), token)
+    try:
+        first = next(stream, None)
+        if first is None:
+            click.echo("the proxy ended the stream (draining)")
+            return
+        if once:
+            click.echo(print_once(first, TABLE_WIDTH))
+            return
+        console = Console()
+        if not console.is_terminal:
+            # Piped (e.g. into a log): one plain frame per snapshot, a blank line between.
+            click.echo(print_once(first, TABLE_WIDTH))
+            for snap in stream:  # bounded: the proxy ends the stream
+                click.echo("\n" + print_once(snap, TABLE_WIDTH))
+        else:
+            with Live(render(first), console=console, auto_refresh=False) as live:
+                for snap in stream:  # bounded: the proxy ends the stream
+                    live.update(render(snap), refresh=True)
+        click.echo("the proxy ended the stream (draining)")
+    except TopError as exc:
+        raise click.ClickException(f"{exc}{_refusal_hint(exc.status or 0, token)}") from None
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stream.close()
 
 
 @main.command()

@@ -1,4 +1,4 @@
-"""Commits as tracked work: every admitted exchange's ``commit`` hooks run exactly once.
+"""Commits as tracked work: every finished exchange's ``commit`` hooks run exactly once.
 
 docs/design.md §5: the commit runs after the last byte was written, exactly once,
 whatever the client does next; session close and shutdown wait for pending

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from ._egress import EgressError, ForwardProxy
+
 __all__ = ["ENV_PREFIX", "ConfigError", "Settings", "check_settings", "load_settings"]
 
 ENV_PREFIX = "CONTEXT_PROXY_"
@@ -31,6 +33,23 @@ _Bytes = Annotated[int, msgspec.Meta(ge=1)]
 
 class ConfigError(ValueError):
     """A setting is missing, malformed or out of range; ``str()`` is one line."""
+
+
+def require_redis_client(setting: str) -> None:
+    """Raise :class:`ConfigError` naming ``setting`` when the Redis client is not installed.
+
+    Cluster mode needs the ``redis`` package, which ships in the ``cluster`` extra
+    (``pip install 'context-proxy[cluster]'``) so a single node never installs it.
+    The import is attempted (not just looked up): a client that is present but
+    cannot be imported is as missing as an absent one.
+    """
+    try:
+        import redis  # noqa: F401  (imported for the check; used by proxy._cluster)
+    except ImportError:
+        raise ConfigError(
+            f"{setting} is set but the Redis client is not installed: "
+            "pip install 'context-proxy[cluster]'"
+        ) from None
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,6 +82,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     upstream_header_timeout: _Seconds = 300.0
     upstream_idle_read_timeout: _Seconds = 300.0
     upstream_max_connections: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Egress (proxy/_egress.py, docs/deploy.md "Egress proxy and private CA"): one forward
+    # proxy for every upstream, over HTTPS_PROXY / HTTP_PROXY; NO_PROXY still exempts hosts.
+    upstream_proxy: str | None = None
+    # A PEM bundle of CA certificates trusted for upstream TLS besides the system's.
+    upstream_ca_file: str | None = None
 
     # File descriptors (docs/deploy.md, "File descriptors"): kept free for probes, 503s and
     # upstream sockets; a new connection is served only if this many stay free after its
@@ -119,17 +143,27 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # writes one line per exchange on the logger context_proxy.access.
     log_format: Literal["text", "json"] = "text"
     access_log: bool = True
+    # OpenTelemetry traces (proxy/_tracing.py, the extra context-proxy[otel]), configured by
+    # the standard OTEL_* variables; "off" imports nothing.
+    tracing: Literal["off", "otel"] = "off"
 
     def __post_init__(self) -> None:
         for name in ("upstream_openai", "upstream_anthropic"):
             url = getattr(self, name)
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{name}: expected an http:// or https:// URL, got {url!r}")
+        if self.upstream_proxy is not None and self.upstream_proxy.strip():
+            try:
+                ForwardProxy(self.upstream_proxy, "upstream_proxy")
+            except EgressError as exc:  # its words never hold the URL's credentials
+                raise ConfigError(str(exc)) from None
         if self.redis_url is not None and not self.redis_url.startswith(
             ("redis://", "rediss://", "unix://")
         ):
             # The value is not echoed: a Redis URL may carry a password.
             raise ConfigError("redis_url: expected a redis://, rediss:// or unix:// URL")
+        if self.redis_url is not None:
+            require_redis_client("redis_url")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
 
@@ -185,7 +219,10 @@ def _env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
                 raise ConfigError(f"{name} (env {ENV_PREFIX}{name.upper()}): {exc}") from None
         elif name in ("plugins", "session_headers", "admin_allow"):
             layer[name] = [item.strip() for item in raw.split(",") if item.strip()]
-        elif name in ("admin_token", "redis_url", "node_id") and raw == "":
+        elif (
+            name in ("admin_token", "redis_url", "node_id", "upstream_proxy", "upstream_ca_file")
+            and raw == ""
+        ):
             layer[name] = None
         elif isinstance(getattr(_DEFAULTS, name), bool):
             layer[name] = _BOOLEANS.get(raw.strip().lower(), raw)

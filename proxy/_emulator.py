@@ -139,6 +139,7 @@ import contextlib
 import json
 import re
 import signal
+import ssl
 import time
 import zlib
 from collections.abc import Awaitable, Callable, Iterable
@@ -920,19 +921,29 @@ class EmulatorServer:
     request ended without reaching the awaited state.
     """
 
-    __slots__ = ("_closed", "_runner", "host", "port", "state")
+    __slots__ = ("_closed", "_runner", "host", "port", "state", "tls")
 
-    def __init__(self, runner: web.AppRunner, state: EmulatorState, host: str, port: int) -> None:
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        state: EmulatorState,
+        host: str,
+        port: int,
+        *,
+        tls: bool = False,
+    ) -> None:
         self._runner = runner
         self._closed = False
         self.state = state
         self.host = host
         self.port = port
+        #: Whether it serves https (``start_emulator(tls=...)``).
+        self.tls = tls
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:40123``."""
-        return f"http://{self.host}:{self.port}"
+        """Base URL, e.g. ``http://127.0.0.1:40123`` (``https://`` when it serves TLS)."""
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def stats(self) -> list[RequestRecord]:
@@ -1003,9 +1014,17 @@ class EmulatorServer:
 
 
 async def start_emulator(
-    host: str = "127.0.0.1", port: int = 0, *, default_script: Script | None = None
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    default_script: Script | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> EmulatorServer:
     """Start an emulator on ``host:port`` (port 0: an ephemeral port) and return it started.
+
+    ``tls``, a server context holding a certificate, makes it an https upstream
+    (to test TLS, a private CA and tunnels through a forward proxy); ``host``
+    may then be a name the certificate carries (``localhost``).
 
     Raises ``OSError`` if the address cannot be bound.
     """
@@ -1015,13 +1034,13 @@ async def start_emulator(
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, ssl_context=tls)
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     bound_port = int(runner.addresses[0][1])
-    return EmulatorServer(runner, app[STATE_KEY], host, bound_port)
+    return EmulatorServer(runner, app[STATE_KEY], host, bound_port, tls=tls is not None)
 
 
 async def _serve_until_signal(host: str, port: int, default_script: Script | None) -> None:

@@ -473,8 +473,14 @@ class Exchange:
         """
         await self._prepare_at(0)
 
-    async def refold(self) -> bool:
+    async def refold(
+        self, *, prompt_tokens: int | None = None, window_tokens: int | None = None
+    ) -> bool:
         """Re-run prepare at the next fold level after a context overflow.
+
+        ``prompt_tokens`` and ``window_tokens`` are what the upstream's error
+        stated (``None`` where it states nothing); the hooks see them, and the
+        size of the body just rejected (bytes), on their :class:`PrepareContext`.
 
         Returns ``True`` when the outbound body changed and is smaller than
         before, i.e. a resend may succeed; ``False`` when nothing shrank (the
@@ -483,13 +489,16 @@ class Exchange:
         ``refolds`` + ``retries``; ``fold_level`` counts every prepare run.
         """
         before = self.outbound_size
-        changed = await self._prepare_at(self.fold_level + 1)
+        overflow = (before, prompt_tokens, window_tokens)
+        changed = await self._prepare_at(self.fold_level + 1, overflow)
         shrank = changed and self.outbound_size < before
         if shrank:
             self.refolds += 1
         return shrank
 
-    async def _prepare_at(self, level: int) -> bool:
+    async def _prepare_at(
+        self, level: int, overflow: tuple[int, int | None, int | None] | None = None
+    ) -> bool:
         preparer, meta = self._preparer, self.meta
         if preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
@@ -520,6 +529,7 @@ class Exchange:
                 session_id=preparer.session_id,
                 path=self.path,
                 draft=draft,
+                overflow=overflow,
             )
             try:
                 reported = await host.run_prepare(ctx, wants)
@@ -829,9 +839,18 @@ class Exchange:
         self._move(Phase.COMMITTED)
 
     def commit_record(self) -> ExchangeRecord:
-        """The scalars-only record for ``commit`` hooks as of now (no phase change)."""
+        """The scalars-only record for ``commit`` hooks as of now (no phase change).
+
+        Only an exchange route's parsed body has a digest (docs/plugins.md,
+        "ExchangeRecord fields"): a request refused before its body was parsed,
+        and a passthrough route (whose body is opaque to the proxy), get
+        ``wire_digest`` ``""`` and ``outbound_digest`` ``None``, so no ledger gate
+        compares them with a conversation's history. ``request_bytes`` is then the
+        decoded body bytes received before the exchange ended (0 when none were).
+        """
         meta = self.meta
         tokens = self.usage
+        digest = meta.digest if meta is not None and self.protocol.is_exchange else ""
         return ExchangeRecord(
             exchange_id=self.id,
             session_id=self.session_id,
@@ -839,12 +858,12 @@ class Exchange:
             path=self.path,
             model=meta.model if meta else None,
             stream=meta.stream if meta else False,
-            wire_digest=meta.digest if meta else "",
+            wire_digest=digest,
             comparable=meta.comparable if meta else False,
             message_count=meta.message_count if meta else 0,
-            request_bytes=meta.byte_length if meta else 0,
+            request_bytes=meta.byte_length if meta else self.received_bytes,
             outbound_bytes=self.outbound_size,
-            outbound_digest=self.outbound_digest,
+            outbound_digest=self.outbound_digest if digest else None,
             status=self.status,
             outcome=self.outcome,
             fold_level=self.fold_level,

@@ -21,11 +21,20 @@ Hooks, in the order an exchange meets them (docs/design.md §5):
     you changed the body; edits made through the view are sent either way.
 ``commit(record)``
     Runs under the session's lock after the response has been forwarded (or has
-    failed). ``record`` is an :class:`ExchangeRecord` of scalars only.
+    failed, or the request was refused after its head), once per finished
+    exchange, passthrough routes included. ``record`` is an
+    :class:`ExchangeRecord` of scalars only.
 ``session_closed(session_id)``
     The session was shut down; flush and forget its state.
 ``session_state(session_id) -> Mapping[str, Scalar]``
     Scalars shown by ``GET /admin/sessions/{id}``; must not block.
+``stored_sessions() -> Iterable[tuple[str, float]]``
+    Asked once after ``startup``: the sessions the plugin loaded from its
+    storage, as ``(session id, last activity in Unix seconds)``. The proxy
+    lists them in ``/admin/sessions`` as not live until a request comes.
+``usage_page(query) -> UsagePage | None``
+    Token usage totals for ``GET /admin/usage`` (the built-in ``usage``
+    plugin answers it); ``None``: this plugin keeps none.
 ``startup()`` / ``shutdown()``
     Process start and graceful stop; ``shutdown`` must flush what it keeps.
 ``check()``
@@ -52,8 +61,9 @@ import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
+from ._config import require_redis_client
 from ._protocols import Protocol
-from ._shared import LedgerGate
+from ._shared import LedgerGate, SharedSessionState
 from ._structure import BodyView, Draft, ParsedHolder
 from ._wire import WireMetadata
 
@@ -68,9 +78,13 @@ __all__ = [
     "PluginInfo",
     "PrepareContext",
     "Scalar",
+    "UsagePage",
+    "UsageQuery",
+    "UsageRow",
     "discover_plugins",
     "load_plugins",
     "open_ledger_gate",
+    "open_session_state",
 ]
 
 log = logging.getLogger("context_proxy.plugins")
@@ -149,6 +163,14 @@ class ExchangeRecord:
     ``upstream_timeout``, ``stream_error``, ``rejected``, ``cancelled``,
     ``error`` (see :class:`proxy._exchange.Outcome`).
 
+    A record *without a digest* (``wire_digest`` ``""``, ``outbound_digest``
+    ``None``) is one of a request whose body was never parsed as an exchange
+    body: refused before or while it was read, not JSON, left mid-body by its
+    client (``session_id`` is then ``None`` and ``request_bytes`` the decoded
+    bytes received until then), or a passthrough route. It has no history to
+    compare, so a hash gate must skip it. docs/plugins.md lists which requests
+    are not committed at all.
+
     Raises:
         TypeError: on construction, if any field is not a str, int, float,
             bool or None (so no container built from the body can leak through).
@@ -219,9 +241,27 @@ class PrepareContext:
     (or, once a plugin took the whole object, from that object). Reading
     either after the hook returned raises :class:`BodyUnavailable`, so a
     plugin cannot keep them.
+
+    After an overflow (``fold_level`` >= 1) three scalars say what the upstream
+    rejected: ``rejected_bytes``, the size of the body it refused (bytes), and
+    ``prompt_tokens`` / ``window_tokens``, the prompt's size and the context
+    window its error stated (tokens; ``None`` where the wording states none,
+    e.g. an overflow event inside a Responses stream). All three are ``None``
+    at fold level 0.
     """
 
-    __slots__ = ("_closed", "_draft", "_open", "fold_level", "meta", "path", "session_id")
+    __slots__ = (
+        "_closed",
+        "_draft",
+        "_open",
+        "fold_level",
+        "meta",
+        "path",
+        "prompt_tokens",
+        "rejected_bytes",
+        "session_id",
+        "window_tokens",
+    )
 
     def __init__(
         self,
@@ -232,11 +272,16 @@ class PrepareContext:
         path: str,
         body: dict[str, Any] | None = None,
         draft: Draft | None = None,
+        overflow: tuple[int, int | None, int | None] | None = None,
     ) -> None:
         self.meta: Final = meta
         self.fold_level: Final = fold_level
         self.session_id: Final = session_id
         self.path: Final = path
+        rejected, prompt, window = overflow if overflow is not None else (None, None, None)
+        self.rejected_bytes: Final[int | None] = rejected
+        self.prompt_tokens: Final[int | None] = prompt
+        self.window_tokens: Final[int | None] = window
         if draft is None and body is not None:
             draft = Draft(meta.protocol, obj=ParsedHolder(body, meta.byte_length))
         self._draft = draft
@@ -271,6 +316,52 @@ class PrepareContext:
         self._open = False
         self._closed = True
         self._draft = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UsageQuery:
+    """What ``GET /admin/usage`` asks a plugin's :meth:`Plugin.usage_page` for.
+
+    ``by``: ``"session"`` (one row per session id) or ``"model"`` (per model
+    label). ``since``: Unix seconds; only rows last seen at or after it, or
+    ``None`` for all. ``after``: the key of the previous page's last row
+    (rows come in ascending key order), ``None`` for the first page.
+    ``limit``: most rows wanted (>= 1).
+    """
+
+    by: str
+    since: float | None
+    after: str | None
+    limit: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class UsageRow:
+    """One row of ``GET /admin/usage``: token totals of one session or model.
+
+    Counts are tokens (``requests``: exchanges); ``cached_input_tokens`` are
+    the input tokens read from the upstream's prompt cache and
+    ``cache_write_tokens`` those written to it, both part of
+    ``input_tokens``. ``last_seen``: Unix seconds of the end of the last
+    exchange counted.
+    """
+
+    key: str
+    requests: int
+    input_tokens: int
+    cached_input_tokens: int
+    cache_write_tokens: int
+    output_tokens: int
+    last_seen: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UsagePage:
+    """The answer to a :class:`UsageQuery`: ``rows`` in ascending key order, at
+    most ``limit``; ``more`` when rows follow the last one."""
+
+    rows: tuple[UsageRow, ...]
+    more: bool
 
 
 class Plugin:
@@ -311,6 +402,18 @@ class Plugin:
         """Scalars describing ``session_id`` for the admin view (default: none)."""
         return {}
 
+    def stored_sessions(self) -> Iterable[tuple[str, float]]:
+        """Sessions loaded from storage at start-up: ``(id, last activity, Unix seconds)``.
+
+        Asked once, right after ``startup``; synchronous, no I/O (return what
+        ``startup`` loaded). Default: none.
+        """
+        return ()
+
+    async def usage_page(self, query: UsageQuery) -> UsagePage | None:
+        """Token usage totals for ``GET /admin/usage``; ``None`` (default): none kept."""
+        return None
+
     async def startup(self) -> None:
         """Called once before the proxy accepts requests; raise to refuse to start."""
 
@@ -324,6 +427,11 @@ class Plugin:
         read-only, create and change nothing; the exception's message (one
         line) is printed as the problem. Default: nothing to check.
         """
+
+
+def _listed(plugin: Plugin) -> list[tuple[str, float]]:
+    """``plugin.stored_sessions()`` read to the end (inside the failure isolation)."""
+    return list(plugin.stored_sessions())
 
 
 def open_ledger_gate(
@@ -345,12 +453,39 @@ def open_ledger_gate(
         max_connections: size of the bounded connection pool (>= 2).
 
     Raises:
-        ValueError: ``redis_url`` is not a Redis URL.
+        ValueError: ``redis_url`` is not a Redis URL; ``ConfigError`` (a ValueError)
+            when the Redis client (the ``cluster`` extra) is not installed.
     """
     # Imported on demand: the Redis client is a cluster-mode dependency only.
+    require_redis_client("redis_url")
     from ._cluster.ledger import RedisLedgerGate
 
     return RedisLedgerGate(redis_url, timeout=timeout, max_connections=max_connections)
+
+
+def open_session_state(
+    redis_url: str, *, name: str, timeout: float = 1.0, max_connections: int = 8
+) -> SharedSessionState:
+    """Plugin ``name``'s per-session state shared by every node of a cluster, in Redis.
+
+    For a plugin that runs in cluster mode (it received ``redis_url``): call it
+    in ``startup`` and ``await state.close()`` in ``shutdown``. Building it
+    connects to nothing; the first call does. redis is imported here, on first
+    use, as for :func:`open_ledger_gate`.
+
+    Args:
+        redis_url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        name: the plugin's name: each plugin has its own hash per session.
+        timeout: seconds per command and for connecting, never retried.
+        max_connections: size of the bounded connection pool (>= 2).
+
+    Raises:
+        ValueError: ``redis_url`` is not a Redis URL.
+    """
+    # Imported on demand: the Redis client is a cluster-mode dependency only.
+    from ._cluster.session_state import RedisSessionState
+
+    return RedisSessionState(redis_url, name=name, timeout=timeout, max_connections=max_connections)
 
 
 _HOOKS: Final = (
@@ -360,6 +495,8 @@ _HOOKS: Final = (
     "commit",
     "session_closed",
     "session_state",
+    "stored_sessions",
+    "usage_page",
     "startup",
     "shutdown",
 )
@@ -697,6 +834,39 @@ class PluginHost:
             if scalars:
                 state[_plugin_name(plugin)] = scalars
         return state
+
+    def stored_sessions(self) -> dict[str, float]:
+        """Every plugin's :meth:`Plugin.stored_sessions`: ``{id: last activity}``
+        (Unix seconds, the latest any plugin reported); a failing plugin is
+        logged and skipped."""
+        merged: dict[str, float] = {}
+        for plugin in self._by_hook["stored_sessions"]:
+            items = self._dispatch_sync(plugin, "stored_sessions", _listed, plugin)
+            if items is SKIPPED:
+                continue
+            for sid, last in items:
+                if isinstance(sid, str) and sid and isinstance(last, int | float):
+                    merged[sid] = max(float(last), merged.get(sid, -math.inf))
+        return merged
+
+    @property
+    def keeps_usage(self) -> bool:
+        """Whether a plugin answers :meth:`usage_page` (``GET /admin/usage``)."""
+        return bool(self._by_hook["usage_page"])
+
+    async def usage_page(self, query: UsageQuery) -> UsagePage | None:
+        """The first usage-keeping plugin's answer to ``query``.
+
+        ``None``: no plugin keeps usage, or the one asked failed or ran past
+        ``plugin_timeout`` (logged and counted like any hook failure).
+        """
+        for plugin in self._by_hook["usage_page"]:
+            page = await self._dispatch(plugin, "usage_page", plugin.usage_page, query)
+            if page is SKIPPED:
+                return None
+            if page is not None:
+                return page
+        return None
 
     async def startup(self) -> None:
         """Start every plugin; unlike the other hooks a failure here is fatal.

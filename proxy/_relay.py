@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import ssl
 from collections.abc import Coroutine, Iterator, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -25,6 +27,7 @@ from . import _protocols as protocols
 from ._cancel import orderly_cancel_reason
 from ._coding import BodyError, ContentDecoder, parse_content_encoding
 from ._config import Settings
+from ._egress import EgressError, choose_proxy
 from ._exchange import Exchange, Outcome
 from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
 from ._front import Answer, Request, StreamAnswer
@@ -59,9 +62,15 @@ from ._upstream import (
 __all__ = [
     "ClientGone",
     "Upstream",
+    "egress_problems",
     "error_response",
     "relay",
+    "upstream_targets",
+    "upstream_tls",
 ]
+
+if TYPE_CHECKING:
+    from ._tracing import AttemptReason, AttemptTrace, ExchangeTrace
 
 log = logging.getLogger("context_proxy.relay")
 
@@ -102,29 +111,96 @@ def _read_failure(exc: BaseException) -> str:
 FAILURE_LOG_INTERVAL: Final = 10.0
 
 
+def upstream_targets(settings: Settings, environ: Mapping[str, str]) -> dict[str, UpstreamTarget]:
+    """Each upstream's target and route (:func:`proxy._egress.choose_proxy`), by name.
+
+    Raises:
+        ValueError: an upstream base URL is not ``http(s)://host[:port][/path]``.
+        EgressError: the proxy URL chosen for one is unusable (a ``ValueError`` too).
+    """
+    targets = {}
+    for name, base in (
+        ("openai", settings.upstream_openai),
+        ("anthropic", settings.upstream_anthropic),
+    ):
+        direct = UpstreamTarget(base)
+        via = choose_proxy(
+            direct.tls,
+            direct.host,
+            direct.port,
+            setting=settings.upstream_proxy,
+            environ=environ,
+        )
+        targets[name] = direct if via is None else UpstreamTarget(base, via)
+    return targets
+
+
+def upstream_tls(ca_file: str | None) -> ssl.SSLContext | None:
+    """The context verifying upstream TLS: the system's trust store plus the PEM bundle
+    ``ca_file`` (the ``upstream_ca_file`` setting); ``None`` without one (the pool
+    makes the default context on its first https connect).
+
+    Raises:
+        EgressError: ``ca_file`` cannot be read or holds no PEM certificate (the
+            message starts ``upstream_ca_file:`` and names the path).
+    """
+    if ca_file is None:
+        return None
+    context = ssl.create_default_context()
+    try:
+        context.load_verify_locations(cafile=ca_file)
+    except ssl.SSLError:  # (an OSError too: first)
+        raise EgressError(f"upstream_ca_file: {ca_file} holds no usable PEM certificate") from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise EgressError(f"upstream_ca_file: cannot read {ca_file}: {reason}") from None
+    return context
+
+
+def egress_problems(settings: Settings, environ: Mapping[str, str]) -> list[str]:
+    """What keeps the upstream client from starting with ``settings`` in ``environ``:
+    a bad proxy URL (from the setting or the environment) or an unreadable
+    ``upstream_ca_file``; one line each, never a credential. Never raises."""
+    problems = []
+    try:
+        upstream_targets(settings, environ)
+    except EgressError as exc:
+        problems.append(str(exc))
+    try:
+        upstream_tls(settings.upstream_ca_file)
+    except EgressError as exc:
+        problems.append(str(exc))
+    return problems
+
+
 class Upstream:
     """The upstream HTTP client: one :class:`~proxy._upstream.UpstreamPool` for all exchanges.
 
     There is no total timeout (it would cut a long stream): ``connect`` bounds
     the TCP/TLS connect, ``header_timeout`` the wait for response headers, and
     ``idle_read`` the silence between two reads of the body (seconds each).
+    Each upstream's route (direct, or through a forward proxy) is chosen here,
+    once, from ``settings`` and ``environ`` (the process environment when
+    ``None``): see :mod:`proxy._egress`.
 
     Raises:
         ValueError: an upstream base URL is not ``http(s)://host[:port][/path]``.
+        EgressError: a proxy URL is unusable, or ``upstream_ca_file`` cannot be
+            loaded (:func:`egress_problems` reports both beforehand).
     """
 
     __slots__ = ("failures", "header_timeout", "pool", "targets")
 
-    def __init__(self, settings: Settings) -> None:
-        self.targets: Final[Mapping[str, UpstreamTarget]] = {
-            "openai": UpstreamTarget(settings.upstream_openai),
-            "anthropic": UpstreamTarget(settings.upstream_anthropic),
-        }
+    def __init__(self, settings: Settings, environ: Mapping[str, str] | None = None) -> None:
+        self.targets: Final[Mapping[str, UpstreamTarget]] = upstream_targets(
+            settings, os.environ if environ is None else environ
+        )
         self.header_timeout: Final = settings.upstream_header_timeout
         self.pool = UpstreamPool(
             connect_timeout=settings.upstream_connect_timeout,
             idle_read=settings.upstream_idle_read_timeout,
             max_connections=settings.upstream_max_connections,
+            tls_context=upstream_tls(settings.upstream_ca_file),
         )
         #: Failed requests, per upstream and outcome: the first is logged, then one
         #: summary line per 10 s with the count (an upstream down would otherwise
@@ -265,6 +341,7 @@ class _Relay:
         "request",
         "retry_after",
         "target",
+        "trace",
         "upstream",
     )
 
@@ -276,8 +353,10 @@ class _Relay:
         target: tuple[UpstreamTarget, str],
         headers: CIMultiDict[str],
         settings: Settings,
+        trace: ExchangeTrace | None,
     ) -> None:
         self.request = request
+        self.trace = trace
         self.ex = ex
         self.upstream = upstream
         self.target = target
@@ -336,6 +415,17 @@ class _Relay:
                 502, Outcome.UPSTREAM_UNREACHABLE, str(exc), type(exc).__name__
             ) from None
 
+    def _attempt(self, reason: AttemptReason) -> AttemptTrace | None:
+        """The span of the attempt about to be sent; it puts its trace context in the
+        outbound header fields (``None`` when they are already gone)."""
+        trace = self.trace
+        headers = self.ex.outbound_headers
+        assert trace is not None
+        if headers is None:
+            return None
+        where = self.target[0]
+        return trace.attempt(self.ex, headers, reason=reason, host=where.host, port=where.port)
+
     def _can_refold(self) -> bool:
         # After release the preparer is gone: an overflow seen later (e.g. in a
         # chat stream gated for a resend) goes to the client as it came.
@@ -348,6 +438,7 @@ class _Relay:
         ex = self.ex
         # The loop and its cancel handling in one coroutine: each frame of the
         # await chain lives as long as the stream, idle or not.
+        attempt_reason: AttemptReason = "first"
         try:
             while True:
                 if self.request.client_gone():
@@ -356,27 +447,38 @@ class _Relay:
                     # The release boundary comes before the last send: the parsed
                     # body must not sit in memory while the upstream reads and thinks.
                     ex.release(keep_outbound=True)
+                attempt = None if self.trace is None else self._attempt(attempt_reason)
                 try:
-                    resp = await self._send()
-                except _UpstreamFailure as failure:
-                    ex.release()
-                    ex.conclude(failure.status, failure.outcome, failure.message)
-                    self.upstream.log_failure(ex, self.target[0], failure)
-                    retry = (
-                        {"Retry-After": str(self.retry_after)} if failure.status == 503 else None
-                    )
-                    return error_response(
-                        ex.protocol, failure.status, failure.message, headers=retry
-                    )
-                try:
-                    verdict = await self._answer(resp)
+                    try:
+                        resp = await self._send()
+                    except _UpstreamFailure as failure:
+                        if attempt is not None:
+                            attempt.failed(failure.outcome)
+                        ex.release()
+                        ex.conclude(failure.status, failure.outcome, failure.message)
+                        self.upstream.log_failure(ex, self.target[0], failure)
+                        retry = (
+                            {"Retry-After": str(self.retry_after)}
+                            if failure.status == 503
+                            else None
+                        )
+                        return error_response(
+                            ex.protocol, failure.status, failure.message, headers=retry
+                        )
+                    if attempt is not None:
+                        attempt.answered(resp.status)
+                    try:
+                        verdict = await self._answer(resp)
+                    finally:
+                        # Closing (not releasing) an unfinished response drops its
+                        # connection, which is how the upstream learns we are gone.
+                        if resp.at_eof:
+                            resp.release()
+                        else:
+                            resp.close()
                 finally:
-                    # Closing (not releasing) an unfinished response drops its connection,
-                    # which is how the upstream learns we are gone.
-                    if resp.at_eof:
-                        resp.release()
-                    else:
-                        resp.close()
+                    if attempt is not None:
+                        attempt.end()
                 if verdict == "done":
                     if self.rejection is not None:
                         return self.rejection
@@ -387,7 +489,10 @@ class _Relay:
                 ex.hold_response(0)
                 if verdict == "retry":
                     ex.count_retry()
-                # "refold": the exchange already re-prepared itself; send again.
+                    attempt_reason = "resend"
+                else:
+                    # "refold": the exchange already re-prepared itself; send again.
+                    attempt_reason = "refold"
         except asyncio.CancelledError as exc:
             reason = orderly_cancel_reason(exc)
             if reason is None:
@@ -606,7 +711,7 @@ class _Relay:
         ex = self.ex
         if self.request.client_gone():
             raise ClientGone
-        if await ex.refold():
+        if await ex.refold(prompt_tokens=action.prompt_tokens, window_tokens=action.window_tokens):
             log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
             return "refold"
         assert self.gate is not None
@@ -666,15 +771,17 @@ def relay(
     target: tuple[UpstreamTarget, str],
     headers: CIMultiDict[str],
     settings: Settings,
+    trace: ExchangeTrace | None = None,
 ) -> Coroutine[Any, Any, Answer]:
     """Send ``ex`` to ``target`` and relay the answer to ``request``'s client (awaitable).
 
     The header fields go to ``ex`` (:meth:`Exchange.attach_headers`), which
-    drops them when no send can follow. Returns the response already
-    prepared and written (or a plain error response to return). Upstream
-    4xx/5xx pass through with their status and body; unreachable → 502, no
-    headers in time → 504, both in the client's protocol shape; a stream that
-    dies mid-way ends with an in-band error event.
+    drops them when no send can follow. ``trace`` (tracing on) gets a span per
+    upstream attempt, whose trace context goes upstream in the header fields.
+    Returns the response already prepared and written (or a plain error
+    response to return). Upstream 4xx/5xx pass through with their status and
+    body; unreachable → 502, no headers in time → 504, both in the client's
+    protocol shape; a stream that dies mid-way ends with an in-band error event.
 
     Raises:
         ClientGone: the client disconnected; the upstream request was closed.
@@ -682,4 +789,4 @@ def relay(
             request is closed on the way out).
     """
     # The coroutine itself, not awaited here: one frame less held per open stream.
-    return _Relay(request, ex, upstream, target, headers, settings).run()
+    return _Relay(request, ex, upstream, target, headers, settings, trace).run()

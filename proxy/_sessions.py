@@ -157,6 +157,9 @@ class SessionInfo:
     that failed to clean it up and has not re-published it yet.
     ``close_failed``: the last cleanup raised; kept (never evicted) for a retry.
     ``idle_s``: seconds since the last activity, at the time of the read.
+    ``live``: ``False`` for a session known only from a plugin's storage (loaded
+    at start-up, :meth:`SessionRegistry.add_stored`) that no request of this
+    process has reached yet; ``requests`` counts this process's requests only.
     """
 
     id: str
@@ -170,6 +173,7 @@ class SessionInfo:
     created_at: float
     last_activity: float
     idle_s: float
+    live: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -213,6 +217,7 @@ class _Session:
         "close_failed",
         "created_at",
         "last_activity",
+        "live",
         "lock",
         "lock_users",
         "requests",
@@ -232,6 +237,8 @@ class _Session:
         self.lock_users = 0
         self.state = _State.LIVE
         self.close_failed = False
+        # False until a request of this process reaches a session loaded from storage.
+        self.live = True
 
 
 class _Held:
@@ -601,6 +608,27 @@ class SessionRegistry:
             self._listing[session.seq] = session
         return session
 
+    def add_stored(self, sid: str, idle_s: float) -> bool:
+        """List ``sid``, known from a plugin's storage, as an idle session that is not live.
+
+        ``idle_s``: seconds since its last activity (>= 0). The entry is an
+        ordinary idle one (the LRU may evict it; a request makes it live); it
+        has no work, so ``close_all`` drops it without ``on_close`` (the plugins
+        that stored it flush at their own shutdown), while ``shutdown_session``
+        closes it as any other. Call oldest first: the LRU keeps the newest.
+        Returns whether it was added: not for an id that already has an entry
+        or a tombstone, nor when ``idle_cap`` is 0 (no idle session is kept).
+        """
+        if self._idle is None or self._find(sid) is not None or self.is_tombstoned(sid):
+            return False
+        session = _Session(sid, self._clock(), next(self._next_seq))
+        session.live = False
+        session.last_activity = session.created_at - max(0.0, idle_s)
+        self._sessions[sid] = session
+        self._listing[session.seq] = session
+        self._idle[sid] = session
+        return True
+
     def _pin(self, session: _Session) -> None:
         if session.state is _State.LIVE and self._idle is not None:
             self._idle.pop(session.sid, None)
@@ -707,6 +735,7 @@ class SessionRegistry:
         bucket.add(tracking)
         self._in_flight_total += 1
         session.requests += 1
+        session.live = True
         session.last_activity = self._clock()
         self._pin(session)
 
@@ -760,6 +789,7 @@ class SessionRegistry:
             created_at=session.created_at,
             last_activity=session.last_activity,
             idle_s=max(0.0, now - session.last_activity),
+            live=session.live,
         )
 
     def info(self, sid: str) -> SessionInfo | None:
@@ -1031,6 +1061,10 @@ class SessionRegistry:
             for session in detached:
                 if session.sid in self._closing:
                     continue  # its shutdown_session archives it; awaited below
+                if not session.live:
+                    # Only listed from storage, never used here: nothing to close.
+                    self._drop(session, _State.ARCHIVED)
+                    continue
                 if self._before_close is not None:
                     await self._before_close(session.sid)
                 failure = await self._close_detached(session)

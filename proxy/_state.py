@@ -28,6 +28,7 @@ from ._sessions import SessionRegistry, Tracking
 
 if TYPE_CHECKING:
     from ._cluster import ClusterNode
+    from ._tracing import Tracing
 
 __all__ = ["AppState"]
 
@@ -63,6 +64,7 @@ class AppState:
         "registry",
         "settings",
         "stop",
+        "tracing",
         "upstream",
     )
 
@@ -72,8 +74,11 @@ class AppState:
         host: PluginHost,
         *,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings: Final = settings
+        #: OpenTelemetry spans (``tracing = "otel"``); ``None``: off, nothing imported.
+        self.tracing: Final = tracing
         self.host: Final = host
         self.registry: Final = SessionRegistry(
             idle_cap=settings.idle_session_cap,
@@ -154,9 +159,11 @@ class AppState:
         Cancelled streams end with an in-band protocol error event (the relay
         recognises :data:`SHUTDOWN_CANCEL`). Then the pending commits finish
         (each bounded, see :attr:`commits`), every session is closed and the
-        plugins are flushed.
+        plugins are flushed. Sets :attr:`stop` (when it was not yet).
         """
         self.draining = True
+        # Whatever waits for the stop (the admin event streams) ends now, not at the grace's end.
+        self.stop.set()
         pending = {t for t in self.handlers if not t.done()}
         if pending:
             log.info("draining %d in-flight request(s), grace %.1fs", len(pending), grace)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import http
 import ipaddress
 import socket
 import ssl
@@ -41,6 +42,8 @@ import cachetools
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ._egress import ForwardProxy
+
 __all__ = [
     "AnswerCut",
     "BadResponseHead",
@@ -52,6 +55,7 @@ __all__ = [
     "PoolClosed",
     "ResponseFraming",
     "ServerDisconnected",
+    "TunnelFailed",
     "UpstreamAnswer",
     "UpstreamError",
     "UpstreamPool",
@@ -93,27 +97,56 @@ class UpstreamError(Exception):
 
 
 class ConnectFailed(UpstreamError):
-    """The TCP or TLS connect failed: ``host``, ``port`` and the ``OSError`` behind it."""
+    """The TCP or TLS connect failed: ``host``, ``port`` and the ``OSError`` behind it.
 
-    def __init__(self, host: str, port: int, os_error: OSError) -> None:
+    ``proxy`` is the forward proxy when the failure was the connect to it (then
+    ``host`` and ``port`` are the proxy's); a TLS failure through a tunnel is the
+    upstream's, as without a proxy.
+    """
+
+    def __init__(
+        self, host: str, port: int, os_error: OSError, proxy: ForwardProxy | None = None
+    ) -> None:
         where = f"{host}:{port}"
+        if proxy is not None:
+            # The proxy's URL without its credentials, and the variable that named it.
+            peer = f"egress proxy {proxy.shown} (from {proxy.source})"
+        else:
+            peer = "upstream"
         if isinstance(os_error, ConnectionRefusedError):
-            words = f"upstream refused the connection at {where}"
+            words = f"{peer} refused the connection at {where}"
         elif isinstance(os_error, ssl.SSLCertVerificationError):
             # OpenSSL's reason ("self-signed certificate", "hostname mismatch"): no secret.
             reason = os_error.verify_message or "not trusted"
-            words = f"upstream's TLS certificate could not be verified at {where}: {reason}"
+            words = f"{peer}'s TLS certificate could not be verified at {where}: {reason}"
         elif isinstance(os_error, ssl.SSLError):
-            words = f"TLS handshake with the upstream at {where} failed"
+            words = f"TLS handshake with the {peer} at {where} failed"
         elif isinstance(os_error, socket.gaierror):
-            words = f"upstream host name did not resolve ({where})"
+            words = f"{peer} host name did not resolve ({where})"
         else:
-            words = f"could not connect to the upstream at {where}"
+            words = f"could not connect to the {peer} at {where}"
         super().__init__(words)
         self.host = host
         self.port = port
         self.os_error = os_error
+        self.proxy = proxy
         self.__cause__ = os_error
+
+
+class TunnelFailed(UpstreamError):
+    """The forward proxy did not open a ``CONNECT`` tunnel to the upstream.
+
+    ``status`` is the proxy's answer (407: credentials missing or wrong, 403: the
+    target is not allowed, 502: the proxy could not reach the upstream), or
+    ``None`` when it closed or sent no HTTP answer. ``str()`` is our words: the
+    status and its standard reason phrase, never the proxy's own bytes.
+    """
+
+    def __init__(self, proxy: ForwardProxy, authority: str, status: int | None, words: str) -> None:
+        super().__init__(f"egress proxy {proxy.shown} (from {proxy.source}) {words}")
+        self.proxy = proxy
+        self.authority = authority
+        self.status = status
 
 
 class ConnectTimeout(UpstreamError, TimeoutError):
@@ -366,15 +399,34 @@ class _Stop(Exception):
 
 
 class UpstreamTarget:
-    """Where one upstream base URL points: scheme, host, port, path prefix (parsed once).
+    """Where one upstream base URL points: scheme, host, port, path prefix (parsed once),
+    and the route to it: direct, or ``via`` a forward proxy (:mod:`proxy._egress`).
+
+    Through a proxy an https upstream is reached in a ``CONNECT`` tunnel (the TLS
+    handshake, SNI included, is with the upstream inside it); an http one gets the
+    absolute-form request target and the proxy's ``Proxy-Authorization`` field
+    (RFC 9112 section 3.2.2). Pooled connections are kept per target and route
+    (:attr:`key`).
 
     Raises:
         ValueError: ``base`` is not an ``http://`` or ``https://`` URL with a host.
     """
 
-    __slots__ = ("host", "host_field", "key", "literal", "port", "prefix", "tls")
+    __slots__ = (
+        "authority",
+        "host",
+        "host_field",
+        "key",
+        "literal",
+        "origin",
+        "port",
+        "prefix",
+        "proxy_fields",
+        "tls",
+        "via",
+    )
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, via: ForwardProxy | None = None) -> None:
         parts = urllib.parse.urlsplit(base)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"upstream base URL must be http(s)://host[:port][/path]: {base!r}")
@@ -385,13 +437,27 @@ class UpstreamTarget:
         shown = f"[{self.host}]" if ":" in self.host else self.host
         self.host_field = shown if self.port == default else f"{shown}:{self.port}"
         self.prefix = parts.path.rstrip("/")
-        self.key = (self.tls, self.host, self.port)
+        #: ``host:port`` with the port always there (a ``CONNECT`` target).
+        self.authority = f"{shown}:{self.port}"
+        self.via = via
+        self.key = (self.tls, self.host, self.port, via.key if via is not None else "")
         #: Whether ``host`` is an IP address (nothing to resolve).
         self.literal = _is_ip(self.host)
+        plain_via = via is not None and not self.tls
+        # An http upstream through a proxy: the request line names the whole URL.
+        self.origin = f"http://{self.host_field}" if plain_via else ""
+        #: Header lines every request head carries for the route (CRLF-ended; ``""``).
+        self.proxy_fields = (
+            f"Proxy-Authorization: {via.authorization}\r\n"
+            if plain_via and via is not None and via.authorization is not None
+            else ""
+        )
 
     def request_target(self, path: str, query: str) -> str:
-        """The request target for ``path`` and the raw ``query`` (kept as sent)."""
-        return f"{self.prefix}{path}?{query}" if query else f"{self.prefix}{path}"
+        """The request target for ``path`` and the raw ``query`` (kept as sent): the
+        origin form, or the absolute form for an http upstream through a proxy."""
+        target = f"{self.origin}{self.prefix}{path}"
+        return f"{target}?{query}" if query else target
 
 
 class UpstreamAnswer:
@@ -505,7 +571,7 @@ class _Connection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, pool: UpstreamPool, key: tuple[bool, str, int], *, head_only: bool) -> None:
+    def __init__(self, pool: UpstreamPool, key: _RouteKey, *, head_only: bool) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -864,10 +930,12 @@ class UpstreamPool:
 
     ``max_connections`` bounds the connections in use at once (0: no bound; a
     request beyond it waits for one to come free). ``connect_timeout`` bounds a
-    TCP/TLS connect and ``idle_read`` the silence between two body reads
+    TCP/TLS connect (through a forward proxy: the connect to it, the ``CONNECT``
+    and the handshake) and ``idle_read`` the silence between two body reads
     (seconds). There is no total timeout: it would cut a long stream. The wait
     for the head is the caller's to bound. A connection idle in the pool is
-    closed after :data:`KEEPALIVE_SECONDS`.
+    closed after :data:`KEEPALIVE_SECONDS`. ``tls_context`` verifies https
+    upstreams (default: the system's trust store, made on first use).
     """
 
     __slots__ = (
@@ -884,17 +952,26 @@ class UpstreamPool:
         "max_connections",
     )
 
-    def __init__(self, *, connect_timeout: float, idle_read: float, max_connections: int) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        idle_read: float,
+        max_connections: int,
+        tls_context: ssl.SSLContext | None = None,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.idle_read = idle_read
         self.max_connections = max_connections
-        self._idle: dict[tuple[bool, str, int], list[_Connection]] = {}
+        self._idle: dict[_RouteKey, list[_Connection]] = {}
         self._in_use: set[_Connection] = set()
         # Requests waiting for a place (``max_connections``), first come first served,
         # and places handed to woken waiters that have not taken them yet.
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._reserved = 0
-        self._ssl: ssl.SSLContext | None = None
+        # Made on the first https connect unless given (the system trust store costs
+        # a few hundred KiB and a file read).
+        self._ssl: ssl.SSLContext | None = tls_context
         self._closed = False
         self._dns: cachetools.TTLCache[tuple[str, int], list[_Address]] = cachetools.TTLCache(
             maxsize=64, ttl=DNS_TTL_S
@@ -1051,59 +1128,104 @@ class UpstreamPool:
         return conn
 
     async def _connect(self, conn: _Connection, target: UpstreamTarget) -> None:
+        """Connect ``conn`` to ``target`` on its route, within ``connect_timeout``.
+
+        Raises:
+            ConnectFailed: the connect (to the upstream or to its proxy) or the TLS
+                handshake failed.
+            ConnectTimeout: it all took over ``connect_timeout``.
+            TunnelFailed: the proxy did not open the ``CONNECT`` tunnel.
+        """
         loop = asyncio.get_running_loop()
         context = None
         if target.tls:
             if self._ssl is None:
                 self._ssl = ssl.create_default_context()
             context = self._ssl
+        via = target.via
+        # The TLS handshake (through a tunnel too) is with the upstream: SNI is its name.
+        hostname = target.host if context is not None else None
         try:
             async with asyncio.timeout(self.connect_timeout):
-                # A host name's addresses are raced here (asyncio's own race, its
-                # happy_eyeballs_delay, costs ~8 KiB of RSS per connection under a
-                # burst of connects, and uvloop has none); an IP address is direct.
-                hostname = target.host if context is not None else None
-                if target.literal:
-                    await loop.create_connection(
-                        lambda: conn,  # this connection's protocol object, made before
-                        target.host,
-                        target.port,
-                        ssl=context,
-                        server_hostname=hostname,
-                    )
+                if via is None:
+                    # A host name's addresses are raced here (asyncio's own race, its
+                    # happy_eyeballs_delay, costs ~8 KiB of RSS per connection under a
+                    # burst of connects, and uvloop has none); an IP address is direct.
+                    if target.literal:
+                        await loop.create_connection(
+                            lambda: conn,  # this connection's protocol object, made before
+                            target.host,
+                            target.port,
+                            ssl=context,
+                            server_hostname=hostname,
+                        )
+                        return
+                    sock = await self._race(loop, target.host, target.port)
                 else:
-                    sock = await self._race(loop, target)
-                    await loop.create_connection(
-                        lambda: conn, sock=sock, ssl=context, server_hostname=hostname
-                    )
+                    sock = await self._via(loop, target, via)
+                await loop.create_connection(
+                    lambda: conn, sock=sock, ssl=context, server_hostname=hostname
+                )
         except TimeoutError:
-            raise ConnectTimeout(
-                f"could not connect to the upstream at {target.host}:{target.port} in time"
-            ) from None
+            where = f"{target.host}:{target.port}"
+            if via is not None:
+                where += f" through the egress proxy {via.shown}"
+            raise ConnectTimeout(f"could not connect to the upstream at {where} in time") from None
         except OSError as exc:
             raise ConnectFailed(target.host, target.port, exc) from exc
 
+    async def _via(
+        self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget, via: ForwardProxy
+    ) -> socket.socket:
+        """A socket connected to ``via`` and, for an https ``target``, tunnelled to it.
+
+        The proxy's addresses are raced as a direct upstream's are (an IP address is
+        connected to directly).
+
+        Raises:
+            ConnectFailed: the proxy could not be reached (``proxy`` set).
+            TunnelFailed: the proxy refused the tunnel or broke off.
+        """
+        try:
+            if via.literal:
+                family = socket.AF_INET6 if ":" in via.host else socket.AF_INET
+                sock = await _connect_to(
+                    loop, (family, socket.SOCK_STREAM, 0, (via.host, via.port))
+                )
+            else:
+                sock = await self._race(loop, via.host, via.port)
+        except OSError as exc:
+            raise ConnectFailed(via.host, via.port, exc, proxy=via) from exc
+        if not target.tls:
+            return sock  # absolute-form requests go to the proxy as they are
+        try:
+            await _open_tunnel(loop, sock, target, via)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
     async def _addresses(
-        self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget
+        self, loop: asyncio.AbstractEventLoop, host: str, port: int
     ) -> list[_Address]:
-        """``target``'s addresses, families interleaved (RFC 8305 section 4), kept
+        """``host``'s addresses, families interleaved (RFC 8305 section 4), kept
         :data:`DNS_TTL_S` seconds (a resolution is a round trip through a thread).
 
         Raises:
             OSError: the name did not resolve (``socket.gaierror``).
         """
-        key = (target.host, target.port)
+        key = (host, port)
         found = self._dns.get(key)
         if found is None:
-            infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             found = _interleave([(f, t, p, addr) for f, t, p, _name, addr in infos])
             if not found:
                 raise socket.gaierror(socket.EAI_NONAME, "no address")
             self._dns[key] = found
         return found
 
-    async def _race(self, loop: asyncio.AbstractEventLoop, target: UpstreamTarget) -> socket.socket:
-        """A connected socket to one of ``target``'s addresses (RFC 8305 section 5).
+    async def _race(self, loop: asyncio.AbstractEventLoop, host: str, port: int) -> socket.socket:
+        """A connected socket to one of ``host``'s addresses (RFC 8305 section 5).
 
         The first address is tried alone; each :data:`HAPPY_EYEBALLS_DELAY_S` without a
         connection (or at once when an attempt fails) the next one starts beside it;
@@ -1113,7 +1235,7 @@ class UpstreamPool:
         Raises:
             OSError: every address failed (the first address's error).
         """
-        addresses = await self._addresses(loop, target)
+        addresses = await self._addresses(loop, host, port)
         if len(addresses) == 1:
             return await _connect_to(loop, addresses[0])
         waiting = list(addresses)
@@ -1223,6 +1345,9 @@ class UpstreamPool:
 
 #: One address to connect to: family, socket type, protocol, socket address.
 _Address = tuple[int, int, int, Any]
+#: What pooled connections are kept by: TLS, upstream host and port, and the proxy's
+#: ``host:port`` (``""``: direct), so a tunnel is reused for its own target only.
+_RouteKey = tuple[bool, str, int, str]
 
 
 def _interleave(addresses: list[_Address]) -> list[_Address]:
@@ -1252,6 +1377,91 @@ async def _connect_to(loop: asyncio.AbstractEventLoop, address: _Address) -> soc
         sock.close()
         raise
     return sock
+
+
+async def _open_tunnel(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, target: UpstreamTarget, via: ForwardProxy
+) -> None:
+    """Ask the proxy on ``sock`` for a tunnel to ``target`` (RFC 9110 section 9.3.6).
+
+    Writes ``CONNECT host:port`` (with ``Proxy-Authorization`` when the proxy URL
+    has credentials) and reads the answer's head, at most
+    :data:`MAX_TUNNEL_HEAD_BYTES` in :data:`_TUNNEL_READS` reads. Any 2xx opens the
+    tunnel; the proxy's body after another status is not read (the socket is closed).
+
+    Raises:
+        TunnelFailed: a status other than 2xx (``status`` set), no HTTP answer, a
+            close or a reset before the head's end, or bytes after a 2xx head
+            (nothing may come before the client's TLS hello).
+    """
+    authority = target.authority
+    lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}", f"User-Agent: {USER_AGENT}"]
+    if via.authorization is not None:
+        lines.append(f"Proxy-Authorization: {via.authorization}")
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+    head = bytearray()
+    try:
+        await loop.sock_sendall(sock, request)
+        for _ in range(_TUNNEL_READS):
+            data = await loop.sock_recv(sock, MAX_TUNNEL_HEAD_BYTES + 1 - len(head))
+            if not data:
+                break
+            head += data
+            if b"\r\n\r\n" in head or len(head) > MAX_TUNNEL_HEAD_BYTES:
+                break
+    except OSError:
+        raise TunnelFailed(
+            via, authority, None, f"dropped the connection during CONNECT to {authority}"
+        ) from None
+    status = _tunnel_status(bytes(head[: head.find(b"\r\n")]) if b"\r\n" in head else b"")
+    end = head.find(b"\r\n\r\n")
+    if status is None or (end < 0 and 200 <= status < 300):
+        words = "closed the connection before answering" if not head else "sent no HTTP answer to"
+        raise TunnelFailed(via, authority, None, f"{words} CONNECT {authority}")
+    if not 200 <= status < 300:
+        raise TunnelFailed(
+            via, authority, status, f"refused CONNECT to {authority}: {_status_words(status)}"
+        )
+    if end + 4 != len(head):
+        raise TunnelFailed(via, authority, status, f"sent bytes after CONNECT to {authority}")
+
+
+#: Most bytes of a proxy's answer to ``CONNECT`` read before it is refused.
+MAX_TUNNEL_HEAD_BYTES: Final = 16 * 1024
+# Reads of that answer before it is refused as too slow in coming (each read waits for
+# bytes; the connect timeout bounds the time).
+_TUNNEL_READS: Final = 64
+
+
+def _tunnel_status(line: bytes) -> int | None:
+    """The status of a status line (``HTTP/1.1 200 Connection established``); ``None``
+    if it is not one."""
+    version, _, rest = line.partition(b" ")
+    code = rest[:3]
+    if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+        return None
+    return int(code)
+
+
+def _status_words(status: int) -> str:
+    """``407 Proxy Authentication Required``, with what it means for the operator."""
+    try:
+        phrase = http.HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "unknown status"
+    hint = _TUNNEL_HINTS.get(status, "")
+    return f"{status} {phrase}{hint}"
+
+
+_CREDENTIALS_HINT: Final = (
+    " (proxy credentials missing or wrong: the user:password in the proxy URL)"
+)
+_TUNNEL_HINTS: Final = {
+    # 407 is the standard answer; tinyproxy sends 401 to credentials it refuses.
+    401: _CREDENTIALS_HINT,
+    407: _CREDENTIALS_HINT,
+    403: " (the proxy does not allow this host or port)",
+}
 
 
 def _retrieve(task: asyncio.Task[socket.socket]) -> None:
@@ -1285,7 +1495,8 @@ def _request_head(
     accept = "" if _has_field(fields, "accept") else "Accept: */*\r\n"
     agent = "" if _has_field(fields, "user-agent") else f"User-Agent: {USER_AGENT}\r\n"
     return (
-        f"{method} {path} HTTP/1.1\r\nHost: {target.host_field}\r\n{block}{accept}{agent}"
+        f"{method} {path} HTTP/1.1\r\nHost: {target.host_field}\r\n{target.proxy_fields}"
+        f"{block}{accept}{agent}"
         f"Accept-Encoding: {ACCEPT_ENCODING}\r\n\r\n"
     ).encode("utf-8", "surrogateescape")
 

@@ -39,15 +39,19 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 
 from ._app import AppState, ProxyApp, build_app, running
 from ._config import Settings, load_settings
 from ._emulator import EmulatorServer, start_emulator
+from ._emulator_script import window_script
 from ._plugins import ExchangeRecord, Outcome, Plugin, PluginHost, Scalar, load_plugins
 from ._protocols import Protocol
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 __all__ = [
     "EmulatorServer",
@@ -118,7 +122,7 @@ class Harness:
     async def session_view(self, session_id: str) -> dict[str, Any] | None:
         """``GET /admin/sessions/{session_id}`` decoded, or ``None`` for an unknown session.
 
-        The view has ``id``, ``in_flight``, ``requests``, ``idle_s`` (seconds),
+        The view has ``id``, ``in_flight``, ``requests``, ``idle_s`` (seconds), ``live``,
         ``tombstoned`` and ``plugins``: ``{plugin name: {key: scalar}}`` from each
         plugin's ``session_state``. Call :meth:`settle` first to see the last commit.
 
@@ -165,6 +169,8 @@ async def proxy_with_emulator(
     plugin_timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     config: str | os.PathLike[str] | None = None,
+    context_window_tokens: int | None = None,
+    tracer_provider: TracerProvider | None = None,
     **settings: Any,
 ) -> AsyncIterator[Harness]:
     """Run the emulator and a proxy using ``plugins``, in order.
@@ -179,14 +185,22 @@ async def proxy_with_emulator(
     the proxy always listens on an ephemeral port of 127.0.0.1, and the
     environment is ignored. ``plugin_timeout`` (seconds) defaults to the settings'.
     ``clock`` (monotonic seconds) drives the session registry: pass a fake one
-    to expire tombstones without sleeping.
+    to expire tombstones without sleeping. ``context_window_tokens`` gives the
+    emulator a context window, as ``context-proxy emulate
+    --context-window-tokens N`` does: a prompt over N tokens (body bytes // 4)
+    gets the protocol's overflow error, stating N as the maximum.
+    ``tracer_provider`` receives the spans
+    when ``tracing="otel"`` is among ``settings`` (e.g. an SDK provider with an
+    ``InMemorySpanExporter``); without one, the SDK reads the process's ``OTEL_*``
+    variables, as ``serve`` does.
 
     Raises:
         proxy.ConfigError: a bad setting.
         proxy._plugins.PluginError: a plugin cannot be loaded, or its ``startup`` raised.
     """
     async with contextlib.AsyncExitStack() as stack:
-        emulator = await start_emulator()
+        window = None if context_window_tokens is None else window_script(context_window_tokens)
+        emulator = await start_emulator(default_script=window)
         stack.push_async_callback(emulator.close)
         # Quick drains by default, and no plugins unless named, when there is no
         # config file to say otherwise.
@@ -209,7 +223,9 @@ async def proxy_with_emulator(
                 for item in plugins
             ]
             host = PluginHost(instances, timeout=timeout)
-        app = build_app(resolved, host=host, clock=clock)
+        app = build_app(
+            resolved, host=host, clock=clock, environ={}, tracer_provider=tracer_provider
+        )
         port = await stack.enter_async_context(running(app, "127.0.0.1", 0))
         yield Harness(f"http://127.0.0.1:{port}", emulator, app, resolved, _stack=stack)
 

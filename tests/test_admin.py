@@ -41,6 +41,7 @@ ADMIN_ROUTES = [
     ("GET", "/admin/sessions/some-session"),
     ("DELETE", "/admin/sessions/some-session"),
     ("GET", "/admin/exchanges"),
+    ("GET", "/admin/usage"),
     ("POST", "/admin/shutdown"),
 ]
 

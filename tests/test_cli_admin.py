@@ -1,22 +1,24 @@
 """CLI and admin niceties (issue 12, item 6): ``DELETE ...?wait=false``, ``sessions --json``,
-the admin token from the environment."""
+the admin token from the environment; the ``usage`` table (issue 24, item 1)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from click.testing import CliRunner
+from click.testing import CliRunner, Result
 
 from plugins.ledger import LedgerPlugin
-from proxy._cli import _age
+from plugins.usage import UsagePlugin
+from proxy._cli import USAGE_PAGE, _age
 from proxy._cli import main as cli_main
-from proxy.testing import Harness, proxy_with_emulator
+from proxy.testing import Harness, make_record, proxy_with_emulator
 
 CHAT = "/v1/chat/completions"
 BOUND_S = 10.0
@@ -199,3 +201,117 @@ def test_ages_read_as_a_person_says_them() -> None:
         "2 h ago",
         "2 d ago",
     ]
+
+
+async def test_the_usage_table_fits_80_columns_with_big_numbers_abbreviated(
+    http: aiohttp.ClientSession,
+) -> None:
+    """``context-proxy usage``: a row per model or session, most recent first, every
+    number whole on its row (a billion tokens as 1.2G), follows the cursor; --json has
+    the exact counts."""
+    plugin = UsagePlugin()
+    # A long-lived session's totals (older, and too big to print whole).
+    await plugin.commit(
+        make_record(
+            session_id="s-" + "y" * 70,
+            model="claude-big",
+            input_tokens=1_234_567_890,
+            cache_read_tokens=987_654_321,
+            cache_write_tokens=12_345_678,
+            output_tokens=4_567_890,
+        )
+    )
+    async with proxy_with_emulator(plugins=[plugin]) as h:
+        for n in range(USAGE_PAGE + 2):  # more models than a page: the CLI follows the cursor
+            headers = {"x-session-id": "fresh"}
+            async with http.post(h.url + CHAT, json=_body(f"m{n:03}"), headers=headers) as r:
+                assert r.status == 200
+                await r.read()
+        await h.settle()
+
+        def run(*args: str) -> Result:
+            return CliRunner().invoke(cli_main, ["usage", "--url", h.url, *args])
+
+        by_session = await asyncio.to_thread(run, "--by", "session")
+        by_model = await asyncio.to_thread(run, "--json")
+        recent = await asyncio.to_thread(run, "--by", "session", "--since", "1h")
+        nothing = await asyncio.to_thread(run, "--since", str(time.time() + 60))
+        bad = await asyncio.to_thread(run, "--since", "last week")
+    assert by_session.exit_code == 0, by_session.output
+    lines = by_session.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), by_session.output
+    assert lines[0].split() == ["cache", "cache"]
+    assert lines[1].split() == [
+        "session",
+        "requests",
+        "input",
+        "read",
+        "write",
+        "output",
+        "last",
+        "seen",
+    ]
+    # Most recent first: the emulator's session, then the big one (its record is from 2023).
+    assert lines[2].split()[:2] == ["fresh", str(USAGE_PAGE + 2)]
+    assert lines[2].endswith("just now")
+    assert lines[3].split()[1:6] == ["1", "1.2G", "988M", "12M", "4.6M"], by_session.output
+    assert "…" in lines[3] and len(lines) == 4
+    listed = json.loads(by_model.output)
+    assert listed["by"] == "model"
+    assert len(listed["rows"]) == USAGE_PAGE + 3
+    [big] = [r for r in listed["rows"] if r["key"] == "claude-big"]
+    assert (big["input_tokens"], big["cached_input_tokens"]) == (1_234_567_890, 987_654_321)
+    assert [r.split()[0] for r in recent.output.splitlines()[2:]] == ["fresh"]
+    assert nothing.exit_code == 0 and nothing.output == "no usage\n"
+    assert bad.exit_code == 1 and "HTTP 400 (since: expected" in bad.output
+
+
+async def test_the_usage_command_says_when_the_plugin_is_not_enabled() -> None:
+    async with proxy_with_emulator(plugins=[]) as h:
+        result = await asyncio.to_thread(CliRunner().invoke, cli_main, ["usage", "--url", h.url])
+    assert result.exit_code == 1
+    assert "HTTP 404 (no usage kept: enable the usage plugin" in result.output
+
+
+async def test_ledger_sessions_loaded_at_start_up_are_listed_as_not_live(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    """Run, stop, start again: the ledger's saved sessions are in ``/admin/sessions``
+    (``live: false``), ``GET /admin/sessions/{id}`` (not 404) and ``context-proxy
+    sessions``; a request makes one live; one never used stays stored."""
+    db = tmp_path / "ledger.db"
+    async with proxy_with_emulator(plugins=[LedgerPlugin(path=str(db))]) as h:
+        for sid in ("used-again", "stays-stored", "used-again"):
+            async with http.post(h.url + CHAT, json=_body(sid), headers={"x-session-id": sid}) as r:
+                assert r.status == 200
+                await r.read()
+        await h.settle()
+    for start in range(2):  # the second start proves the first one's stop kept them stored
+        async with proxy_with_emulator(plugins=[LedgerPlugin(path=str(db))]) as h:
+            async with http.get(h.url + "/admin/sessions") as resp:
+                listed = {s["id"]: s for s in (await resp.json())["sessions"]}
+            assert sorted(listed) == ["stays-stored", "used-again"]
+            assert all(s["live"] is False and s["requests"] == 0 for s in listed.values())
+            assert all(s["idle_s"] >= 0 and s["in_flight"] == 0 for s in listed.values())
+            view = await h.session_view("used-again")
+            assert view is not None and view["live"] is False
+            assert view["plugins"]["ledger"]["requests"] == 2 + start
+            table = await asyncio.to_thread(
+                CliRunner().invoke, cli_main, ["sessions", "--url", h.url], env={"COLUMNS": "80"}
+            )
+            assert table.exit_code == 0, table.output
+            rows = {line.split()[0]: line.split()[1:] for line in table.output.splitlines()[1:]}
+            # in_flight, requests, active ("N s ago" or "just now": 2 words), state
+            assert rows["stays-stored"][0:2] == ["0", "0"], table.output
+            assert rows["stays-stored"][4] == "stored", table.output
+            async with http.post(
+                h.url + CHAT, json=_body("m"), headers={"x-session-id": "used-again"}
+            ) as r:
+                assert r.status == 200
+                await r.read()
+            await h.settle()
+            view = await h.session_view("used-again")
+            assert view is not None and view["live"] is True and view["requests"] == 1
+            assert view["plugins"]["ledger"]["requests"] == 3 + start
+            stored = await h.session_view("stays-stored")
+            assert stored is not None and stored["live"] is False

@@ -145,3 +145,23 @@ def test_version_has_one_source_and_the_cli_prints_it() -> None:
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0
     assert result.output == f"context-proxy {proxy.__version__}\n"
+
+
+@pytest.mark.parametrize(
+    ("env", "line"),
+    [
+        (
+            {"CONTEXT_PROXY_CONFIG": "/nonexistent/proxy.toml"},
+            "CONTEXT_PROXY_CONFIG: file not found",
+        ),
+        ({"CONTEXT_PROXY_FOO": "1"}, "unknown setting: environment variable CONTEXT_PROXY_FOO"),
+        ({"CONTEXT_PROXY_PLUGINS": "nosuch"}, "plugin 'nosuch'"),
+    ],
+    ids=["missing-config-file", "unknown-variable", "unknown-plugin"],
+)
+def test_demo_reports_a_bad_setting_in_one_line_like_serve(env: dict[str, str], line: str) -> None:
+    result = CliRunner().invoke(main, ["demo", "--port", "0", "--once"], env=env)
+    assert result.exit_code == 1
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.output.startswith("Error: ") and line in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output

@@ -315,7 +315,7 @@ async def test_sessions_command_prints_each_plugins_state(
     # The table fits 80 columns; a row per session, its plugins' state in the last column.
     lines = result.output.rstrip("\n").split("\n")
     assert all(len(line) <= 80 for line in lines), result.output
-    assert lines[0].split() == ["id", "in_flight", "requests", "active", "closed", "plugins"]
+    assert lines[0].split() == ["id", "in_flight", "requests", "active", "state", "plugins"]
     starts = {line.split()[0]: n for n, line in enumerate(lines[1:], 1) if not line.startswith(" ")}
     assert starts.keys() == {"alpha", "beta"}
     beta = " ".join(

@@ -30,10 +30,14 @@ def decoded_usage(data: bytes) -> UsageReport | None:
     if chunk is None or chunk.usage is None:
         return None
     details = chunk.usage.prompt_tokens_details
+    # The answer's model: a top-level "model", when it is a string.
+    whole = json.loads(data)
+    model = whole.get("model") if isinstance(whole, dict) else None
     return UsageReport(
         input_tokens=chunk.usage.prompt_tokens,
         output_tokens=chunk.usage.completion_tokens,
         cache_read_tokens=None if details is None else details.cached_tokens,
+        response_model=model if isinstance(model, str) else None,
     )
 
 
@@ -128,7 +132,7 @@ LAST = (
 
 def test_real_chunks_read_as_the_decode_reads() -> None:
     assert _openai.chat_usage(CHUNK, limit=None) is None
-    assert _openai.chat_usage(LAST, limit=None) == UsageReport(253, 3, 0)
+    assert _openai.chat_usage(LAST, limit=None) == UsageReport(253, 3, 0, response_model="gpt-4.1")
     # The same null chunk with an escape somewhere, or spaced: the same answer.
     escaped = CHUNK.replace(b'"Hi"', b'"\\u00e9"')
     assert _openai.chat_usage(escaped, limit=None) is None
@@ -136,7 +140,9 @@ def test_real_chunks_read_as_the_decode_reads() -> None:
     assert _openai.chat_usage(spaced, limit=None) is None
     # A nested null usage beside the real one does not hide it.
     nested = LAST[:-1] + b',"x":{"usage":null}}'
-    assert _openai.chat_usage(nested, limit=None) == UsageReport(253, 3, 0)
+    assert _openai.chat_usage(nested, limit=None) == UsageReport(
+        253, 3, 0, response_model="gpt-4.1"
+    )
     # A usage key spelled only with an escape is not read (the decode alone would).
     only_escaped = LAST.replace(b'"usage"', b'"\\u0075sage"')
     assert _openai.chat_usage(only_escaped, limit=None) is None
@@ -145,6 +151,9 @@ def test_real_chunks_read_as_the_decode_reads() -> None:
     assert _openai.chat_usage(hidden, limit=None) == decoded_usage(hidden)
     # A streamed chunk reads as its data does; [DONE] and a truncated chunk read nothing.
     framed = SSEFramer().feed(b"data: " + LAST + b"\n\ndata: [DONE]\n\n")
-    assert [_openai.chat_usage_from_event(e) for e in framed] == [UsageReport(253, 3, 0), None]
+    assert [_openai.chat_usage_from_event(e) for e in framed] == [
+        UsageReport(253, 3, 0, response_model="gpt-4.1"),
+        None,
+    ]
     cut = SSEFramer(max_data=10).feed(b"data: " + LAST + b"\n\n")
     assert cut[0].truncated and _openai.chat_usage_from_event(cut[0]) is None

@@ -974,6 +974,7 @@ def test_anthropic_cache_writes_and_their_lifetime_split_are_metered() -> None:
         cache_write_tokens=sdk.message.usage.cache_creation_input_tokens,
         cache_write_5m_tokens=split.ephemeral_5m_input_tokens,
         cache_write_1h_tokens=split.ephemeral_1h_input_tokens,
+        response_model=sdk.message.model,
     )
     assert meter.cache_write_tokens == 1500
 

@@ -633,3 +633,34 @@ async def test_failing_close_all_with_concurrent_status_read(expect_deadlock: bo
         assert registry.session_count == 0
         await registry.close_all()
     assert archived == ["a", "b"]
+
+
+async def test_stored_sessions_are_idle_entries_that_a_request_makes_live() -> None:
+    """``add_stored``: listed not live with their age, evicted like any idle entry,
+    dropped by ``close_all`` without ``on_close``, live once a request tracks them."""
+    clock = FakeClock()
+    closed: list[str] = []
+
+    async def on_close(sid: str) -> None:
+        closed.append(sid)
+
+    registry = make_registry(idle_cap=2, clock=clock, on_close=on_close)
+    assert registry.add_stored("oldest", 300.0)
+    assert registry.add_stored("old", 120.0)
+    assert not registry.add_stored("old", 1.0)  # already listed
+    info = registry.info("old")
+    assert info is not None and not info.live and info.requests == 0 and info.idle_s == 120.0
+    assert registry.add_stored("recent", 5.0)  # over idle_cap: the oldest one goes
+    assert registry.info("oldest") is None
+    assert [i.id for i in registry.page(None, 10).sessions] == ["old", "recent"]
+
+    with registry.track("recent", asyncio.current_task()):
+        info = registry.info("recent")
+        assert info is not None and info.live and info.requests == 1
+    await registry.close_all()
+    assert closed == ["recent"]  # "old" was never used here: dropped, not closed
+    assert registry.session_count == 0
+
+    await registry.shutdown_session("gone", 0.1)
+    assert not registry.add_stored("gone", 1.0)  # tombstoned
+    assert not make_registry(idle_cap=0).add_stored("any", 1.0)  # no idle entries kept

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -388,7 +389,9 @@ async def test_sigterm_drains_a_real_serve_process(
                 assert resp.status == 503
                 assert int(resp.headers["Retry-After"]) >= 0
                 assert resp.headers["Connection"].lower() == "close"
-                assert "shutting down" in (await resp.json())["error"]["message"]
+                refusal = (await resp.json())["error"]
+                assert "shutting down" in refusal["message"]
+                assert refusal["code"] == "proxy_shutdown"
             for key in ("sig-chat", "sig-msg"):
                 async with http.post(f"{upstream}/_emulator/release/{key}") as resp:
                     assert resp.status == 200
@@ -432,6 +435,10 @@ async def test_sigterm_drains_a_real_serve_process(
     assert upstream_records["model-1"]["finished"]
     assert upstream_records["model-2"]["aborted_by_peer"]
     assert "late" not in upstream_records
+    # The late request's refusal is logged and counted like any refusal.
+    assert re.search(
+        r"method=POST route=/v1/chat/completions status=503 outcome=rejected", proxy.output
+    ), proxy.output
     # Neither the key nor the prompt ever reached the log; nothing crashed.
     assert API_KEY not in proxy.output
     assert PROMPT_MARKER not in proxy.output

@@ -492,6 +492,14 @@ async def test_cache_reads_and_writes_reach_metrics_and_the_admin_view() -> None
     assert scraped[("context_proxy_cache_write_tokens_total", "claude-cache", None)] == 900
     assert scraped[("context_proxy_cache_read_tokens_total", "claude-cache", None)] == 900
     assert scraped[("context_proxy_cache_write_tokens_total", "gpt-cache", None)] == 0
+    # The writes by cache lifetime, as Anthropic split them; OpenAI splits none.
+    lifetimes = {
+        (sample.labels["model"], sample.labels["ttl"]): sample.value
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.name == "context_proxy_cache_write_lifetime_tokens_total"
+    }
+    assert lifetimes == {("claude-cache", "5m"): 600, ("claude-cache", "1h"): 300}
     # Per exchange: the writing turn had a share of 0, the reading turn 900/910.
     assert scraped[("context_proxy_cached_input_share_bucket", "claude-cache", "0.1")] == 1
     assert scraped[("context_proxy_cached_input_share_bucket", "claude-cache", "0.95")] == 1

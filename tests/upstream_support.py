@@ -129,10 +129,14 @@ def chat_sse_events(text: str = "hi") -> list[bytes]:
 
 
 @contextlib.asynccontextmanager
-async def proxy_app(upstream_url: str, **overrides: Any) -> AsyncIterator[tuple[str, ProxyApp]]:
+async def proxy_app(
+    upstream_url: str, *, environ: dict[str, str] | None = None, **overrides: Any
+) -> AsyncIterator[tuple[str, ProxyApp]]:
     """A proxy (no plugins) in front of ``upstream_url`` on 127.0.0.1, both protocols'
-    upstreams; ``overrides`` are settings. Yields ``(base URL, app)``, the app for a
-    look at its state (:func:`pool_of`)."""
+    upstreams; ``overrides`` are settings, ``environ`` the environment its upstream
+    client reads (``HTTPS_PROXY`` and the rest; empty by default, whatever this
+    process has). Yields ``(base URL, app)``, the app for a look at its state
+    (:func:`pool_of`)."""
     settings = load_settings(
         None,
         environ={},
@@ -144,7 +148,7 @@ async def proxy_app(upstream_url: str, **overrides: Any) -> AsyncIterator[tuple[
             **overrides,
         },
     )
-    app = build_app(settings)
+    app = build_app(settings, environ=environ or {})
     async with running(app, "127.0.0.1", 0) as port:
         yield f"http://127.0.0.1:{port}", app
 

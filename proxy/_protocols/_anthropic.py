@@ -97,6 +97,7 @@ class _Usage(msgspec.Struct):
 
 class _Message(msgspec.Struct):
     usage: _Usage | None = None
+    model: str | None = None
 
 
 class _ErrorObj(msgspec.Struct):
@@ -115,7 +116,7 @@ _EVENT: Final = msgspec.json.Decoder(_Event, strict=False)
 _MESSAGE: Final = msgspec.json.Decoder(_Message, strict=False)
 
 
-def _report(usage: _Usage | None) -> UsageReport | None:
+def _report(usage: _Usage | None, model: str | None = None) -> UsageReport | None:
     if usage is None:
         return None
     split = usage.cache_creation
@@ -126,6 +127,7 @@ def _report(usage: _Usage | None) -> UsageReport | None:
         cache_write_tokens=usage.cache_creation_input_tokens,
         cache_write_5m_tokens=None if split is None else split.ephemeral_5m_input_tokens,
         cache_write_1h_tokens=None if split is None else split.ephemeral_1h_input_tokens,
+        response_model=model,
     )
 
 
@@ -140,7 +142,8 @@ def usage_from_event(event: SSEEvent, kind: str | None) -> UsageReport | None:
     if decoded is None:
         return None
     if kind == "message_start":
-        return None if decoded.message is None else _report(decoded.message.usage)
+        message = decoded.message
+        return None if message is None else _report(message.usage, message.model)
     return _report(decoded.usage)
 
 
@@ -149,7 +152,7 @@ def usage_from_body(body: bytes) -> UsageReport | None:
     if b'"usage"' not in body:
         return None
     decoded = decode_typed(_MESSAGE, body)
-    return None if decoded is None else _report(decoded.usage)
+    return None if decoded is None else _report(decoded.usage, decoded.model)
 
 
 def error_code(event: SSEEvent, kind: str | None) -> tuple[str | None, str] | None:

@@ -81,6 +81,11 @@ class UsageReport(NamedTuple):
     split by cache lifetime (written at 1.25x / 2x the input price; see
     https://docs.anthropic.com/en/docs/build-with-claude/prompt-caching).
 
+    ``response_model`` is the ``model`` the answer names where its usage is
+    (the chat chunk or body, the Responses ``response``, Anthropic's
+    ``message``): the model that answered, which may differ from the one asked
+    for (an alias resolved to a dated snapshot).
+
     The :class:`UsageMeter` also returns its totals in this shape, with
     ``input_tokens`` normalized to the whole prompt.
     """
@@ -91,6 +96,7 @@ class UsageReport(NamedTuple):
     cache_write_tokens: int | None = None
     cache_write_5m_tokens: int | None = None
     cache_write_1h_tokens: int | None = None
+    response_model: str | None = None
 
 
 class _Typed(msgspec.Struct):

@@ -126,6 +126,15 @@ class _ChatChunk(msgspec.Struct):
 
 
 _CHUNK: Final = msgspec.json.Decoder(_ChatChunk, strict=False)
+
+
+class _Named(msgspec.Struct):
+    model: str | None = None
+
+
+# The answer's model, read apart from the chunk: only the (rare) chunks with a usage
+# pay for it, not every content delta.
+_NAMED: Final = msgspec.json.Decoder(_Named, strict=False)
 # The values an absent or empty delta field can take (an absent field is an empty Raw).
 _EMPTY_RAW: Final = frozenset({b"", b"null", b'""', b"[]", b"{}"})
 # Chat's end-of-stream sentinel, matched as a prefix as the openai SDK does
@@ -208,7 +217,8 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     """Usage of a chat chunk or a non-streaming chat completion body.
 
     ``usage.prompt_tokens``, ``usage.completion_tokens``,
-    ``usage.prompt_tokens_details.cached_tokens``. ``None`` when the payload
+    ``usage.prompt_tokens_details.cached_tokens``, and the payload's ``model``
+    (decoded apart, only for a payload with a usage). ``None`` when the payload
     has no usage object, is larger than ``limit`` bytes, or is not valid JSON.
     A usage key spelled with an escape is not read: the bytes ``"usage"`` must
     be there too. They are looked for only once a usage was decoded: the typed
@@ -225,10 +235,12 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
     if usage is None or _USAGE_KEY not in data:
         return None
     details = usage.prompt_tokens_details
+    named = decode_typed(_NAMED, data)
     return UsageReport(
         input_tokens=usage.prompt_tokens,
         output_tokens=usage.completion_tokens,
         cache_read_tokens=None if details is None else details.cached_tokens,
+        response_model=None if named is None else named.model,
     )
 
 
@@ -297,6 +309,7 @@ class _ResponsesUsage(msgspec.Struct):
 
 class _ResponseObj(msgspec.Struct):
     usage: _ResponsesUsage | None = None
+    model: str | None = None
     error: _ErrorObj | None = None
 
 
@@ -311,7 +324,8 @@ _RESPONSES_EVENT: Final = msgspec.json.Decoder(_ResponsesEvent, strict=False)
 _RESPONSE_OBJ: Final = msgspec.json.Decoder(_ResponseObj, strict=False)
 
 
-def _responses_usage(usage: _ResponsesUsage | None) -> UsageReport | None:
+def _responses_usage(response: _ResponseObj) -> UsageReport | None:
+    usage = response.usage
     if usage is None:
         return None
     details = usage.input_tokens_details
@@ -319,6 +333,7 @@ def _responses_usage(usage: _ResponsesUsage | None) -> UsageReport | None:
         input_tokens=usage.input_tokens,
         output_tokens=usage.output_tokens,
         cache_read_tokens=None if details is None else details.cached_tokens,
+        response_model=response.model,
     )
 
 
@@ -338,7 +353,7 @@ def responses_usage_from_event(event: SSEEvent) -> UsageReport | None:
         return None
     if kind is None and decoded.type not in RESPONSES_USAGE_EVENTS:
         return None  # an unnamed event: its data.type decides
-    return _responses_usage(decoded.response.usage)
+    return _responses_usage(decoded.response)
 
 
 def responses_usage_from_body(body: bytes) -> UsageReport | None:
@@ -346,7 +361,7 @@ def responses_usage_from_body(body: bytes) -> UsageReport | None:
     if b'"usage"' not in body:
         return None
     decoded = decode_typed(_RESPONSE_OBJ, body)
-    return None if decoded is None else _responses_usage(decoded.usage)
+    return None if decoded is None else _responses_usage(decoded)
 
 
 def responses_error_code(event: SSEEvent, kind: str | None) -> tuple[str | None, str] | None:

@@ -37,6 +37,9 @@ class UsageMeter:
       excludes cached tokens while OpenAI's ``prompt_tokens`` includes them.
     * COUNT_TOKENS, OPENAI, ANTHROPIC: nothing is consumed, nothing is counted.
 
+    The answer's ``model`` comes with the usage: the chat chunk's (or body's),
+    ``response.model``, ``message_start.message.model`` (or the body's).
+
     Counts are in tokens, ``None`` until the upstream reported them. Malformed
     JSON is ignored, never raised.
 
@@ -53,6 +56,7 @@ class UsageMeter:
         "_from_body",
         "_from_event",
         "_input",
+        "_model",
         "_output",
         "protocol",
     )
@@ -69,6 +73,7 @@ class UsageMeter:
         self._cache_write: int | None = None
         self._cache_write_5m: int | None = None
         self._cache_write_1h: int | None = None
+        self._model: str | None = None
 
     @property
     def input_tokens(self) -> int | None:
@@ -94,7 +99,8 @@ class UsageMeter:
 
     def totals(self) -> UsageReport:
         """All counts so far: :attr:`input_tokens` normalized, the cache reads, the
-        cache writes and their 5-minute / 1-hour split (``None``: not reported)."""
+        cache writes and their 5-minute / 1-hour split, and the answer's model
+        (``None``: not reported)."""
         return UsageReport(
             input_tokens=self.input_tokens,
             output_tokens=self._output,
@@ -102,6 +108,7 @@ class UsageMeter:
             cache_write_tokens=self._cache_write,
             cache_write_5m_tokens=self._cache_write_5m,
             cache_write_1h_tokens=self._cache_write_1h,
+            response_model=self._model,
         )
 
     def feed_event(self, event: SSEEvent) -> None:
@@ -133,3 +140,5 @@ class UsageMeter:
             self._cache_write_5m = report.cache_write_5m_tokens
         if report.cache_write_1h_tokens is not None:
             self._cache_write_1h = report.cache_write_1h_tokens
+        if report.response_model is not None:
+            self._model = report.response_model
