@@ -5,7 +5,8 @@ One synthetic session per protocol, in the shape its agent sends: Claude Code
 ``function_call`` / ``function_call_output`` items, ``prompt_cache_key``) and an
 OpenAI chat agent (``tool_calls`` / ``tool`` messages). Every turn adds one tool call
 and one large tool result and sends the whole history, as agents do, so the history
-grows to ``--growth`` times the window over ``--turns`` turns (default 60 turns to 3x).
+grows to ``--growth`` times the window over ``--turns`` turns (default 120 turns to 3x:
+each turn adds 2.5 % of the window, about 5,000 tokens of a 200,000-token window).
 
 The upstream is the project's emulator with a context window (``--window-tokens``)
 and its prompt cache on (``emulate --context-window-tokens N --prompt-cache``): it
@@ -23,7 +24,8 @@ from the client: whether it saw an error. Targets (issue 22): after a session's
 first overflow at most 1 rejected request per 10 turns, a cached share of at least
 85 % over those turns, and no error a client sees.
 
-Outputs in ``--out``: ``agent.json``, ``agent.md``, ``agent.png``.
+Outputs in ``--out``: ``agent.json``, ``agent.md``, ``agent.png``; with ``--publish``
+also ``docs/bench-agent.{json,md,png}`` (the figures README shows).
 """
 
 from __future__ import annotations
@@ -362,10 +364,11 @@ def _config(out: Path, carry: bool) -> Path:
     """The proxy's settings file for one mode: every fold level, carry on or off."""
     path = out / f"agent-{'carried' if carry else 'fresh'}.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = f'plugins = ["fold"]\nmax_refolds = {_MAX_REFOLDS}\n'
-    if carry:
-        text += "\n[plugin.fold]\ncarry = true\n"
-    path.write_text(text, encoding="utf-8")
+    path.write_text(
+        f'plugins = ["fold"]\nmax_refolds = {_MAX_REFOLDS}\n\n'
+        f"[plugin.fold]\ncarry = {'true' if carry else 'false'}\n",
+        encoding="utf-8",
+    )
     return path
 
 
@@ -491,7 +494,7 @@ def plot(path: Path, figures: dict[str, dict[str, list[TurnFigures]]]) -> None:
     context_settings=CONTEXT_SETTINGS,
     help="A coding-agent session growing past the window: rejected requests and cache hits.",
 )
-@click.option("--turns", type=click.IntRange(min=2), default=60, help="turns per session [60]")
+@click.option("--turns", type=click.IntRange(min=2), default=120, help="turns per session [120]")
 @click.option(
     "--window-tokens",
     type=click.IntRange(min=4096),
@@ -513,6 +516,12 @@ def plot(path: Path, figures: dict[str, dict[str, list[TurnFigures]]]) -> None:
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
 )
+@click.option(
+    "--publish",
+    is_flag=True,
+    help="also write docs/bench-agent.{json,md,png} (what README shows)",
+)
+@click.option("--publish-dir", type=click.Path(path_type=Path), default=Path("docs"), help="[docs]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.pass_obj
 def command(argv: list[str], /, **options: Any) -> int:
@@ -540,27 +549,30 @@ def command(argv: list[str], /, **options: Any) -> int:
     tables = build_tables(figures)
     for table in tables:
         reporter.print_table(table)
-    rpt.write_json(
-        out / "agent.json",
-        {
-            "started": started,
-            "argv": argv,
-            "window_tokens": options["window_tokens"],
-            "turns": options["turns"],
-            "result_bytes": collected["result_bytes"],
-            "summary": {
-                mode: {p: dataclasses.asdict(summarize(t)) for p, t in by.items()}
-                for mode, by in figures.items()
-            },
-            "figures": {
-                mode: {p: [dataclasses.asdict(f) for f in t] for p, t in by.items()}
-                for mode, by in figures.items()
-            },
+    document = {
+        "started": started,
+        "argv": argv,
+        "window_tokens": options["window_tokens"],
+        "turns": options["turns"],
+        "result_bytes": collected["result_bytes"],
+        "summary": {
+            mode: {p: dataclasses.asdict(summarize(t)) for p, t in by.items()}
+            for mode, by in figures.items()
         },
-    )
-    rpt.write_markdown(out / "agent.md", tables, f"`context-proxy bench agent {' '.join(argv)}`")
-    plot(out / "agent.png", figures)
-    reporter.note(f"wrote {out / 'agent.json'}, agent.md and agent.png")
+        "figures": {
+            mode: {p: [dataclasses.asdict(f) for f in t] for p, t in by.items()}
+            for mode, by in figures.items()
+        },
+    }
+    preamble = f"`context-proxy bench agent {' '.join(argv)}`"
+    targets = [(out, "agent")]
+    if options["publish"]:
+        targets.append((options["publish_dir"], "bench-agent"))
+    for folder, stem in targets:
+        rpt.write_json(folder / f"{stem}.json", document)
+        rpt.write_markdown(folder / f"{stem}.md", tables, preamble)
+        plot(folder / f"{stem}.png", figures)
+        reporter.note(f"wrote {folder / stem}.json, .md and .png")
     return 0
 
 

@@ -66,12 +66,11 @@ def test_a_small_run_overflows_and_the_client_never_sees_it(tmp_path: Path) -> N
     # About 5 s: 16 turns growing to 3x a 4,096-token window, each protocol, both modes.
     out = tmp_path / "results"
     argv = ["--turns", "16", "--window-tokens", "4096", "--out", str(out), "--quiet"]
-    argv += ["--modes", "fresh"]
     assert agent.main(argv) == 0
     doc = json.loads((out / "agent.json").read_text())
     assert (out / "agent.png").stat().st_size > 10_000
     assert "| fresh | messages |" in (out / "agent.md").read_text()
-    for mode in ["fresh"]:
+    for mode in agent.MODES:
         for protocol in ("messages", "responses", "chat"):
             summary = doc["summary"][mode][protocol]
             turns = doc["figures"][mode][protocol]
@@ -82,10 +81,14 @@ def test_a_small_run_overflows_and_the_client_never_sees_it(tmp_path: Path) -> N
             assert summary["client_errors"] == 0, (mode, protocol)
             assert turns[-1]["client_bytes"] > 3 * 4 * 4096 * 0.9
             assert all(t["upstream_requests"] >= 1 for t in turns)
-    fresh = doc["summary"]["fresh"]
-    # Today every turn after the first overflow starts at fold level 0 and is rejected.
+    fresh, carried = doc["summary"]["fresh"], doc["summary"]["carried"]
     for protocol in ("messages", "responses", "chat"):
+        # Without carried folds every turn after the first overflow starts at fold level 0
+        # and is rejected; with them, the session's fold is applied before the first send.
         assert fresh[protocol]["after_rejected"] >= fresh[protocol]["after_turns"]
+        assert carried[protocol]["after_rejected"] <= 1, carried[protocol]
+        assert carried[protocol]["upstream_bytes"] < fresh[protocol]["upstream_bytes"] / 2
+        assert carried[protocol]["after_cached_share"] > fresh[protocol]["after_cached_share"]
 
 
 def test_bench_agent_is_listed_and_its_help_names_its_options() -> None:
