@@ -355,10 +355,10 @@ def _spawn(
     return Service(name, proc, f"http://{HOST}:{port}", log_path, ready_path)
 
 
-def start_emulator(log_dir: Path) -> Service:
-    """Start the upstream emulator on a free port (``context-proxy emulate``)."""
+def start_emulator(log_dir: Path, args: Sequence[str] = ()) -> Service:
+    """Start the upstream emulator on a free port (``context-proxy emulate [args]``)."""
     port = free_port()
-    argv = ["-m", "proxy", "emulate", "--host", HOST, "--port", str(port)]
+    argv = ["-m", "proxy", "emulate", "--host", HOST, "--port", str(port), *args]
     return _spawn("emulator", argv, port, log_dir, "/", {})
 
 
@@ -652,9 +652,11 @@ async def wait_proxy_idle(
 
 @contextlib.asynccontextmanager
 async def open_client_and_emulator(
-    log_dir: Path,
+    log_dir: Path, emulator_args: Sequence[str] = ()
 ) -> AsyncIterator[tuple[aiohttp.ClientSession, Service]]:
     """A client session and a ready emulator process (its log in ``log_dir``) for one run.
+
+    ``emulator_args`` are options of ``context-proxy emulate`` (e.g. a context window).
 
     The session's connection pool is unbounded (500 held streams need 500
     connections) and only connecting is timed (10 s): a large request may take
@@ -667,7 +669,7 @@ async def open_client_and_emulator(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        emulator = start_emulator(log_dir)
+        emulator = start_emulator(log_dir, emulator_args)
         async with emulator:
             await emulator.wait_ready(session)
             yield session, emulator

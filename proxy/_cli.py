@@ -169,7 +169,7 @@ def demo(port: int, once: bool) -> None:
         pass
 
 
-_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak")
+_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak", "agent")
 
 
 @main.command(
@@ -183,7 +183,7 @@ _BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak")
 @click.argument("kind", required=False)
 @click.pass_context
 def bench(ctx: click.Context, kind: str | None) -> None:
-    """Run a benchmark: memory | overhead | concurrency (vs the naive proxy) | cluster | soak.
+    """Run a benchmark: memory | overhead | concurrency (vs naive) | cluster | soak | agent.
 
     Arguments after KIND go to the benchmark; `context-proxy bench KIND --help`
     lists them. Needs the `bench` extra.
