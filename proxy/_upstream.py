@@ -728,8 +728,10 @@ class _Connection(asyncio.Protocol):
         A :class:`~proxy._spool.FileSlice` (a range of a spooled body) goes with
         ``os.sendfile`` on a plain TCP connection whose transport has nothing
         buffered (the kernel copies page cache to the socket; what the socket
-        cannot take now is written as the rest of its view); on TLS its bounded
-        view of the mapping is written (file-backed pages, no heap copy).
+        cannot take now is written as a copy of the rest of its view); on TLS a
+        copy of its bounded view of the mapping is written. The transport never
+        gets a view of the mapping: some keep what they cannot send as the object
+        given, which would pin the mapping past the release boundary.
         """
         framing = self.framing
         pieces = aiter(body)
@@ -769,7 +771,11 @@ class _Connection(asyncio.Protocol):
                             framing.keep_alive = False
                             return
                     if sent < len(piece):
-                        transport.write(piece.view[sent:])
+                        # A copy (at most one slice): uvloop, asyncio's TLS backlog and
+                        # its selector transports from Python 3.12 on keep what they
+                        # cannot send now as the object they were given. A view of the
+                        # mapping there would outlive the spool's release boundary.
+                        transport.write(bytes(piece.view[sent:]))
                 else:
                     transport.write(piece)
                 del piece  # the transport copied what it could not send
