@@ -547,13 +547,23 @@ def _outbound_size(view: BodyView) -> int:
     return view.nbytes + sum(len(data) - (end - start) for start, end, data in view.edits)
 
 
-def _history_key(entries: list[Node], protocol: Protocol | None) -> str:
-    """Digest of a history's first entries: up to and including the first user-side one.
+def _history_key(entries: list[Node], protocol: Protocol | None, model: str | None) -> str:
+    """Digest of the protocol, the model and a history's first entries (up to and
+    including the first user-side one).
 
-    Sub-agents of one session (Claude Code's) differ there: their own task prompt.
+    Sub-agents of one session (Claude Code's) differ in the entries: their own
+    task prompt. The model is part of it because what a fold learned is one
+    model's context window: a session that switches to a model with more room
+    must not get the old model's elisions.
     """
     first_user = next((i for i, entry in enumerate(entries) if _side(entry, protocol) == _USER), 0)
-    return _digest(entries, first_user + 1)
+    hasher = hashlib.blake2b(digest_size=16)
+    for part in (str(protocol), model or ""):
+        data = part.encode()
+        hasher.update(len(data).to_bytes(8, "little"))
+        hasher.update(data)
+    hasher.update(bytes.fromhex(_digest(entries, first_user + 1)))
+    return hasher.hexdigest()
 
 
 class _History:
@@ -1023,7 +1033,7 @@ class FoldPlugin(Plugin):
         entries = view.items()
         if not entries:
             return False
-        key = _history_key(entries, view.protocol)
+        key = _history_key(entries, view.protocol, ctx.meta.model)
         carried = folds.by_key.get(key) if folds is not None else None
         if level == 0 and carried is None:
             return False
