@@ -8,13 +8,18 @@ of a deleted file left in the process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import resource
 from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.test_lifetime_support import conversation, encode
+from proxy.testing import proxy_with_emulator
+from tests.test_e2e_support import wait_until
+from tests.test_lifetime_support import RawConn, conversation, encode
 from tests.upstream_support import Scripted, proxy_app
 
 CHAT = "/v1/chat/completions"
@@ -93,3 +98,51 @@ def test_an_upstream_that_answers_before_reading_leaves_no_spool_mapping_on_uvlo
     assert (leaks, in_flight) == (0, 0)
     assert mappings == []
     assert not [r for r in caplog.records if "outlived the release boundary" in r.getMessage()]
+
+
+def free_descriptor_numbers(count: int) -> list[int]:
+    """The ``count`` lowest descriptor numbers this process has free, in order (the
+    kernel hands out the lowest free one: open that many, note them, close them)."""
+    taken = [os.open(os.devnull, os.O_RDONLY) for _ in range(count)]
+    for fd in taken:
+        os.close(fd)
+    return taken
+
+
+@pytest.mark.parametrize("where", ["open", "map"])
+async def test_out_of_descriptors_a_large_body_gets_the_fd_answer_not_a_memory_or_dir_one(
+    where: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``EMFILE`` when the spool opens its file (``open``) or maps it (``map``: mmap
+    holds a duplicate descriptor) is the process's descriptor limit, not a broken
+    ``spool_dir`` nor memory: the client reads the proxy's "out of file descriptors"
+    503 (``fd_reserve``), counted as such, and no warning sends the operator to the
+    directory or to an address-space limit."""
+    caplog.set_level(logging.WARNING, logger="context_proxy")
+    body = encode(conversation(CHAT))
+    async with proxy_with_emulator(spool_above_bytes=16 * 1024, spool_dir=str(tmp_path)) as h:
+        conn = await RawConn.open(h.url)
+        await conn.send_head(CHAT, len(body), {})
+        await wait_until(lambda: bool(h.state.exchanges), "the exchange is reading")
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        first, second = free_descriptor_numbers(2)
+        # Descriptor numbers must be under the soft limit: from here the spool's file
+        # gets none ("open"), or it gets one and its mapping's duplicate none ("map").
+        resource.setrlimit(resource.RLIMIT_NOFILE, (first if where == "open" else second, hard))
+        try:
+            with contextlib.suppress(ConnectionError):
+                await conn.send(body)  # the proxy may answer and close first
+            status = await conn.status()
+            await wait_until(lambda: not h.state.exchanges, "the exchange ended")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        answer = await conn.reader.read(64 * 1024)
+        conn.abort()
+        spool = h.state.spool
+        assert (spool.spooled, spool.files, spool.in_flight) == (int(where == "map"), 0, 0)
+        fd_exhausted = h.state.metrics.fd_exhausted.value()
+    assert status == 503
+    assert b'"fd_reserve"' in answer
+    assert fd_exhausted == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in warnings if "cannot be used" in m or "memory could not" in m]
