@@ -13,6 +13,7 @@ import logging
 import os
 import resource
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -146,3 +147,55 @@ async def test_out_of_descriptors_a_large_body_gets_the_fd_answer_not_a_memory_o
     assert fd_exhausted == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert not [m for m in warnings if "cannot be used" in m or "memory could not" in m]
+
+
+async def _expect_continue(port: int, length: int) -> tuple[asyncio.StreamReader, Any, bytes]:
+    """A connection that sent a head with ``Expect: 100-continue``: its first answer line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (CHAT.encode(), length)
+    )
+    await writer.drain()
+    async with asyncio.timeout(5):
+        line = await reader.readline()
+    return reader, writer, line
+
+
+async def test_uploads_admitted_together_never_promise_more_than_max_spool_bytes(
+    tmp_path: Path,
+) -> None:
+    """Ten 2 MB bodies at once against a 6 MB budget: those that do not fit next to the
+    ones admitted before them get their 503 instead of 100 Continue, before the upload,
+    and every body told to go on is read whole and answered (none cut mid-upload)."""
+    body = encode(conversation(CHAT, turns=40, turn_bytes=50_000))  # ~2 MB
+    budget = 3 * len(body) + 1000
+    async with proxy_with_emulator(
+        spool_above_bytes=16 * 1024, spool_dir=str(tmp_path), max_spool_bytes=budget
+    ) as h:
+        port = int(h.url.rsplit(":", 1)[1])
+        conns = [await _expect_continue(port, len(body)) for _ in range(10)]
+        firsts = [line.split(b" ", 2)[1] for _, _, line in conns]
+        assert firsts.count(b"100") == 3 and firsts.count(b"503") == 7, firsts
+        spool = h.state.spool
+        assert spool.reserved <= budget
+
+        async def upload(reader: asyncio.StreamReader, writer: Any) -> bytes:
+            for start in range(0, len(body), 64 * 1024):
+                writer.write(body[start : start + 64 * 1024])
+                await writer.drain()
+            async with asyncio.timeout(10):
+                for _ in range(10):  # bounded: a few answer lines
+                    line = await reader.readline()
+                    if line.startswith(b"HTTP/1.1 ") and not line.startswith(b"HTTP/1.1 1"):
+                        return line.split(b" ", 2)[1]
+            return b"none"
+
+        go = [(r, w) for (r, w, _), first in zip(conns, firsts, strict=True) if first == b"100"]
+        finals = await asyncio.gather(*[upload(r, w) for r, w in go])
+        for _, writer, _ in conns:
+            writer.transport.abort()
+        await wait_until(lambda: not h.state.exchanges, "every exchange ended")
+        left = (spool.files, spool.in_flight, spool.reserved)
+    assert finals == [b"200"] * 3
+    assert left == (0, 0, 0)
