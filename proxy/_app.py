@@ -432,24 +432,17 @@ async def _run_exchange(
         if not spool.admits(declared):
             spool.busy += 1
             return _busy(ex, state, SpoolBusy())
-        # Reserved with no await after the check: bodies admitted at once cannot
-        # promise more than max_spool_bytes between them.
-        claim = spool.claim(declared)
         if request.headers.get("Expect") is not None:
             # RFC 9110 §10.1.1: the refusals above (413, 415, 503) went out instead
             # of 100 (Continue), before the upload; now the client may send its body.
             # Any other expectation never gets here (_refuse_expectation).
-            try:
-                await request.send_continue()
-            except BaseException:
-                claim.release()
-                raise
+            await request.send_continue()
         ex.start_reading(declared)
         account = _ReadingAccount(state, ex)
 
         def spill() -> SpoolFile:
             # Owned by the exchange from its first byte: closed on every outcome.
-            file = ex.adopt_spool(spool.open(claim))
+            file = ex.adopt_spool(spool.open())
             state.metrics.spooled.inc()
             return file
 
@@ -467,7 +460,6 @@ async def _run_exchange(
                 spill_above=settings.spool_above_bytes,
             )
         finally:
-            claim.release()
             account.settle()
             ex.end_reading()
         # Every body byte went through a read piece that is freed heap now (proxy/_alloc.py).

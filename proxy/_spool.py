@@ -42,7 +42,6 @@ __all__ = [
     "FileSlice",
     "Spool",
     "SpoolBusy",
-    "SpoolClaim",
     "SpoolFile",
     "SpoolFull",
     "SpoolNoDescriptor",
@@ -182,16 +181,12 @@ class SpoolFile:
         fd: the descriptor from :func:`open_anonymous`; owned from here on.
         owner: the :class:`Spool` whose budget and counters the file's bytes
             count against until it is closed (``None``: none).
-        claim: bytes of the owner's ``reserved`` that are this body's declared
-            length (:class:`SpoolClaim`); its writes use them up first.
     """
 
-    __slots__ = ("__weakref__", "_claim", "_fd", "_map", "_owner", "_view", "leaked", "size")
+    __slots__ = ("__weakref__", "_fd", "_map", "_owner", "_view", "leaked", "size")
 
-    def __init__(self, fd: int, owner: Spool | None = None, claim: int = 0) -> None:
+    def __init__(self, fd: int, owner: Spool | None = None) -> None:
         self._fd = fd
-        #: Declared bytes reserved for this body in the owner's budget, not yet written.
-        self._claim = claim
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._owner = owner
@@ -238,12 +233,7 @@ class SpoolFile:
                     raise
         self.size += total
         if self._owner is not None:
-            # Bytes within the declared length were reserved at admission: only
-            # what goes past it can take the spool past max_spool_bytes.
-            claimed = min(self._claim, total)
-            self._claim -= claimed
-            self._owner.reserved -= claimed
-            self._owner.grow(total, self.size, checked=total - claimed)
+            self._owner.grow(total, self.size)
 
     def map(self) -> memoryview:
         """The body as a read-only ``memoryview`` of a read-only ``mmap`` of the file.
@@ -309,39 +299,7 @@ class SpoolFile:
         if owner is not None:
             owner.files -= 1
             owner.in_flight -= self.size
-            owner.reserved -= self._claim
-            self._claim = 0
         return self.leaked
-
-
-class SpoolClaim:
-    """The declared length of one body the spool admitted, reserved in its budget.
-
-    Made by :meth:`Spool.claim` at admission, so that bodies admitted together
-    cannot promise more than ``max_spool_bytes`` between them: each one's 503
-    comes before its upload (before 100 Continue), never in its middle. The
-    reservation moves to the body's file when it opens (:meth:`take`) and is
-    used up by its writes; :meth:`release` gives back what nothing took.
-    Idempotent.
-    """
-
-    __slots__ = ("_spool", "left")
-
-    def __init__(self, spool: Spool, nbytes: int) -> None:
-        self._spool = spool
-        #: Bytes still reserved here (0 once taken or released).
-        self.left = nbytes
-        spool.reserved += nbytes
-
-    def take(self) -> int:
-        """Hand the reservation over (to the body's :class:`SpoolFile`); its bytes."""
-        left, self.left = self.left, 0
-        return left
-
-    def release(self) -> None:
-        """Give back what was not taken (the body ended before its file opened)."""
-        left, self.left = self.left, 0
-        self._spool.reserved -= left
 
 
 class Warner(Protocol):
@@ -361,9 +319,8 @@ class Spool:
         warner: where the "disk full" and "directory unusable" warnings go,
             rate-limited (``None``: plain warnings on this module's logger).
 
-    Counters: ``in_flight`` (spooled bytes of open files), ``reserved``
-    (declared bytes of admitted bodies not written yet, :class:`SpoolClaim`),
-    ``files`` (open files), ``spooled`` (bodies spooled since start), ``full`` (bodies cut by a
+    Counters: ``in_flight`` (spooled bytes of open files), ``files`` (open
+    files), ``spooled`` (bodies spooled since start), ``full`` (bodies cut by a
     full disk), ``busy`` (bodies refused by ``max_spool_bytes``), ``leaks``
     (closes that found a view still held).
     """
@@ -378,7 +335,6 @@ class Spool:
         "in_flight",
         "leaks",
         "max_bytes",
-        "reserved",
         "spooled",
     )
 
@@ -394,7 +350,6 @@ class Spool:
         self.above_bytes = above_bytes
         self.max_bytes = max_bytes
         self.in_flight = 0
-        self.reserved = 0
         self.files = 0
         self.spooled = 0
         self.full = 0
@@ -414,24 +369,17 @@ class Spool:
         return 0 < self.above_bytes < size
 
     def admits(self, declared: int) -> bool:
-        """Whether a body declaring ``declared`` bytes fits in ``max_spool_bytes`` now,
-        next to the bytes spooled and those declared by bodies admitted before it.
+        """Whether a body declaring ``declared`` bytes fits in ``max_spool_bytes`` now.
 
         Only bodies the spool would take are checked; one is always admitted
-        when nothing is spooled or reserved (the limit per body is
-        ``max_body_bytes``). An admitted body takes a :meth:`claim`.
+        when nothing is spooled (the limit per body is ``max_body_bytes``).
         """
         if not self.wants(declared):
             return True
-        committed = self.in_flight + self.reserved
-        return committed == 0 or committed + declared <= self.max_bytes
+        return self.in_flight == 0 or self.in_flight + declared <= self.max_bytes
 
-    def claim(self, declared: int) -> SpoolClaim:
-        """Reserve ``declared`` bytes for an admitted body the spool would take (else 0)."""
-        return SpoolClaim(self, declared if self.wants(declared) else 0)
-
-    def open(self, claim: SpoolClaim | None = None) -> SpoolFile:
-        """A new anonymous file, counted until closed; it takes ``claim``'s reservation.
+    def open(self) -> SpoolFile:
+        """A new anonymous file, counted until closed.
 
         Raises:
             SpoolFull: the file system has no room for even the file.
@@ -456,22 +404,17 @@ class Spool:
             raise SpoolUnavailable() from None
         self.files += 1
         self.spooled += 1
-        return SpoolFile(fd, self, claim.take() if claim is not None else 0)
+        return SpoolFile(fd, self)
 
-    def grow(self, nbytes: int, file_bytes: int, *, checked: int | None = None) -> None:
-        """``nbytes`` more bytes went to a spool file that now holds ``file_bytes``;
-        ``checked`` of them (default all) were not reserved by its claim.
+    def grow(self, nbytes: int, file_bytes: int) -> None:
+        """``nbytes`` more bytes went to a spool file that now holds ``file_bytes``.
 
         Raises:
-            SpoolBusy: unreserved bytes took the spool past ``max_spool_bytes``
-                (spooled plus reserved) while other bodies hold part of it (a
-                body alone may grow to ``max_body_bytes``).
+            SpoolBusy: past ``max_spool_bytes`` while other bodies hold part of it
+                (a body alone may grow to ``max_body_bytes``).
         """
         self.in_flight += nbytes
-        if checked == 0:
-            return
-        committed = self.in_flight + self.reserved
-        if committed > self.max_bytes and committed > file_bytes:
+        if self.in_flight > self.max_bytes and self.in_flight > file_bytes:
             self.busy += 1
             raise SpoolBusy()
 
