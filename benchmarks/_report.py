@@ -49,7 +49,7 @@ __all__ = [
 PASS: Final = "PASS"
 MISS: Final = "MISS"
 MiB: Final = 1024 * 1024
-#: Columns the tables fit when the output is not a terminal (issue 12 item 6).
+#: Columns the tables fit when the output is not a terminal (a classic terminal's width).
 TABLE_WIDTH: Final = 80
 
 

@@ -20,7 +20,7 @@ fold is reapplied to its next request (``[plugin.fold] carry``).
 Per turn and in total, from the emulator's own records (what the upstream saw):
 upstream requests, rejected requests (bodies over the window), bytes sent upstream,
 and the cached share of input tokens (cached / input of the accepted request); and
-from the client: whether it saw an error. Targets (issue 22): after a session's
+from the client: whether it saw an error. Targets: after a session's
 first overflow at most 1 rejected request per 10 turns, a cached share of at least
 85 % over those turns, and no error a client sees.
 

@@ -134,7 +134,7 @@ _WINDOW: Final = 0.1
 _REQUEST_TIMEOUT: Final = 600.0
 _WARMUP_BYTES: Final = 64 * 1024
 _PHASES_OPEN: Final = frozenset({"sent", "accepted", "streaming"})
-#: Anonymous RSS growth limits (x B) for a body the spool takes (issue 21): at the
+#: Anonymous RSS growth limits (x B) for a body the spool takes: at the
 #: peak, and while the answer streams. Its pages are file-backed (RssFile) instead.
 ANON_PEAK_LIMIT: Final = 0.05
 ANON_MID_LIMIT: Final = 0.01
@@ -164,7 +164,7 @@ class Variant:
     overflow: float = 0.0
     #: ``CONTEXT_PROXY_*`` settings of this variant (``heap``: the spool off).
     env: tuple[tuple[str, str], ...] = ()
-    #: Anonymous RSS growth limits, x B, for a body the spool takes (issue 21);
+    #: Anonymous RSS growth limits, x B, for a body the spool takes;
     #: ``None``: reported, no target (the heap path).
     anon_peak_limit: float | None = ANON_PEAK_LIMIT
     anon_mid_limit: float | None = ANON_MID_LIMIT
@@ -206,7 +206,7 @@ VARIANTS: Final = {
         1.1,
         1.05,
         "fake_completion_retries=1, sampled before output starts",
-        # Held before output, the spool still open for a resend: no target of issue 21.
+        # Held before output, the spool still open for a resend: no anonymous-memory target.
         anon_peak_limit=None,
         anon_mid_limit=None,
     ),

@@ -78,8 +78,8 @@ def io_piece_bytes(body_bytes: int, most: int) -> int:
     ``malloc_trim``, so a fixed piece size is a fixed cost that a small body
     pays as a large share: at 256 KiB (asyncio's own read size) the pieces of a
     1 MiB body cost 0.6 of it, at 1/16 of the body still 0.25. At
-    1/:data:`PIECES_PER_BODY` they stay within about 0.07 of it (issue 11 item
-    4), never under :data:`MIN_PIECE_BYTES` and never over ``most`` (the
+    1/:data:`PIECES_PER_BODY` they stay within about 0.07 of it (measured with
+    ``bench memory``), never under :data:`MIN_PIECE_BYTES` and never over ``most`` (the
     caller's cap, e.g. 256 KiB, which keeps large bodies to as few calls as
     before). A ``most`` under the floor wins (the caller asked for less). Both
     sizes in bytes; returns at least 1.

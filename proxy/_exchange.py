@@ -108,7 +108,7 @@ def send_slice_bytes(body_bytes: int) -> int:
 
     1/64 of the body within [16 KiB, :data:`SEND_SLICE_MAX_BYTES`]
     (:func:`proxy._coding.io_piece_bytes`): the transport's copy of an unsent
-    slice then costs at most 1/64 of the body (issue 11 item 4).
+    slice then costs at most 1/64 of the body.
     """
     return io_piece_bytes(body_bytes, SEND_SLICE_MAX_BYTES)
 

@@ -1,4 +1,4 @@
-"""Spooled request bodies: large bodies live in an anonymous temporary file (issue 21).
+"""Spooled request bodies: large bodies live in an anonymous temporary file.
 
 docs/design.md §2 ("the spool") is the spec. A body over ``spool_above_bytes``
 (declared, or crossing it while read) is written, decoded and hashed as it

@@ -6,7 +6,7 @@ already holds as slices) and relays one answer shape (a status, header fields,
 body bytes as they come). aiohttp's client does much more per request (URL
 objects, cookie and redirect handling, trace hooks, a task per upload, a
 timer per socket read) and keeps several KiB per open stream (its response,
-parser, stream reader and queues; issue 11 items 3 and 5). Framing is not
+parser, stream reader and queues; see ``bench overhead``). Framing is not
 ours: the status line, header fields, chunked and length bodies are parsed by
 llhttp through ``httptools``.
 
