@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import resource
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -205,3 +206,41 @@ async def test_uploads_admitted_together_never_promise_more_than_max_spool_bytes
         left = (spool.files, spool.in_flight)
     assert finals == [b"200"] * 3
     assert left == (0, 0)
+
+
+def test_a_heap_body_is_not_kept_by_uvloops_write_queue_past_the_exchange() -> None:
+    """The heap path of the same upstream (spool off): a slice of the body that uvloop
+    queued is a view that keeps the whole body buffer alive, so the body stayed in
+    memory after its exchange ended, until the upstream had read it all."""
+    uvloop = pytest.importorskip("uvloop")
+    body = encode(conversation(CHAT, turns=40, turn_bytes=100_000))  # ~4 MB
+
+    async def scenario() -> tuple[int, int, int]:
+        async with (
+            Scripted(_answers_first) as upstream,
+            proxy_app(upstream.url, spool_above_bytes=0) as (url, app),
+            aiohttp.ClientSession() as http,
+        ):
+            tracemalloc.start()
+            try:
+                baseline = tracemalloc.get_traced_memory()[0]
+                async with http.post(
+                    url + CHAT, data=body, headers={"Content-Type": "application/json"}
+                ) as resp:
+                    status = resp.status
+                    await resp.read()
+                for _ in range(100):  # bounded: 5 s
+                    if not app.state.exchanges:
+                        break
+                    await asyncio.sleep(0.05)
+                # The exchange is over; the upstream is still reading the upload.
+                held = tracemalloc.get_traced_memory()[0] - baseline
+            finally:
+                tracemalloc.stop()
+            return status, held, len(app.state.exchanges)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        status, held, exchanges = runner.run(scenario())
+    assert (status, exchanges) == (200, 0)
+    # A few slices in the write queue, as asyncio's own copies: not the body.
+    assert held < len(body) // 4, f"{held / len(body):.2f} x the body still allocated"
