@@ -114,23 +114,7 @@ def _marked(history: list[dict[str, Any]], marks: int) -> list[dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize(
-    "marks",
-    [
-        0,
-        1,
-        pytest.param(
-            2,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the carried prefix digest covers the client's cache_control markers:"
-                " a breakpoint that moves off an entry before the cut (the second-to-last"
-                " user message) drops the carried fold, so turns overflow again; digesting"
-                " the prefix without markers needs a bounded canonical digest (not done)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("marks", [0, 1, 2])
 async def test_moving_cache_breakpoints_do_not_cost_the_carried_fold(marks: int) -> None:
     """A Messages client that moves its ``cache_control`` breakpoints to the newest user
     messages every turn: the carried fold keeps being applied, so 28 turns of a growing
