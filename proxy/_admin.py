@@ -154,7 +154,8 @@ def _page_limit(raw: str | None) -> int | None:
     """``limit`` from the query: the default when absent, ``None`` when not 1..max."""
     if raw is None:
         return SESSIONS_PAGE_DEFAULT
-    if not raw.isdigit() or not 1 <= int(raw) <= SESSIONS_PAGE_MAX:
+    # isascii: str.isdigit() is true of "²" and other digits int() refuses.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= SESSIONS_PAGE_MAX:
         return None
     return int(raw)
 
@@ -246,9 +247,11 @@ def _usage_after(cursor: str) -> str:
         raw = base64.urlsafe_b64decode(cursor.encode("ascii"))
     except (binascii.Error, UnicodeEncodeError) as exc:
         raise ValueError(cursor) from exc
-    if not raw or _usage_cursor(raw.decode("utf-8", "surrogateescape")) != cursor:
+    # Strict UTF-8 (UnicodeDecodeError is a ValueError): keys are text, and a lone
+    # surrogate would only fail later, in the store's query.
+    if not raw or _usage_cursor(raw.decode("utf-8")) != cursor:
         raise ValueError(cursor)
-    return raw.decode("utf-8", "surrogateescape")
+    return raw.decode("utf-8")
 
 
 def _bad_request(message: str) -> web.Response:
