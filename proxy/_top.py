@@ -19,13 +19,27 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["READ_TIMEOUT_S", "TopError", "print_once", "render", "snapshots"]
+__all__ = ["READ_TIMEOUT_S", "TopError", "cell", "print_once", "render", "snapshots"]
 
 #: Seconds without a byte from the event stream before ``top`` gives up (snapshots
 #: come every second).
 READ_TIMEOUT_S: Final = 10.0
 #: Widest a session id gets in the table; longer ones end in an ellipsis.
 SESSION_WIDTH: Final = 14
+
+
+def cell(value: object) -> Text:
+    """``str(value)`` as a table cell shown as it is: never read as rich markup (a
+    session id or model ``[/x]`` would raise ``MarkupError``, ``[bold]`` would style),
+    and with every non-printable character but a line break (ESC, BEL, CR, ...)
+    written as its Python escape (``\\x1b``), so a client-chosen name cannot drive
+    the operator's terminal; a line break starts a line of the cell."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(
+            c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode() for c in text
+        )
+    return Text(text)
 
 
 class TopError(Exception):
@@ -139,11 +153,11 @@ def render(snap: dict[str, Any]) -> RenderableType:
     table.add_column("held", overflow="fold", min_width=12)
     for ex in exchanges:
         table.add_row(
-            str(ex.get("id")),
-            str(ex.get("protocol")),
-            str(ex.get("session") or "-"),
-            str(ex.get("phase")),
-            str(ex.get("fold_level")),
+            cell(ex.get("id")),
+            cell(ex.get("protocol")),
+            cell(ex.get("session") or "-"),
+            cell(ex.get("phase")),
+            cell(ex.get("fold_level")),
             f"{float(ex.get('age_s') or 0):.0f}s",
             _held_cell(ex.get("held_bytes") or {}),
         )
