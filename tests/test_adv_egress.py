@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 
 import aiohttp
 import openai
 import pytest
 
+from proxy._egress import EgressError, ForwardProxy, choose_proxy
 from tests.upstream_support import Scripted, pool_of, proxy_app
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -150,3 +152,29 @@ async def test_an_endless_tunnel_head_is_refused_as_too_big() -> None:
     body = caught.value.body
     assert isinstance(body, dict)
     assert "answer head over 16384 bytes" in body["message"]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://alice:2024/pw@proxy.corp:3128",
+        "http://alice:99#pw@proxy.corp",
+        "http://alice:12?pw@proxy.corp:3128",
+    ],
+)
+def test_credentials_with_an_unencoded_slash_are_refused_not_shown_as_host_and_port(
+    url: str,
+) -> None:
+    """Unencoded, ``alice:2024`` parses as host and port: the user name and part of the
+    password would be shown in every log line and 502 body naming the proxy."""
+    with pytest.raises(EgressError) as caught:
+        choose_proxy(True, "api.openai.com", 443, setting=None, environ={"HTTPS_PROXY": url})
+    words = str(caught.value)
+    assert words.startswith("HTTPS_PROXY: ") and "percent-encode" in words
+    assert "alice" not in words and "pw" not in words
+
+
+def test_percent_encoded_credentials_with_a_slash_still_work() -> None:
+    proxy = ForwardProxy("http://alice:pa%2Fss@proxy.corp:3128", "HTTPS_PROXY")
+    assert proxy.shown == "http://proxy.corp:3128"
+    assert proxy.authorization == "Basic " + base64.b64encode(b"alice:pa/ss").decode()
