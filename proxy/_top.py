@@ -62,7 +62,8 @@ def snapshots(base: str, token: str | None) -> Generator[dict[str, Any], None, N
 
     Raises:
         TopError: a stream could not be opened (refused, not there, no proxy), broke,
-            or sent nothing for :data:`READ_TIMEOUT_S` seconds.
+            sent nothing for :data:`READ_TIMEOUT_S` seconds, or ended before its
+            first snapshot.
     """
     url = f"{base}/admin/events"
     while True:  # bounded: a stream is opened again only after one lived its whole life
@@ -82,6 +83,7 @@ def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool
         raise TopError(f"{url}: HTTP {exc.code}", exc.code) from None
     except OSError as exc:
         raise TopError(f"{url}: {exc}") from None
+    seen = 0
     with resp:
         event = "message"
         try:
@@ -90,6 +92,7 @@ def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool
                 if line.startswith(b"event: "):
                     event = line[len(b"event: ") :].decode()
                 elif line.startswith(b"data: ") and event == "snapshot":
+                    seen += 1
                     yield json.loads(line[len(b"data: ") :])
                 elif line.startswith(b"data: ") and event == "end":
                     return True
@@ -97,6 +100,11 @@ def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool
                     event = "message"
         except (OSError, http.client.HTTPException) as exc:  # a timeout, a reset, a cut chunk
             raise TopError(f"{url}: {exc or type(exc).__name__}") from None
+    if not seen:
+        # The proxy sends a snapshot at once: a stream ended before one is not its
+        # end of life (something in between cut it), and opening it again at once
+        # would go round without end.
+        raise TopError(f"{url}: the event stream ended before its first snapshot")
     return False
 
 
