@@ -55,6 +55,7 @@ __all__ = [
     "median_rss",
     "open_client_and_emulator",
     "raise_nofile_limit",
+    "read_rss_kinds",
     "read_vm_hwm",
     "reset_vm_hwm",
     "run_collect",
@@ -125,16 +126,49 @@ def reset_vm_hwm(pid: int) -> bool:
     return True
 
 
+def read_rss_kinds(pid: int) -> tuple[int, int]:
+    """``(RssAnon, RssFile)`` of ``pid`` in bytes, from /proc/PID/status; ``(0, 0)`` if unknown.
+
+    Anonymous pages are the process's own memory (heap, buffers); file-backed
+    pages (a spooled body's mapping, the interpreter's code) are page cache the
+    kernel can drop and read again (proc(5), "RssAnon", "RssFile").
+    """
+    anon = file = 0
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("RssAnon:"):
+                    anon = int(line.split()[1]) * 1024
+                elif line.startswith("RssFile:"):
+                    file = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return anon, file
+
+
 class RssSampler:
     """Samples the RSS of one process every ``interval`` seconds in a daemon thread.
 
-    ``times`` (seconds since :attr:`t0`, monotonic) and ``rss`` (bytes) are parallel
-    lists; :meth:`mark` records a named instant (a phase boundary) on the same
-    clock. A thread rather than a task, so sampling goes on while the event loop
-    of the benchmark is busy sending a large body.
+    ``times`` (seconds since :attr:`t0`, monotonic), ``rss``, ``anon`` and ``file``
+    (bytes: RSS, its anonymous and its file-backed part, :func:`read_rss_kinds`)
+    are parallel lists; :meth:`mark` records a named instant (a phase boundary)
+    on the same clock. A thread rather than a task, so sampling goes on while
+    the event loop of the benchmark is busy sending a large body.
     """
 
-    __slots__ = ("_proc", "_stop", "_thread", "interval", "marks", "pid", "rss", "t0", "times")
+    __slots__ = (
+        "_proc",
+        "_stop",
+        "_thread",
+        "anon",
+        "file",
+        "interval",
+        "marks",
+        "pid",
+        "rss",
+        "t0",
+        "times",
+    )
 
     def __init__(self, pid: int, interval: float = 0.005) -> None:
         self.pid = pid
@@ -143,6 +177,8 @@ class RssSampler:
         self.t0 = time.monotonic()
         self.times: list[float] = []
         self.rss: list[int] = []
+        self.anon: list[int] = []
+        self.file: list[int] = []
         self.marks: list[tuple[float, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rss-{pid}", daemon=True)
@@ -153,12 +189,16 @@ class RssSampler:
         return self
 
     def _run(self) -> None:
-        proc, times, rss = self._proc, self.times, self.rss
+        proc, times, rss, anon, file = self._proc, self.times, self.rss, self.anon, self.file
         while not self._stop.is_set():
             try:
                 value = proc.memory_info().rss
             except psutil.Error:
                 return
+            kinds = read_rss_kinds(self.pid)
+            # Appended last-list-first: a reader zipping the lists never sees rss ahead.
+            file.append(kinds[1])
+            anon.append(kinds[0])
             times.append(time.monotonic() - self.t0)
             rss.append(value)
             self._stop.wait(self.interval)
@@ -187,6 +227,16 @@ class RssSampler:
         """Largest sampled RSS (bytes) between ``since`` and ``until`` (seconds since t0)."""
         values = [r for t, r in zip(self.times, self.rss, strict=False) if since <= t <= until]
         return max(values) if values else 0
+
+    def peak_of(self, values: list[int], since: float, until: float) -> int:
+        """Largest of ``values`` (``anon`` or ``file``) sampled between ``since`` and ``until``."""
+        picked = [v for t, v in zip(self.times, values, strict=False) if since <= t <= until]
+        return max(picked) if picked else 0
+
+    def median_of(self, values: list[int], since: float, until: float) -> int:
+        """Median of ``values`` (``anon`` or ``file``) sampled between ``since`` and ``until``."""
+        picked = sorted(v for t, v in zip(self.times, values, strict=False) if since <= t <= until)
+        return picked[len(picked) // 2] if picked else 0
 
     def window(self, since: float, until: float) -> list[int]:
         """Sampled RSS values (bytes) between ``since`` and ``until``."""
@@ -305,10 +355,10 @@ def _spawn(
     return Service(name, proc, f"http://{HOST}:{port}", log_path, ready_path)
 
 
-def start_emulator(log_dir: Path) -> Service:
-    """Start the upstream emulator on a free port (``context-proxy emulate``)."""
+def start_emulator(log_dir: Path, args: Sequence[str] = ()) -> Service:
+    """Start the upstream emulator on a free port (``context-proxy emulate [args]``)."""
     port = free_port()
-    argv = ["-m", "proxy", "emulate", "--host", HOST, "--port", str(port)]
+    argv = ["-m", "proxy", "emulate", "--host", HOST, "--port", str(port), *args]
     return _spawn("emulator", argv, port, log_dir, "/", {})
 
 
@@ -602,9 +652,11 @@ async def wait_proxy_idle(
 
 @contextlib.asynccontextmanager
 async def open_client_and_emulator(
-    log_dir: Path,
+    log_dir: Path, emulator_args: Sequence[str] = ()
 ) -> AsyncIterator[tuple[aiohttp.ClientSession, Service]]:
     """A client session and a ready emulator process (its log in ``log_dir``) for one run.
+
+    ``emulator_args`` are options of ``context-proxy emulate`` (e.g. a context window).
 
     The session's connection pool is unbounded (500 held streams need 500
     connections) and only connecting is timed (10 s): a large request may take
@@ -617,7 +669,7 @@ async def open_client_and_emulator(
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        emulator = start_emulator(log_dir)
+        emulator = start_emulator(log_dir, emulator_args)
         async with emulator:
             await emulator.wait_ready(session)
             yield session, emulator

@@ -49,7 +49,7 @@ __all__ = [
 PASS: Final = "PASS"
 MISS: Final = "MISS"
 MiB: Final = 1024 * 1024
-#: Columns the tables fit when the output is not a terminal (issue 12 item 6).
+#: Columns the tables fit when the output is not a terminal (a classic terminal's width).
 TABLE_WIDTH: Final = 80
 
 
@@ -271,7 +271,8 @@ def write_markdown(path: Path, tables: Sequence[Table], preamble: str = "") -> N
 class Series:
     """One line of a plot: ``label``, x and y values, a matplotlib ``colour``, and
     ``spans``: ``(start, end)`` x ranges shaded in the series' colour (phases such as
-    "answer held open"), named ``span_label`` in the legend."""
+    "answer held open"), named ``span_label`` in the legend; ``style`` is the
+    matplotlib line style (``"-"``, ``"--"``, ``":"``)."""
 
     label: str
     x: Sequence[float]
@@ -279,6 +280,7 @@ class Series:
     colour: str = "#1f77b4"
     spans: Sequence[tuple[float, float]] = ()
     span_label: str = ""
+    style: str = "-"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -324,7 +326,14 @@ def plot_series(path: Path, title: str, panels: Sequence[Panel], *, columns: int
                     series.x, series.y, marker="o", ms=3, color=series.colour, label=series.label
                 )
             else:
-                ax.plot(series.x, series.y, lw=1.2, color=series.colour, label=series.label)
+                ax.plot(
+                    series.x,
+                    series.y,
+                    lw=1.2,
+                    ls=series.style,
+                    color=series.colour,
+                    label=series.label,
+                )
             for number, (start, end) in enumerate(series.spans):
                 ax.axvspan(
                     start,

@@ -69,6 +69,7 @@ import aiohttp
 import click
 
 from proxy._alloc import DEFAULT_IDLE_AFTER
+from proxy._config import Settings
 
 from . import _report as rpt
 from ._harness import (
@@ -133,6 +134,12 @@ _WINDOW: Final = 0.1
 _REQUEST_TIMEOUT: Final = 600.0
 _WARMUP_BYTES: Final = 64 * 1024
 _PHASES_OPEN: Final = frozenset({"sent", "accepted", "streaming"})
+#: Anonymous RSS growth limits (x B) for a body the spool takes: at the
+#: peak, and while the answer streams. Its pages are file-backed (RssFile) instead.
+ANON_PEAK_LIMIT: Final = 0.05
+ANON_MID_LIMIT: Final = 0.01
+#: Bodies over this many bytes are spooled by default (``spool_above_bytes``).
+SPOOL_ABOVE_DEFAULT: Final = Settings().spool_above_bytes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,11 +162,29 @@ class Variant:
     description: str
     workload: str = "default"
     overflow: float = 0.0
+    #: ``CONTEXT_PROXY_*`` settings of this variant (``heap``: the spool off).
+    env: tuple[tuple[str, str], ...] = ()
+    #: Anonymous RSS growth limits, x B, for a body the spool takes;
+    #: ``None``: reported, no target (the heap path).
+    anon_peak_limit: float | None = ANON_PEAK_LIMIT
+    anon_mid_limit: float | None = ANON_MID_LIMIT
 
 
 VARIANTS: Final = {
     "plain": Variant(
         "plain", ("fold",), 0, "delta", 1.1, 0.05, "default plugins, none reads the body"
+    ),
+    "heap": Variant(
+        "heap",
+        ("fold",),
+        0,
+        "delta",
+        1.1,
+        0.05,
+        "plain with the spool off (spool_above_bytes=0): every body in the heap",
+        env=(("CONTEXT_PROXY_SPOOL_ABOVE_BYTES", "0"),),
+        anon_peak_limit=None,
+        anon_mid_limit=None,
     ),
     "plugin": Variant(
         "plugin",
@@ -169,6 +194,9 @@ VARIANTS: Final = {
         2.2,
         0.05,
         "Marker plugin parses and rewrites every body",
+        # The whole-object path parses the body into Python objects: ~2 B of heap.
+        anon_peak_limit=None,
+        anon_mid_limit=None,
     ),
     "retry": Variant(
         "retry",
@@ -178,6 +206,9 @@ VARIANTS: Final = {
         1.1,
         1.05,
         "fake_completion_retries=1, sampled before output starts",
+        # Held before output, the spool still open for a resend: no anonymous-memory target.
+        anon_peak_limit=None,
+        anon_mid_limit=None,
     ),
     "edit": Variant(
         "edit",
@@ -209,6 +240,12 @@ class Sample:
 
     body_bytes: int
     idle_rss: int
+    idle_anon: int = 0
+    idle_file: int = 0
+    peak_anon: int = 0
+    mid_anon: int = 0
+    peak_file: int = 0
+    mid_file: int = 0
     before_rss: int = 0
     peak_rss: int = 0
     hwm_rss: int = 0
@@ -246,6 +283,26 @@ class Sample:
         return self.growth(self.after_rss)
 
     @property
+    def anon_peak(self) -> float:
+        """Peak anonymous RSS growth over idle, x B (RssAnon: the process's own memory)."""
+        return (self.peak_anon - self.idle_anon) / self.body_bytes
+
+    @property
+    def anon_mid(self) -> float:
+        """Mid-stream anonymous RSS growth over idle, x B."""
+        return (self.mid_anon - self.idle_anon) / self.body_bytes
+
+    @property
+    def file_peak(self) -> float:
+        """Peak file-backed RSS growth over idle, x B (RssFile: a spooled body's mapping)."""
+        return (self.peak_file - self.idle_file) / self.body_bytes
+
+    @property
+    def file_mid(self) -> float:
+        """Mid-stream file-backed RSS growth over idle, x B."""
+        return (self.mid_file - self.idle_file) / self.body_bytes
+
+    @property
     def held_mid(self) -> int:
         """Bytes this proxy's own accounting said it held mid-stream (all exchanges)."""
         return sum(int(ex["held_bytes"]["total"]) for ex in self.held_admin)
@@ -257,6 +314,10 @@ class Sample:
             peak_growth_x_body=self.peak,
             mid_growth_x_body=self.mid,
             after_growth_x_body=self.after,
+            anon_peak_growth_x_body=self.anon_peak,
+            anon_mid_growth_x_body=self.anon_mid,
+            file_peak_growth_x_body=self.file_peak,
+            file_mid_growth_x_body=self.file_mid,
             held_mid_bytes=self.held_mid,
         )
         return data
@@ -274,6 +335,8 @@ class ProcessRun:
     times: list[float]
     rss: list[int]
     marks: list[tuple[float, str]]
+    anon: list[int] = dataclasses.field(default_factory=list)
+    file: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(slots=True)
@@ -305,7 +368,7 @@ class Bench:
             plugins=variant.plugins,
             fake_completion_retries=variant.retries,
             max_body_bytes=self.max_body,
-            env=self.proxy_env,
+            env={**self.proxy_env, **dict(variant.env)},
             module=self.proxy_module,
             name=name,
         )
@@ -352,7 +415,7 @@ async def _warm_up(
     # while an answer is held) happen here, with the same steps as a measured
     # request, so the idle baseline is that of a proxy that has served this
     # traffic: what stays afterwards is per-connection state, not body memory.
-    warm = await measure_batch(bench, svc, sampler, protocol, body, 1, hold, 0, ours)
+    warm = await measure_batch(bench, svc, sampler, protocol, body, 1, hold, (0, 0, 0), ours)
     if not warm.complete:
         raise RuntimeError(f"{svc.name}: warm-up request failed: {warm.error}")
 
@@ -365,7 +428,7 @@ async def measure_batch(
     body: bytes,
     count: int,
     hold: str,
-    idle: int,
+    idle: tuple[int, int, int],
     ours: bool,
     overflow: float = 0.0,
 ) -> Sample:
@@ -376,7 +439,9 @@ async def measure_batch(
     Raises:
         TimeoutError: the batch did not reach its hold or end within 10 minutes.
     """
-    sample = Sample(body_bytes=count * len(body), idle_rss=idle)
+    sample = Sample(
+        body_bytes=count * len(body), idle_rss=idle[0], idle_anon=idle[1], idle_file=idle[2]
+    )
     sample.before_rss = await median_rss(sampler, _WINDOW)
     key = bench.key()
     script = _script(protocol, key, hold, int(overflow * len(body)))
@@ -403,6 +468,8 @@ async def measure_batch(
         sample.t_uploaded = max(call.outcome.upload_done for call in calls)
         sample.t_held = sampler.mark("held")
         sample.mid_rss = await median_rss(sampler, _WINDOW)
+        sample.mid_anon = sampler.median_of(sampler.anon, sample.t_held, sampler.now())
+        sample.mid_file = sampler.median_of(sampler.file, sample.t_held, sampler.now())
         if ours:
             sample.held_admin = await admin_exchanges(bench.session, svc.url)
             sample.held_metrics = await held_metrics(bench.session, svc.url)
@@ -421,6 +488,8 @@ async def measure_batch(
         sample.after_rss = await median_rss(sampler, _WINDOW)
         sample.peak_rss = sampler.peak(sample.t_start, sampler.now())
         sample.hwm_rss = read_vm_hwm(svc.pid)
+        sample.peak_anon = sampler.peak_of(sampler.anon, sample.t_start, sample.t_end)
+        sample.peak_file = sampler.peak_of(sampler.file, sample.t_start, sample.t_end)
     finally:
         if not all(call.task.done() for call in calls):
             await bench.control.release(key)
@@ -458,8 +527,14 @@ async def run_process(
             await _warm_up(bench, svc, sampler, protocol, warmup, hold, ours)
             # Idle as a user's proxy is idle: past its idle trim.
             await asyncio.sleep(DEFAULT_IDLE_AFTER + _SETTLE)
-            idle = await median_rss(sampler, _WINDOW)
-            sampler.mark("idle")
+            since = sampler.now()
+            idle_rss = await median_rss(sampler, _WINDOW)
+            now = sampler.mark("idle")
+            idle = (
+                idle_rss,
+                sampler.median_of(sampler.anon, since, now),
+                sampler.median_of(sampler.file, since, now),
+            )
             overflow = variant.overflow if variant is not None else 0.0
             samples = [
                 await measure_batch(
@@ -478,6 +553,8 @@ async def run_process(
         times=sampler.times,
         rss=sampler.rss,
         marks=sampler.marks,
+        anon=sampler.anon,
+        file=sampler.file,
     )
 
 
@@ -547,7 +624,7 @@ out_option: Final = click.option(
     "--variants",
     default=",".join(VARIANTS),
     callback=converted(_choices(list(VARIANTS))),
-    help="plain,plugin,retry,edit,refold [all]",
+    help="plain,heap,plugin,retry,edit,refold [all]",
 )
 @click.option("--repeats", type=click.IntRange(min=1), default=3, help="requests per case [3]")
 @click.option(
@@ -824,16 +901,33 @@ def _held_text(samples: Sequence[Sample]) -> str:
     return f"{rpt.fmt_bytes(held.held_mid)} ({where}{': ' + detail if detail else ''})"
 
 
-_FIGURE_ATTR: Final = {"peak": "peak", "mid-stream": "mid", "after": "after"}
+_FIGURE_ATTR: Final = {
+    "peak": "peak",
+    "mid-stream": "mid",
+    "after": "after",
+    "anon peak": "anon_peak",
+    "anon mid-stream": "anon_mid",
+}
+#: Figures shown beside the targets, with none of their own.
+_INFO_FIGURES: Final = {"file peak": "file_peak", "file mid-stream": "file_mid"}
 
 
 def _checks(case: Case, variant: Variant) -> list[tuple[str, str, rpt.Stat, float]]:
     run = case.ours[variant.name]
-    return [
+    checks = [
         ("peak", f"<= {variant.peak_limit:g}", _stats(run.samples, "peak"), variant.peak_limit),
         ("mid-stream", f"<= {variant.mid_limit:g}", _stats(run.samples, "mid"), variant.mid_limit),
         ("after", f"<= {AFTER_LIMIT:g}", _stats(run.samples, "after"), AFTER_LIMIT),
     ]
+    # Anonymous memory targets apply to bodies the spool takes (over its default threshold).
+    if case.body_bytes > SPOOL_ABOVE_DEFAULT:
+        for figure, attr, limit in (
+            ("anon peak", "anon_peak", variant.anon_peak_limit),
+            ("anon mid-stream", "anon_mid", variant.anon_mid_limit),
+        ):
+            if limit is not None:
+                checks.append((figure, f"<= {limit:g}", _stats(run.samples, attr), limit))
+    return checks
 
 
 def build_tables(
@@ -903,6 +997,26 @@ def build_tables(
                 per_size = worst.setdefault(key, {})
                 if not value.median <= per_size.get(size_label, -math.inf):
                     per_size[size_label] = value.median
+            # RssAnon and RssFile apart, every variant (with a target above where one is set).
+            checked = {c[0] for c in _checks(case, variant)}
+            for info, attr in {
+                "anon peak": "anon_peak",
+                "anon mid-stream": "anon_mid",
+                **_INFO_FIGURES,
+            }.items():
+                if info in checked:
+                    continue
+                info_stat = _stats(run.samples, attr)
+                naive_info = _stats(naive, attr)
+                main_table.add(
+                    variant.name,
+                    info,
+                    rpt.fmt_ratio(info_stat),
+                    rpt.fmt_ratio(naive_info.median) if naive_info.n else "n/a",
+                    rpt.fmt_ratio(_ratio(info_stat, naive_info)),
+                    "-",
+                    "-",
+                )
             failed = [s for s in run.samples if not s.complete]
             if failed:
                 main_table.notes.append(
@@ -913,7 +1027,9 @@ def build_tables(
         [
             "peak: max RSS during the request (5 ms samples and VmHWM); mid-stream: answer held "
             "open by the upstream; after: 200 ms after the response ended. Growth is over the "
-            "idle RSS of the same process before its first large request.",
+            "idle RSS of the same process before its first large request. anon / file: the "
+            "anonymous (RssAnon) and file-backed (RssFile) parts of RSS, from /proc/PID/status: "
+            "a spooled body is read through a file mapping, which is RssFile.",
             *(f"{v.name}: {v.description}." for v in variants),
         ]
     )
@@ -1028,7 +1144,10 @@ def run_json(run: ProcessRun | None) -> dict[str, Any] | None:
         "variant": run.variant,
         "protocol": run.protocol,
         "samples": [s.to_json() for s in run.samples],
-        "summary": {name: _stats(run.samples, name).as_dict() for name in ("peak", "mid", "after")},
+        "summary": {
+            name: _stats(run.samples, name).as_dict()
+            for name in ("peak", "mid", "after", "anon_peak", "anon_mid", "file_peak", "file_mid")
+        },
     }
 
 
@@ -1058,7 +1177,7 @@ def _document(
             ]
             entry["ratio_to_naive"] = {
                 name: _ratio(_stats(run.samples, name), _stats(naive, name))
-                for name in ("peak", "mid", "after")
+                for name in ("peak", "mid", "after", "anon_peak", "anon_mid")
             }
             ours_docs[variant.name] = entry
         case_docs.append(
@@ -1102,17 +1221,27 @@ def _timeline(run: ProcessRun, points: int = 1500) -> dict[str, Any]:
     """The RSS timeline from the first large request on, x B over idle, thinned to ``points``."""
     first = run.samples[0]
     start = first.t_start
-    pairs = [(t, r) for t, r in zip(run.times, run.rss, strict=False) if t >= start - 0.05]
-    step = max(1, len(pairs) // points)
+    rows = [
+        (t, r, a, f)
+        for t, r, a, f in zip(run.times, run.rss, run.anon, run.file, strict=False)
+        if t >= start - 0.05
+    ]
+    step = max(1, len(rows) // points)
     # Keep each stride's maximum so thinning never hides a peak.
-    thinned = [max(pairs[i : i + step], key=lambda p: p[1]) for i in range(0, len(pairs), step)]
+    thinned = [max(rows[i : i + step], key=lambda p: p[1]) for i in range(0, len(rows), step)]
     return {
         "proxy": run.proxy,
         "variant": run.variant,
         "protocol": run.protocol,
         "body_bytes": first.body_bytes,
-        "t_s": [round(t - start, 4) for t, _ in thinned],
-        "growth_x_body": [round(first.growth(r), 4) for _, r in thinned],
+        "t_s": [round(t - start, 4) for t, *_ in thinned],
+        "growth_x_body": [round(first.growth(r), 4) for _, r, _, _ in thinned],
+        "anon_growth_x_body": [
+            round((a - first.idle_anon) / first.body_bytes, 4) for _, _, a, _ in thinned
+        ],
+        "file_growth_x_body": [
+            round((f - first.idle_file) / first.body_bytes, 4) for _, _, _, f in thinned
+        ],
         "marks": [(round(t - start, 4), label) for t, label in run.marks if t >= start],
     }
 
@@ -1157,6 +1286,20 @@ def plot_memory(
         variant = variants[timeline["variant"]]
         name = variant["name"]
         series = [_series(f"context-proxy ({name})", timeline, _COLOURS[name])]
+        if timeline.get("anon_growth_x_body"):
+            # RSS split as the kernel sees it: anonymous (own memory) and file-backed.
+            for kind, colour, style in (("anon", _COLOURS[name], ":"), ("file", "#7f7f7f", "--")):
+                series.append(
+                    rpt.Series(
+                        f"{name}: RssAnon (its own memory)"
+                        if kind == "anon"
+                        else f"{name}: RssFile (a spooled body's mapping)",
+                        timeline["t_s"],
+                        timeline[f"{kind}_growth_x_body"],
+                        colour=colour,
+                        style=style,
+                    )
+                )
         if name in ("refold", "edit") and plain is not None:
             # The edited and refolded paths beside the plain one.
             series.append(_series("context-proxy (plain)", plain, _COLOURS["plain"]))
@@ -1226,6 +1369,7 @@ _COLOURS: Final = {
     "retry": "#9467bd",
     "edit": "#17becf",
     "refold": "#ff7f0e",
+    "heap": "#8c564b",
     "naive": "#d62728",
 }
 

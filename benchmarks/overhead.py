@@ -85,7 +85,7 @@ ADDED_LATENCY_SLACK: Final = 0.002
 RPS_RATIO_TARGET: Final = 1.0
 #: This proxy's CPU seconds per request at most this multiple of the naive proxy's.
 CPU_RATIO_TARGET: Final = 1.0
-#: Bytes of RSS one open idle stream may cost this proxy (issue 11 item 5).
+#: Bytes of RSS one open idle stream may cost this proxy.
 IDLE_STREAM_TARGET_BYTES: Final = 24 * 1024
 _THROUGHPUT_ROUNDS: Final = 4
 _SMALL_BYTES: Final = 2048

@@ -74,7 +74,7 @@ _FD_SETTLE_S: Final = 20.0  # seconds the idle proxy gets to close pooled upstre
 _SESSIONS: Final = 64  # distinct session ids, so commits share session locks
 _METRIC: Final = re.compile(r"^(?P<name>[a-z_]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$", re.M)
 
-#: Targets (README, issue 9 item 8).
+#: Targets (README's soak figures).
 SLOPE_TARGET_KIB: Final = 1.0
 
 

@@ -87,18 +87,50 @@ Anthropic messages):
 Left alone on purpose: Anthropic ``thinking``/``redacted_thinking`` blocks and
 Responses ``reasoning`` items (signed or encrypted; a change is rejected), server
 tool blocks, and any type not listed above.
+
+Carried folds
+-------------
+A level always folds the oldest bulky turns, so what it elided is described by
+one *cut*: every bulky piece of a non-system entry before that entry index.
+Folding the same bytes up to the same cut gives the same bytes. So once a
+session's refolded request was accepted (seen at ``commit``: 2xx), the plugin
+keeps the cut with a digest of the entries before it as received, and folds the
+session's next request up to that cut at level 0 when its history starts with
+the same entries: the upstream receives a byte-identical prefix, without a
+rejected round trip. One carried fold is kept per history of the session (keyed
+by a digest of its first entries: sub-agents), scalars only. The cut moves
+forward (never back) before a send that would pass ``fold_target`` of the
+window as learned from overflow errors and accepted requests, or on a refold
+after a carried fold overflowed again, aiming at ``fold_headroom``; the same
+rules as the levels' hold, since it folds the same pieces of the same turns.
+docs/plugins.md ("Carried folds") is the user's description.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
 import string
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-from proxy import BodyView, Node, Plugin, PrepareContext, Protocol, WireError, WireMetadata
+from proxy import (
+    BodyView,
+    ClusterUnavailable,
+    ExchangeRecord,
+    Node,
+    Plugin,
+    PrepareContext,
+    Protocol,
+    Scalar,
+    SharedSessionState,
+    WireError,
+    WireMetadata,
+    open_session_state,
+)
 
 __all__ = ["DEFAULT_PLACEHOLDER", "FoldPlugin"]
 
@@ -111,6 +143,16 @@ _RESPONSES: Final = Protocol.RESPONSES
 _FOLDABLE: Final = frozenset(
     (Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSAGES, Protocol.COUNT_TOKENS)
 )
+# Protocols whose folds are carried to the session's next request (count_tokens is
+# no turn of the conversation: it neither sets nor uses a carried fold).
+_CARRYABLE: Final = frozenset((Protocol.CHAT, Protocol.RESPONSES, Protocol.MESSAGES))
+# Sessions whose carried folds are kept at most (least recently used dropped first),
+# and exchanges between their fold and their commit: both bound the plugin's memory
+# whatever the clients do (a session the proxy forgot without closing it included).
+_MAX_SESSIONS: Final = 4096
+_MAX_PENDING: Final = 1024
+# Seconds a session's carried folds stay in Redis (cluster mode) after their last write.
+_SHARED_TTL: Final = 24 * 3600.0
 
 _USER: Final = 0
 _ASSISTANT: Final = 1
@@ -478,8 +520,181 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
+def _check_share(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"fold: {name} must be a number, got {type(value).__name__}")
+    if not 0 < value <= 1:
+        raise ValueError(f"fold: {name} must be in (0, 1], got {value}")
+    return float(value)
+
+
+def _digest(entries: list[Node], stop: int) -> str:
+    """Hex digest of the JSON text of ``entries[:stop]`` as received, each length-prefixed.
+
+    The entries are read from the raw buffer (an edit changes what is sent, not
+    what a node reads), so the digest is of the history as the client sent it.
+    """
+    hasher = hashlib.blake2b(digest_size=16)
+    for entry in entries[:stop]:
+        with entry.raw() as data:
+            hasher.update(len(data).to_bytes(8, "little"))
+            hasher.update(data)
+    return hasher.hexdigest()
+
+
+def _outbound_size(view: BodyView) -> int:
+    """Bytes of the body the view would send now: the raw size plus what its edits changed."""
+    return view.nbytes + sum(len(data) - (end - start) for start, end, data in view.edits)
+
+
+def _history_key(entries: list[Node], protocol: Protocol | None) -> str:
+    """Digest of a history's first entries: up to and including the first user-side one.
+
+    Sub-agents of one session (Claude Code's) differ there: their own task prompt.
+    """
+    first_user = next((i for i, entry in enumerate(entries) if _side(entry, protocol) == _USER), 0)
+    return _digest(entries, first_user + 1)
+
+
+class _History:
+    """One request's history as the fold sees it: entries, sides and bulky turns.
+
+    ``bulky`` lists the bulky turns before the protected end (entry indices,
+    oldest first); the first ``head`` of them are head turns, the rest tail
+    turns. ``protected_at`` is the index of the protected end's first entry: no
+    cut goes past it.
+    """
+
+    __slots__ = ("bulky", "entries", "head", "protected_at", "sides")
+
+    def __init__(
+        self,
+        entries: list[Node],
+        sides: list[int],
+        bulky: list[list[int]],
+        head: int,
+        protected_at: int,
+    ) -> None:
+        self.entries = entries
+        self.sides = sides
+        self.bulky = bulky
+        self.head = head
+        self.protected_at = protected_at
+
+    def starts_with(self, carried: _Carried) -> bool:
+        """Whether this history begins with exactly the prefix ``carried`` was cut in."""
+        return 0 < carried.cut <= self.protected_at and (
+            _digest(self.entries, carried.cut) == carried.prefix
+        )
+
+
+class _Carried:
+    """A carried fold (or one waiting for its exchange's commit): scalars only.
+
+    ``cut``: entries before this index are folded (every bulky piece of a
+    non-system entry), the rest are sent as received. ``level``: the fold level
+    of the send that set it (0 for a carried fold applied before a first send).
+    ``prefix``: digest of ``entries[:cut]`` as received. What it learned of the
+    context window: ``window_tokens`` (as an overflow error stated it),
+    ``tokens`` for ``tokens_bytes`` bytes (an accepted request's ``input_tokens``
+    against its size; or the prompt size an error stated against the body it
+    rejected), ``rejected_bytes`` (the smallest body refused as too long).
+    ``from_carry``: the fold started from a carried one (so a refold moves its
+    cut rather than starting the level schedule).
+    """
+
+    __slots__ = (
+        "cut",
+        "from_carry",
+        "key",
+        "level",
+        "prefix",
+        "rejected_bytes",
+        "tokens",
+        "tokens_bytes",
+        "window_tokens",
+    )
+
+    def __init__(self, key: str, *, from_carry: bool, learned: _Carried | None) -> None:
+        self.key = key
+        self.from_carry = from_carry
+        self.cut = 0
+        self.level = 0
+        self.prefix = ""
+        self.window_tokens: int | None = learned.window_tokens if learned else None
+        self.tokens: int | None = learned.tokens if learned else None
+        self.tokens_bytes: int | None = learned.tokens_bytes if learned else None
+        self.rejected_bytes: int | None = learned.rejected_bytes if learned else None
+
+    def learn_overflow(self, ctx: PrepareContext) -> None:
+        """Take in what the overflow that caused this refold said of the window."""
+        rejected = ctx.rejected_bytes
+        if rejected is None:
+            return
+        if self.rejected_bytes is None or rejected < self.rejected_bytes:
+            self.rejected_bytes = rejected
+        if ctx.window_tokens is not None:
+            self.window_tokens = ctx.window_tokens
+        if ctx.prompt_tokens is not None and ctx.prompt_tokens > 0:
+            self.tokens, self.tokens_bytes = ctx.prompt_tokens, rejected
+
+    def encode(self) -> str:
+        """The scalars as one short string (cluster mode's shared hash; see :meth:`decode`)."""
+        numbers = (self.window_tokens, self.tokens, self.tokens_bytes, self.rejected_bytes)
+        figures = " ".join("-" if n is None else str(n) for n in numbers)
+        return f"1 {self.cut} {self.level} {self.prefix} {figures}"
+
+    @classmethod
+    def decode(cls, key: str, text: str) -> _Carried | None:
+        """A carried fold from :meth:`encode`'s string; ``None`` if it is not one."""
+        parts = text.split(" ")
+        if len(parts) != 8 or parts[0] != "1":
+            return None
+        try:
+            cut, level = int(parts[1]), int(parts[2])
+            figures = [None if p == "-" else int(p) for p in parts[4:]]
+        except ValueError:
+            return None
+        fold = cls(key, from_carry=True, learned=None)
+        fold.cut, fold.level, fold.prefix = cut, level, parts[3]
+        fold.window_tokens, fold.tokens, fold.tokens_bytes, fold.rejected_bytes = figures
+        return fold if cut > 0 else None
+
+    def window_bytes(self) -> int | None:
+        """The context window in body bytes, as well as it is known (``None``: unknown).
+
+        The stated window in tokens, at the measured bytes per token; never more
+        than the smallest body the upstream refused.
+        """
+        bound = self.rejected_bytes
+        if self.window_tokens is not None and self.tokens and self.tokens_bytes:
+            estimate = self.window_tokens * self.tokens_bytes // self.tokens
+            bound = estimate if bound is None else min(bound, estimate)
+        return bound
+
+
+class _SessionFolds:
+    """A session's carried folds, one per history key, least recently used first."""
+
+    __slots__ = ("applied", "by_key", "dropped", "moves")
+
+    def __init__(self) -> None:
+        self.by_key: OrderedDict[str, _Carried] = OrderedDict()
+        #: History keys dropped here and not yet deleted from the shared state.
+        self.dropped: set[str] = set()
+        #: Requests folded before their first send by a carried fold.
+        self.applied = 0
+        #: Times a carried cut moved forward (hysteresis).
+        self.moves = 0
+
+
 class FoldPlugin(Plugin):
     """Elide ever more of the oldest bulky content at each fold level (see the module doc).
+
+    Carried folds: once a session's request was refolded and accepted, the
+    session's next requests that start with the same history prefix are folded
+    with the same elisions before their first send (docs/plugins.md, "Carried
+    folds"). They need a session id; requests without one fold as before.
 
     Options (keyword arguments, from the ``[plugin.fold]`` config table):
 
@@ -499,12 +714,28 @@ class FoldPlugin(Plugin):
         Levels it takes to fold all bulky head turns, and then all bulky tail
         turns: :attr:`max_level` is twice this. Set the proxy's ``max_refolds``
         to :attr:`max_level` to let every stage run.
+    ``carry`` (bool, default ``True``)
+        Carry a session's accepted fold to its next requests.
+    ``fold_target`` (float in (0, 1], default 0.85)
+        Share of the learned context window past which a carried fold's cut
+        moves forward before the send.
+    ``fold_headroom`` (float in (0, 1], below ``fold_target``, default 0.6)
+        Share of the learned window a moved cut aims the body at.
+    ``max_histories`` (int >= 1, default 8)
+        Carried folds kept per session, one per history (sub-agents share a
+        session id); the least recently used goes first.
+    ``redis_url`` (str, default: the proxy's ``redis_url`` setting)
+        Cluster mode: carried folds are also kept in the session's shared
+        state in Redis, so another node continues the same cut.
+    ``redis_timeout`` (seconds, default: the proxy's ``redis_timeout``, else 1)
+        Per Redis command; a Redis that does not answer costs a carried fold,
+        never a request.
 
     Raises:
         TypeError: an option has the wrong type, or is unknown.
         ValueError: an option is out of range, or the placeholder is malformed,
             blank, uses a field other than ``{n}``, or is not shorter than
-            ``min_bytes``.
+            ``min_bytes``; ``fold_headroom`` is not below ``fold_target``.
     """
 
     name = "fold"
@@ -516,6 +747,12 @@ class FoldPlugin(Plugin):
         min_bytes: int = 2048,
         placeholder: str = DEFAULT_PLACEHOLDER,
         levels_per_stage: int = 2,
+        carry: bool = True,
+        fold_target: float = 0.85,
+        fold_headroom: float = 0.6,
+        max_histories: int = 8,
+        redis_url: str | None = None,
+        redis_timeout: float = 1.0,
     ) -> None:
         self.keep_last: Final = _check_int("keep_last", keep_last, 0)
         self.min_bytes: Final = _check_int("min_bytes", min_bytes, 1)
@@ -530,6 +767,45 @@ class FoldPlugin(Plugin):
                 f"min_bytes ({self.min_bytes})"
             )
         self.placeholder: Final = placeholder
+        if not isinstance(carry, bool):
+            raise TypeError(f"fold: carry must be true or false, got {type(carry).__name__}")
+        self.carry: Final = carry
+        self.fold_target: Final = _check_share("fold_target", fold_target)
+        self.fold_headroom: Final = _check_share("fold_headroom", fold_headroom)
+        if self.fold_headroom >= self.fold_target:
+            raise ValueError(
+                f"fold: fold_headroom ({fold_headroom}) must be below fold_target ({fold_target})"
+            )
+        self.max_histories: Final = _check_int("max_histories", max_histories, 1)
+        # Per session id, its carried folds; least recently used session first.
+        self._sessions: OrderedDict[str, _SessionFolds] = OrderedDict()
+        # Per (session id, wire digest): the fold an exchange sent last, until its commit.
+        self._pending: OrderedDict[tuple[str, str], _Carried] = OrderedDict()
+        if redis_url is not None and not isinstance(redis_url, str):
+            raise TypeError(f"fold: redis_url must be a string, got {type(redis_url).__name__}")
+        if isinstance(redis_timeout, bool) or not isinstance(redis_timeout, (int, float)):
+            raise TypeError("fold: redis_timeout must be a number of seconds")
+        if not redis_timeout > 0:
+            raise ValueError(f"fold: redis_timeout must be > 0, got {redis_timeout}")
+        self.redis_url: Final = redis_url or None
+        self.redis_timeout: Final = float(redis_timeout)
+        # Cluster mode: the shared state (opened in startup), and the sessions whose
+        # shared state this node has read (each is read once, on its first request here).
+        self._shared: SharedSessionState | None = None
+        self._loaded: OrderedDict[str, None] = OrderedDict()
+
+    async def startup(self) -> None:
+        """Cluster mode: open the shared session state (connects on first use)."""
+        if self.redis_url is not None and self.carry:
+            self._shared = open_session_state(
+                self.redis_url, name=self.name, timeout=self.redis_timeout
+            )
+
+    async def shutdown(self) -> None:
+        """Close the shared session state's connections."""
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            await shared.close()
 
     @property
     def max_level(self) -> int:
@@ -540,32 +816,52 @@ class FoldPlugin(Plugin):
         """True at fold level >= 1 for chat, Responses, Anthropic messages and count_tokens.
 
         At level 0, and for a request of at most one entry (nothing but its
-        protected end), :meth:`prepare` does nothing and never reads the body.
+        protected end), :meth:`fold` does nothing. At level 0 :meth:`prepare`
+        may still apply a carried fold (see :meth:`wants_prepare`).
         """
         return fold_level > 0 and meta.protocol in _FOLDABLE and meta.message_count > 1
 
     def wants_prepare(self, meta: WireMetadata, fold_level: int) -> bool:
-        """Decline the prepare run where :meth:`prepare` does nothing (see :meth:`folds`).
+        """Decline the prepare run where :meth:`prepare` does nothing.
 
-        At fold level 0, the first send of every request, the proxy then skips
-        the run altogether when no other plugin prepares. A subclass that
-        overrides :meth:`prepare` is never declined (its hook may do more than
-        fold), unless it overrides this method too.
+        That is where :meth:`folds` is false, except at fold level 0 while some
+        session has a carried fold (the request may be one of its turns: the
+        session id is not known here). At fold level 0, the first send of every
+        request, the proxy then skips the run altogether when no other plugin
+        prepares. A subclass that overrides :meth:`prepare` is never declined
+        (its hook may do more than fold), unless it overrides this method too.
         """
         if type(self).prepare is not FoldPlugin.prepare:
             return True
-        return self.folds(meta, fold_level)
+        if self.folds(meta, fold_level):
+            return True
+        return (
+            fold_level == 0
+            and (bool(self._sessions) or self._shared is not None)
+            and meta.protocol in _CARRYABLE
+            and meta.message_count > 1
+        )
 
     async def prepare(self, ctx: PrepareContext) -> bool:
         """Fold the request at ``ctx.fold_level`` through ``ctx.view``; see :meth:`fold`.
 
+        With a session id (chat, Responses, Anthropic messages) and ``carry``
+        on, a carried fold whose prefix the history starts with is applied at
+        level 0 and moved forward on a refold (docs/plugins.md, "Carried folds").
         Never asks for the whole object (``wants_body`` stays ``False``): the
         view edits the bulky values where they are, so a refold of a 64 MB
         history holds the raw bytes plus the placeholders.
         """
-        if not self.folds(ctx.meta, ctx.fold_level):
+        meta, level, session = ctx.meta, ctx.fold_level, ctx.session_id
+        if not self.carry or session is None or meta.protocol not in _CARRYABLE:
+            if not self.folds(meta, level):
+                return False
+            return self.fold(ctx.view, level=level)
+        if meta.message_count <= 1:
             return False
-        return self.fold(ctx.view, level=ctx.fold_level)
+        if level == 0 and self._shared is not None and session not in self._loaded:
+            await self._load(session)
+        return self._carried_prepare(ctx, session)
 
     def fold(self, view: BodyView, *, level: int) -> bool:
         """Replace, through ``view``, the bulky pieces that fold level ``level`` selects.
@@ -584,18 +880,28 @@ class FoldPlugin(Plugin):
             and when nothing foldable is left (the proxy then hands the
             upstream's overflow error to the client).
         """
-        protocol = view.protocol
-        if level <= 0 or protocol not in _FOLDABLE:
+        if level <= 0:
             return False
+        history = self._history(view)
+        return history is not None and self._fold_level(view, history, level) > 0
+
+    # -- the level schedule -----------------------------------------------------------
+
+    def _history(self, view: BodyView) -> _History | None:
+        """The entries, sides and bulky turns of ``view``, or ``None`` if nothing may fold."""
+        protocol = view.protocol
+        if protocol not in _FOLDABLE:
+            return None
         entries = view.items()
         if not entries:
-            return False
+            return None
+        sides = [_side(entry, protocol) for entry in entries]
         turns = _turns(entries, protocol)
         protected = max(
             (i for i, (side, _) in enumerate(turns) if side == _USER), default=len(turns) - 1
         )
         if protected <= 0:
-            return False
+            return None
         tail_start = min(protected, max(0, len(turns) - self.keep_last))
 
         probe = _Elider(self.min_bytes, self.placeholder, dry=True).for_protocol(protocol)
@@ -609,33 +915,44 @@ class FoldPlugin(Plugin):
 
         head = [indices for _, indices in turns[:tail_start] if bulky(indices)]
         tail = [indices for _, indices in turns[tail_start:protected] if bulky(indices)]
-        steps = self._schedule(len(head), len(tail))
-        if not steps:
-            return False
+        return _History(entries, sides, head + tail, len(head), turns[protected][1][0])
 
+    def _fold_level(self, view: BodyView, history: _History, level: int) -> int:
+        """Fold what level ``level`` of the schedule selects; the cut, 0 if nothing changed.
+
+        The selection is always the oldest bulky turns (all head turns before
+        any tail turn), so the folded entries are exactly the non-system ones
+        before the cut: :meth:`_fold_to` with that cut gives the same body.
+        """
+        steps = self._schedule(history.head, len(history.bulky) - history.head)
+        if not steps:
+            return 0
         elider = _Elider(self.min_bytes, self.placeholder, dry=False)
-        fold_entry = elider.for_protocol(protocol)
-        head_done = tail_done = applied = 0
+        fold_entry = elider.for_protocol(view.protocol)
+        done = applied = 0
         for step in range(min(level, len(steps)), len(steps) + 1):
             head_want, tail_want = steps[step - 1]
-            for indices in head[head_done:head_want] + tail[tail_done:tail_want]:
+            # A tail turn is selected only once every head turn is.
+            want = head_want + tail_want
+            for indices in history.bulky[done:want]:
                 for index in indices:
-                    entry = entries[index]
+                    entry = history.entries[index]
                     if entry.kind == "object":
                         fold_entry(entry)
-            head_done, tail_done, applied = head_want, tail_want, step
+            done, applied = want, step
             if elider.pieces:
                 break
-        if elider.pieces:
-            log.debug(
-                "fold level %d (step %d of %d): elided %d pieces, %d bytes",
-                level,
-                applied,
-                len(steps),
-                elider.pieces,
-                elider.elided_bytes,
-            )
-        return elider.pieces > 0
+        if not elider.pieces:
+            return 0
+        log.debug(
+            "fold level %d (step %d of %d): elided %d pieces, %d bytes",
+            level,
+            applied,
+            len(steps),
+            elider.pieces,
+            elider.elided_bytes,
+        )
+        return history.bulky[done - 1][-1] + 1
 
     def _schedule(self, head: int, tail: int) -> list[tuple[int, int]]:
         """Distinct ``(head turns, tail turns)`` folded per step, in increasing order."""
@@ -651,3 +968,233 @@ class FoldPlugin(Plugin):
                 steps.append(current)
                 previous = current
         return steps
+
+    # -- carried folds ------------------------------------------------------------------
+
+    def _fold_to(
+        self,
+        view: BodyView,
+        history: _History,
+        cut: int,
+        *,
+        trigger: int | None,
+        target: int | None,
+        more: bool,
+    ) -> tuple[int, int]:
+        """Fold every non-system entry before ``cut``, then move the cut if asked.
+
+        The cut moves forward, one bulky turn at a time, while the body is over
+        ``target`` bytes, once it was over ``trigger`` bytes (``None``: never);
+        with ``more``, by at least one turn that elides something. Returns the
+        cut and the number of pieces elided.
+        """
+        elider = _Elider(self.min_bytes, self.placeholder, dry=False)
+        fold_entry = elider.for_protocol(view.protocol)
+        entries = history.entries
+        for index in range(cut):
+            if history.sides[index] != _SYSTEM and entries[index].kind == "object":
+                fold_entry(entries[index])
+        size = _outbound_size(view)
+        if trigger is None or size <= trigger:
+            target = None
+        for indices in history.bulky:
+            if indices[0] < cut:
+                continue
+            if not more and (target is None or size <= target):
+                break
+            before = elider.pieces
+            for index in indices:
+                if entries[index].kind == "object":
+                    fold_entry(entries[index])
+            cut = indices[-1] + 1
+            if elider.pieces > before:
+                more = False
+                size = _outbound_size(view)
+        return cut, elider.pieces
+
+    def _carried_prepare(self, ctx: PrepareContext, session: str) -> bool:
+        """:meth:`prepare` for a request of a session: carried folds applied and kept."""
+        level = ctx.fold_level
+        folds = self._sessions.get(session)
+        if level == 0 and folds is None:
+            # Most requests: nothing carried for this session, nothing read.
+            return False
+        view = ctx.view
+        entries = view.items()
+        if not entries:
+            return False
+        key = _history_key(entries, view.protocol)
+        carried = folds.by_key.get(key) if folds is not None else None
+        if level == 0 and carried is None:
+            return False
+        history = self._history(view)
+        if history is None:
+            return False
+        if folds is not None and carried is not None:
+            self._sessions.move_to_end(session)
+            folds.by_key.move_to_end(key)
+            if not history.starts_with(carried):
+                # Compacted, edited or started over: the elisions no longer fit.
+                del folds.by_key[key]
+                folds.dropped.add(key)
+                carried = None
+        pending_key = (session, ctx.meta.digest)
+        last = self._pending.get(pending_key) if level > 0 else None
+        if level == 0:
+            if carried is None or folds is None:
+                return False
+            fold = _Carried(key, from_carry=True, learned=carried)
+            window = fold.window_bytes()
+            cut, pieces = self._fold_to(
+                view,
+                history,
+                carried.cut,
+                trigger=None if window is None else int(window * self.fold_target),
+                target=None if window is None else int(window * self.fold_headroom),
+                more=False,
+            )
+            folds.applied += 1
+            if cut != carried.cut:
+                folds.moves += 1
+        elif last is not None and last.from_carry:
+            # A carried fold overflowed again: move its cut (never back), aiming at
+            # the headroom of what is now known of the window.
+            fold = _Carried(key, from_carry=True, learned=last)
+            fold.learn_overflow(ctx)
+            window = fold.window_bytes()
+            target = None if window is None else int(window * self.fold_headroom)
+            cut, pieces = self._fold_to(
+                view, history, last.cut, trigger=0, target=target, more=True
+            )
+            if folds is not None:
+                folds.moves += 1
+        else:
+            fold = _Carried(key, from_carry=False, learned=last)
+            fold.learn_overflow(ctx)
+            cut = self._fold_level(view, history, level)
+            pieces = int(cut > 0)
+        if cut <= 0 or pieces == 0:
+            return False
+        fold.cut, fold.level = cut, level
+        fold.prefix = _digest(history.entries, cut)
+        self._pending[pending_key] = fold
+        self._pending.move_to_end(pending_key)
+        while len(self._pending) > _MAX_PENDING:
+            self._pending.popitem(last=False)
+        return True
+
+    async def _load(self, session: str) -> None:
+        """Cluster mode: this node's first request of ``session`` reads its carried folds.
+
+        One Redis round trip under the session lock, once per session and node
+        (a session moves only when its node fails or the ring changes). If Redis
+        does not answer, the request goes on with what this node knows.
+        """
+        assert self._shared is not None
+        try:
+            raw = await self._shared.load(session)
+        except ClusterUnavailable:
+            log.debug("fold: shared session state unavailable; carried folds not read")
+            return
+        self._loaded[session] = None
+        while len(self._loaded) > _MAX_SESSIONS:
+            self._loaded.popitem(last=False)
+        found = [(key, _Carried.decode(key, text)) for key, text in raw.items()]
+        carried = [fold for _, fold in found if fold is not None]
+        if not carried or session in self._sessions:
+            return
+        folds = self._remember(session)
+        for fold in carried[-self.max_histories :]:
+            folds.by_key[fold.key] = fold
+
+    def _remember(self, session: str) -> _SessionFolds:
+        """The session's carried folds, created if need be, as the most recently used."""
+        folds = self._sessions.get(session)
+        if folds is None:
+            folds = self._sessions[session] = _SessionFolds()
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > _MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        return folds
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        """Keep the fold of an accepted exchange as its session's carried fold.
+
+        An exchange is accepted when the upstream answered 2xx; its
+        ``input_tokens`` against its ``outbound_bytes`` is the window's measure.
+        In cluster mode the change is written to the session's shared state.
+        """
+        session = record.session_id
+        if session is None:
+            return
+        fold = self._pending.pop((session, record.wire_digest), None)
+        accepted = fold is not None and 200 <= record.status < 300
+        folds = self._sessions.get(session)
+        if fold is None or not accepted:
+            if folds is not None and folds.dropped:
+                await self._share(session, folds, None, [])
+            return
+        if record.input_tokens:
+            fold.tokens, fold.tokens_bytes = record.input_tokens, record.outbound_bytes
+        folds = self._remember(session)
+        folds.by_key[fold.key] = fold
+        folds.by_key.move_to_end(fold.key)
+        folds.dropped.discard(fold.key)
+        evicted: list[str] = []
+        while len(folds.by_key) > self.max_histories:
+            evicted.append(folds.by_key.popitem(last=False)[0])
+        await self._share(session, folds, fold, evicted)
+
+    async def _share(
+        self, session: str, folds: _SessionFolds, fold: _Carried | None, evicted: list[str]
+    ) -> None:
+        """Cluster mode: write ``fold`` and delete the dropped and ``evicted`` keys."""
+        if self._shared is None:
+            folds.dropped.clear()
+            return
+        drop = sorted(folds.dropped.union(evicted))
+        put = {} if fold is None else {fold.key: fold.encode()}
+        try:
+            await self._shared.save(session, put, drop, _SHARED_TTL)
+        except ClusterUnavailable:
+            # Another node may then start the session over (one rejected round trip).
+            log.debug("fold: shared session state unavailable; carried fold kept locally")
+            return
+        folds.dropped.clear()
+
+    async def session_closed(self, session_id: str) -> None:
+        """Forget the session's carried folds (and folds waiting for a commit) on this node.
+
+        The shared copy (cluster mode) stays until its TTL: a node's drain closes
+        its sessions too, and another node continues them.
+        """
+        self._sessions.pop(session_id, None)
+        self._loaded.pop(session_id, None)
+        for key in [key for key in self._pending if key[0] == session_id]:
+            del self._pending[key]
+
+    def session_state(self, session_id: str) -> Mapping[str, Scalar]:
+        """The session's carried folds for ``GET /admin/sessions/{id}``.
+
+        ``carried_folds`` (histories with one), ``carried_applied`` (requests
+        folded before their first send), ``cut_moves``, and of the most recently
+        used one: ``carried_cut`` (entry index), ``carried_level``,
+        ``window_tokens`` and ``window_bytes`` (as learned; ``None`` if unknown).
+        """
+        folds = self._sessions.get(session_id)
+        if folds is None:
+            return {}
+        state: dict[str, Scalar] = {
+            "carried_folds": len(folds.by_key),
+            "carried_applied": folds.applied,
+            "cut_moves": folds.moves,
+        }
+        if folds.by_key:
+            latest = next(reversed(folds.by_key.values()))
+            state.update(
+                carried_cut=latest.cut,
+                carried_level=latest.level,
+                window_tokens=latest.window_tokens,
+                window_bytes=latest.window_bytes(),
+            )
+        return state

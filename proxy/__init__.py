@@ -6,7 +6,8 @@ The public API: the plugin interface (:class:`Plugin`, :class:`PrepareContext`,
 view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
 :class:`WireError`), the ledger's hash gate shared by a cluster's nodes
 (:class:`LedgerGate`, :class:`GateVerdict`, :class:`ClusterUnavailable`,
-:func:`open_ledger_gate`), settings (:class:`Settings`,
+:func:`open_ledger_gate`) and a plugin's shared session state
+(:class:`SharedSessionState`, :func:`open_session_state`), settings (:class:`Settings`,
 :func:`load_settings`) and the application (:func:`build_app` and
 :func:`running` to embed the proxy in a program of your own, :func:`serve` to
 run it until SIGTERM). Test helpers live in
@@ -28,9 +29,10 @@ from ._plugins import (
     UsageQuery,
     UsageRow,
     open_ledger_gate,
+    open_session_state,
 )
 from ._protocols import Protocol
-from ._shared import ClusterUnavailable, GateRun, GateVerdict, LedgerGate
+from ._shared import ClusterUnavailable, GateRun, GateVerdict, LedgerGate, SharedSessionState
 from ._structure import BodyView, EditConflict, Node
 from ._wire import WireError, WireMetadata
 
@@ -52,6 +54,7 @@ __all__ = [
     "ProxyApp",
     "Scalar",
     "Settings",
+    "SharedSessionState",
     "UsagePage",
     "UsageQuery",
     "UsageRow",
@@ -60,6 +63,7 @@ __all__ = [
     "build_app",
     "load_settings",
     "open_ledger_gate",
+    "open_session_state",
     "running",
     "serve",
 ]

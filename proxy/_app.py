@@ -45,6 +45,7 @@ from ._protocols import Protocol
 from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
+from ._spool import SpoolBusy, SpoolFile, SpoolFull
 from ._state import AppState
 from ._tracing import ExchangeTrace, start_tracing
 
@@ -143,6 +144,8 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
             _gone_mid_body(state, ex)
         elif isinstance(exc, BodyMemory):
             _memory_refused(state)
+        elif isinstance(exc, SpoolFull):
+            state.metrics.spool_full.inc()
         resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
         # The rest of the body was never read: close rather than drain it.
         resp.force_close()
@@ -362,9 +365,12 @@ def _shed(ex: Exchange, state: AppState) -> web.Response:
     return resp
 
 
-def _busy(ex: Exchange, state: AppState) -> web.Response:
-    ex.conclude(503, Outcome.REJECTED, "busy")
-    resp = _reject(ex.protocol, 503, BodyBusy().message, state, code="busy")
+def _busy(ex: Exchange, state: AppState, refusal: BodyError | None = None) -> web.Response:
+    """503 + Retry-After before the body is read: ``max_reading_bytes`` (or ``refusal``'s
+    budget, e.g. ``max_spool_bytes``) cannot take it now."""
+    error = refusal if refusal is not None else BodyBusy()
+    ex.conclude(503, Outcome.REJECTED, error.kind)
+    resp = _reject(ex.protocol, 503, error.message, state, code=error.kind)
     resp.force_close()  # the body was never read
     return resp
 
@@ -420,6 +426,10 @@ async def _run_exchange(
         declared = request.content_length or 0
         if _over_reading_budget(state, declared):
             return _busy(ex, state)
+        spool = state.spool
+        if not spool.admits(declared):
+            spool.busy += 1
+            return _busy(ex, state, SpoolBusy())
         if request.headers.get("Expect") is not None:
             # RFC 9110 §10.1.1: the refusals above (413, 415, 503) went out instead
             # of 100 (Continue), before the upload; now the client may send its body.
@@ -427,6 +437,13 @@ async def _run_exchange(
             await request.send_continue()
         ex.start_reading(declared)
         account = _ReadingAccount(state, ex)
+
+        def spill() -> SpoolFile:
+            # Owned by the exchange from its first byte: closed on every outcome.
+            file = ex.adopt_spool(spool.open())
+            state.metrics.spooled.inc()
+            return file
+
         try:
             result = await read_body(
                 request.content,
@@ -437,6 +454,8 @@ async def _run_exchange(
                 body_timeout=settings.body_timeout,
                 chunk_bytes=settings.body_chunk_bytes,
                 on_growth=account.grow,
+                spill=spill,
+                spill_above=settings.spool_above_bytes,
             )
         finally:
             account.settle()
@@ -649,9 +668,13 @@ class ProxyApp:
         Plugins first: when one refuses to start, nothing else is left open.
 
         Raises:
+            ConfigError: ``spool_dir`` is missing or unwritable (checked first).
             Exception: a plugin's ``startup`` failed, or the cluster cannot start.
         """
         state = self.state
+        problem = state.spool.problem()
+        if problem is not None:
+            raise ConfigError(problem)
         await state.host.startup()
         # Sessions the plugins loaded from storage (the ledger's) are listed, not live.
         now = time.time()

@@ -41,6 +41,7 @@ from ._coding import (
     BodySink,
     BodyTooLarge,
     ContentDecoder,
+    SpillTarget,
     encoded_size_cap,
     io_piece_bytes,
     parse_content_encoding,
@@ -194,15 +195,20 @@ class ReadResult:
     """A body read to the end.
 
     Attributes:
-        buffer: the decoded body, exactly its length; the only copy, owned by the caller.
+        buffer: the decoded body, exactly its length; the only copy, owned by the
+            caller: a ``bytearray`` on the heap, or for a spooled body a read-only
+            ``memoryview`` of ``spool``'s mapping.
         digest: hex xxh3_128 of ``buffer`` (docs/design.md §4), computed while reading.
         wire_bytes: bytes received on the wire (after transfer decoding, before
             content decoding); equals ``len(buffer)`` with no content coding.
+        spool: the spill target holding a spooled body (the caller closes it,
+            which ends ``buffer``), ``None`` for a heap body.
     """
 
-    buffer: bytearray
+    buffer: bytearray | memoryview
     digest: str
     wire_bytes: int
+    spool: SpillTarget | None = None
 
 
 class BodySource(Protocol):
@@ -238,6 +244,8 @@ async def read_body(
     body_timeout: float | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     on_growth: Callable[[int], None] | None = None,
+    spill: Callable[[], SpillTarget] | None = None,
+    spill_above: int = 0,
 ) -> ReadResult:
     """Read and decode a request body within ``limit`` bytes (docs/design.md §3).
 
@@ -267,6 +275,13 @@ async def read_body(
             after each chunk that grew it (resident memory follows these, see
             :class:`proxy._coding.BodySink`); a :class:`BodyError` it raises ends
             the read with that error (e.g. a 503 when a shared budget is spent).
+        spill: opens the spool file of a body over ``spill_above`` bytes
+            (docs/design.md §2, "the spool"): a declared length over it goes
+            there from its first byte, a body without one once it crosses it.
+            The decoded bytes are written there as they come; the target's
+            errors (a full disk, its budget: 503s) end the read like any
+            BodyError, with the partial file closed.
+        spill_above: the spool threshold in bytes (0: never spill).
 
     Returns:
         ReadResult owning the only buffer.
@@ -281,7 +296,8 @@ async def read_body(
         BodyEncodingError: 415 for an unknown coding (before reading), 400 for
             corrupt or truncated coded data.
         BodyMemory: 503, the buffer's reservation or growth (or a decoder's
-            allocation) raised ``MemoryError``; the partial buffer is freed.
+            allocation) raised ``MemoryError``, or a spooled body's ``mmap``
+            failed; the partial buffer (or file) is freed.
         asyncio.CancelledError: propagated unchanged (the handler was cancelled,
             usually because the client hung up); the caller logs it.
         ValueError: ``limit``, ``idle_timeout`` or ``chunk_bytes`` out of range.
@@ -296,7 +312,9 @@ async def read_body(
         raise ValueError("idle_timeout, body_timeout and chunk_bytes must be > 0")
     codings = parse_content_encoding(content_encoding)
     _check_declared(content_length, codings, limit)
-    sink = BodySink(limit, None if codings else content_length)
+    sink = BodySink(
+        limit, None if codings else content_length, spill=spill, spill_above=spill_above
+    )
     if content_length is not None and not codings:
         # Only ever smaller than asked: the transient piece scales with the body.
         # The same size the server reads this body's socket in (proxy/_front.py),
@@ -335,8 +353,16 @@ async def read_body(
             # The traceback keeps this frame; without this it would keep the
             # error itself too, a cycle only the garbage collector can break.
             failure = None
+    spooled = sink.spilled
     buffer, digest = sink.take()
-    return ReadResult(buffer=buffer, digest=digest, wire_bytes=wire_bytes)
+    if spooled is None:
+        return ReadResult(buffer=buffer, digest=digest, wire_bytes=wire_bytes)
+    try:
+        view = spooled.map()
+    except (OSError, MemoryError):
+        spooled.close()
+        raise _detached(BodyMemory()) from None
+    return ReadResult(buffer=view, digest=digest, wire_bytes=wire_bytes, spool=spooled)
 
 
 async def _pump(

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Mapping
 
 from ._config import check_settings
 from ._fdlimit import reachable_nofile_limit, reserve_problem
 from ._plugins import PluginError, load_plugins, unclaimed_tables
 from ._relay import egress_problems, upstream_targets
+from ._spool import spool_dir_problem
 from ._tracing import tracing_problems
 
 __all__ = ["CheckReport", "check_config"]
@@ -55,6 +57,10 @@ def check_config(
     fd_problem = reserve_problem(settings.fd_reserve, reachable_nofile_limit())
     if fd_problem is not None:
         problems.append(fd_problem)
+    if settings.spool_above_bytes > 0:
+        spool_problem = spool_dir_problem(settings.spool_dir or tempfile.gettempdir())
+        if spool_problem is not None:
+            problems.append(spool_problem)
     # The proxy URLs (setting or HTTPS_PROXY and the rest) and upstream_ca_file.
     env = os.environ if environ is None else environ
     egress = egress_problems(settings, env)

@@ -130,16 +130,14 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
 def emulate(host: str, port: int, context_window_tokens: int | None, prompt_cache: bool) -> None:
     """Run the local upstream emulator (all three protocols, scriptable per request)."""
     from ._emulator import run_emulator
-    from ._emulator_script import Script
+    from ._emulator_script import Script, window_script
 
     setup_logging("INFO")
     script = None
-    if context_window_tokens is not None or prompt_cache:
-        # body bytes > 4N + 3 is exactly body bytes // 4 > N, the emulator's token count.
-        over = None if context_window_tokens is None else 4 * context_window_tokens + 3
-        script = Script(
-            overflow_above=over, context=context_window_tokens, prompt_cache=prompt_cache
-        )
+    if context_window_tokens is not None:
+        script = window_script(context_window_tokens, prompt_cache=prompt_cache)
+    elif prompt_cache:
+        script = Script(prompt_cache=True)
     try:
         run_emulator(host, port, default_script=script)
     except OSError as exc:
@@ -171,7 +169,7 @@ def demo(port: int, once: bool) -> None:
         pass
 
 
-_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak")
+_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak", "agent")
 
 
 @main.command(
@@ -185,7 +183,7 @@ _BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak")
 @click.argument("kind", required=False)
 @click.pass_context
 def bench(ctx: click.Context, kind: str | None) -> None:
-    """Run a benchmark: memory | overhead | concurrency (vs the naive proxy) | cluster | soak.
+    """Run a benchmark: memory | overhead | concurrency (vs naive) | cluster | soak | agent.
 
     Arguments after KIND go to the benchmark; `context-proxy bench KIND --help`
     lists them. Needs the `bench` extra.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Final
+from typing import Final, Protocol
 
 import brotli
 import xxhash
@@ -38,6 +38,7 @@ __all__ = [
     "BodySink",
     "BodyTooLarge",
     "ContentDecoder",
+    "SpillTarget",
     "encoded_size_cap",
     "io_piece_bytes",
     "parse_content_encoding",
@@ -77,8 +78,8 @@ def io_piece_bytes(body_bytes: int, most: int) -> int:
     ``malloc_trim``, so a fixed piece size is a fixed cost that a small body
     pays as a large share: at 256 KiB (asyncio's own read size) the pieces of a
     1 MiB body cost 0.6 of it, at 1/16 of the body still 0.25. At
-    1/:data:`PIECES_PER_BODY` they stay within about 0.07 of it (issue 11 item
-    4), never under :data:`MIN_PIECE_BYTES` and never over ``most`` (the
+    1/:data:`PIECES_PER_BODY` they stay within about 0.07 of it (measured with
+    ``bench memory``), never under :data:`MIN_PIECE_BYTES` and never over ``most`` (the
     caller's cap, e.g. 256 KiB, which keeps large bodies to as few calls as
     before). A ``most`` under the floor wins (the caller asked for less). Both
     sizes in bytes; returns at least 1.
@@ -262,6 +263,19 @@ def _next_capacity(length: int, needed: int, limit: int) -> int:
     return capacity
 
 
+class SpillTarget(Protocol):
+    """Where :class:`BodySink` moves a large body (``proxy._spool.SpoolFile``)."""
+
+    def write(self, data: bytes | bytearray | memoryview, /) -> None:
+        """Append all of ``data``; raises a :class:`BodyError` (a 503) when it cannot."""
+
+    def close(self) -> object:
+        """Close it and give its space back (idempotent)."""
+
+    def map(self) -> memoryview:
+        """The bytes written, as a read-only view (called once, after the last write)."""
+
+
 class BodySink:
     """The one decoded-body buffer, its running digest and the decoded-size limit.
 
@@ -273,28 +287,72 @@ class BodySink:
     ``presize`` (chunked or coded bodies) the buffer grows by appending; large
     blocks are separate mappings that ``realloc`` moves with ``mremap``, so
     growth does not copy either.
+
+    With ``spill`` (docs/design.md §2, "the spool"), a body over
+    ``spill_above`` bytes goes to the target ``spill()`` returns instead: from
+    its first byte when ``presize`` is over it (nothing is reserved then), or,
+    when the bytes written cross it, the heap part is copied there and freed at
+    once. The digest covers every byte either way.
     """
 
-    __slots__ = ("_buf", "_hasher", "_limit", "_presize", "_size")
+    __slots__ = (
+        "_buf",
+        "_file",
+        "_hasher",
+        "_limit",
+        "_presize",
+        "_size",
+        "_spill",
+        "_spill_above",
+    )
 
-    def __init__(self, limit: int, presize: int | None) -> None:
-        """``limit``: largest body in bytes; ``presize``: declared exact size in bytes or None."""
+    def __init__(
+        self,
+        limit: int,
+        presize: int | None,
+        *,
+        spill: Callable[[], SpillTarget] | None = None,
+        spill_above: int = 0,
+    ) -> None:
+        """``limit``: largest body in bytes; ``presize``: declared exact size in bytes or None;
+        ``spill``/``spill_above``: the spool and its threshold in bytes (0: never)."""
         self._buf = bytearray()
         self._hasher = xxhash.xxh3_128()
         self._limit = limit
         self._presize = presize or 0
         self._size = 0
+        self._spill = spill if spill_above > 0 else None
+        self._spill_above = spill_above
+        self._file: SpillTarget | None = None
+        if self._spill is not None and self._presize > spill_above:
+            # Bound for the spool from its first byte: no heap reserved, none grown.
+            self._presize = 0
+            self._spill_above = 0
 
     @property
     def size(self) -> int:
-        """Bytes written so far (the resident part of the buffer)."""
+        """Bytes written so far (the resident part of the buffer, or the spooled bytes)."""
         return self._size
 
+    @property
+    def spilled(self) -> SpillTarget | None:
+        """The spill target once the body moved there, else ``None``."""
+        return self._file
+
     def write(self, data: bytes) -> None:
-        """Append ``data``; raises BodyTooLarge (413) instead of passing the limit."""
+        """Append ``data``; raises BodyTooLarge (413) instead of passing the limit, and
+        whatever the spill target raises (a 503) when it cannot take the bytes."""
         end = self._size + len(data)
         if end > self._limit:
             raise BodyTooLarge(self._limit)
+        if self._file is None and self._spill is not None and end > self._spill_above:
+            self._move_to_spill()
+        target = self._file
+        if target is not None:
+            target.write(data)
+            self._hasher.update(data)
+            self._size = end
+            return
         buf = self._buf
         if self._presize:
             buf = self._buf = reserve(self._presize)
@@ -309,20 +367,40 @@ class BodySink:
         self._hasher.update(data)
         self._size = end
 
+    def _move_to_spill(self) -> None:
+        """Open the spill target and move the heap part there (already hashed)."""
+        assert self._spill is not None
+        target = self._file = self._spill()
+        if self._size:
+            with memoryview(self._buf) as view:
+                target.write(view[: self._size])
+        del self._buf[:]
+        self._buf = bytearray()
+        self._presize = 0
+
     def take(self) -> tuple[bytearray, str]:
-        """Hand the buffer (exactly the bytes written) and the hex digest over; keep nothing."""
+        """Hand the buffer (exactly the bytes written) and the hex digest over; keep nothing.
+
+        For a spilled body the buffer is empty: the bytes are in :attr:`spilled`,
+        which the caller now owns.
+        """
         buf = self._buf
         self._buf = bytearray()
+        self._file = None
         if len(buf) != self._size:
             # A reservation not filled to its end: never hand out undefined bytes.
             del buf[self._size :]
         return buf, self._hasher.hexdigest()
 
     def release(self) -> None:
-        """Free the buffer's storage even if some frame still references the object."""
+        """Free the buffer's storage even if some frame still references the object,
+        and close the spill target (its partial file goes)."""
         del self._buf[:]
         self._buf = bytearray()
         self._presize = 0
+        target, self._file = self._file, None
+        if target is not None:
+            target.close()
 
 
 # --------------------------------------------------------------------------- decoders

@@ -76,6 +76,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Content-Length only reserves address space, so it is not charged); an
     # upload that cannot fit, or a read growing past it, → 503 with Retry-After.
     max_reading_bytes: _Bytes = 1024 * MiB
+    # The spool (docs/design.md §2): a body over spool_above_bytes (0: never) is kept in
+    # an anonymous file in spool_dir (None: the system temporary directory), read through
+    # a read-only mmap; max_spool_bytes of them in flight, past it 503 with Retry-After.
+    spool_above_bytes: Annotated[int, msgspec.Meta(ge=0)] = 4 * MiB
+    spool_dir: str | None = None
+    max_spool_bytes: _Bytes = 8 * 1024 * MiB
 
     # Upstream: no total timeout, it would cut a long stream.
     upstream_connect_timeout: _Seconds = 10.0

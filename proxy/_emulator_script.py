@@ -26,6 +26,7 @@ __all__ = [
     "iter_deltas",
     "parse_script",
     "script_help",
+    "window_script",
 ]
 
 DEFAULT_TEXT: Final = "Hello from the emulator."
@@ -281,3 +282,18 @@ def iter_deltas(script: Script) -> Iterator[Delta]:
             yield Delta("", filler=script.long_line)
     if script.split_utf8:
         yield Delta(SPLIT_UTF8_TEXT, split=True)
+
+
+def window_script(tokens: int, *, prompt_cache: bool = False) -> Script:
+    """The script of an emulator whose context window is ``tokens`` tokens.
+
+    The emulator counts a prompt as body bytes // 4 tokens, so a body of more than
+    ``4 * tokens + 3`` bytes is over the window: it gets the protocol's overflow
+    error stating ``tokens`` as the maximum (``emulate --context-window-tokens``).
+    ``prompt_cache``: the emulator also reports cached tokens (``--prompt-cache``).
+
+    Raises:
+        ScriptError: ``tokens`` is below 1.
+    """
+    _require(tokens >= 1, "context window must be >= 1 token")
+    return Script(overflow_above=4 * tokens + 3, context=tokens, prompt_cache=prompt_cache)

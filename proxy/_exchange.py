@@ -27,6 +27,10 @@ head        the upstream answer's header fields (in the     :meth:`mark_streamin
             the client's response head, never again         ``drop_head()``
 response    the relay's held stream head, JSON head and     the relay; accounted here
             partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
+spool       :meth:`Exchange.adopt_spool` (a body over       :meth:`_settle_spool`, once
+            ``spool_above_bytes``: its anonymous file from  neither raw nor the outbound
+            the first byte; raw is then a view of its       body is a view of it (release,
+            read-only mapping)                              drop_outbound, close)
 ==========  ==============================================  ==========================
 
 ``release()`` is the boundary: as soon as no refold can follow (the upstream
@@ -54,7 +58,7 @@ import itertools
 import logging
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from typing import Final
 
@@ -65,6 +69,7 @@ from ._coding import io_piece_bytes
 from ._plugins import ExchangeRecord, PluginHost, PrepareContext
 from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
 from ._protocols import Protocol, UsageReport
+from ._spool import FileSlice, SpoolFile
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
 
@@ -103,7 +108,7 @@ def send_slice_bytes(body_bytes: int) -> int:
 
     1/64 of the body within [16 KiB, :data:`SEND_SLICE_MAX_BYTES`]
     (:func:`proxy._coding.io_piece_bytes`): the transport's copy of an unsent
-    slice then costs at most 1/64 of the body (issue 11 item 4).
+    slice then costs at most 1/64 of the body.
     """
     return io_piece_bytes(body_bytes, SEND_SLICE_MAX_BYTES)
 
@@ -174,11 +179,12 @@ Observer = Callable[["Exchange", Phase, Phase], object]
 
 
 class BodyHolder:
-    """Weak-referenceable owner of one body buffer (``bytes`` or ``bytearray``)."""
+    """Weak-referenceable owner of one body buffer (``bytes``, ``bytearray``, or the
+    read-only ``memoryview`` of a spooled body's mapping)."""
 
     __slots__ = ("__weakref__", "data")
 
-    def __init__(self, data: bytes | bytearray) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
         self.data = data
 
     def __len__(self) -> int:
@@ -192,16 +198,21 @@ class HeldBytes:
     ``response`` is what the response side holds (the stream head held while a
     refold or resend is possible, the JSON head kept for usage, the partial-event
     tail), as last reported through :meth:`Exchange.hold_response`.
+
+    ``spooled`` is the body bytes in the exchange's spool file (docs/design.md
+    §2, "the spool"): file-backed, not process memory, so not in ``total``; a
+    spooled raw body counts there and not in ``raw``.
     """
 
     raw: int
     parsed: int
     outbound: int
     response: int = 0
+    spooled: int = 0
 
     @property
     def total(self) -> int:
-        """``raw + parsed + outbound + response`` in bytes."""
+        """``raw + parsed + outbound + response`` in bytes (memory; ``spooled`` apart)."""
         return self.raw + self.parsed + self.outbound + self.response
 
 
@@ -260,6 +271,7 @@ class Exchange:
         "_phase",
         "_preparer",
         "_raw",
+        "_spool",
         "declared_bytes",
         "error",
         "fold_level",
@@ -327,6 +339,7 @@ class Exchange:
         self._outbound: BodyHolder | Splice | None = None
         self._headers: MutableMapping[str, str] | None = None
         self._preparer: Preparer | None = None
+        self._spool: SpoolFile | None = None
         self.meta: WireMetadata | None = None
         self.session_id: str | None = None
         self.fold_level = 0
@@ -405,10 +418,27 @@ class Exchange:
         self.received_bytes = self.reading_bytes
         self.reading_bytes = 0
 
-    def attach_body(self, buffer: bytearray, meta: WireMetadata) -> None:
+    def adopt_spool(self, spool: SpoolFile) -> SpoolFile:
+        """Own the spool file of the body being read, from its first byte; returns it.
+
+        From here on the exchange closes it, whatever happens: at the release
+        boundary (or when the outbound body that is a view of it goes), or in
+        :meth:`close`.
+        """
+        self._spool = spool
+        return spool
+
+    @property
+    def spool(self) -> SpoolFile | None:
+        """The body's spool file while it is open (for tests and metrics), else ``None``."""
+        return self._spool
+
+    def attach_body(self, buffer: bytearray | memoryview, meta: WireMetadata) -> None:
         """Take ownership of the body read from the wire and its metadata.
 
-        The raw buffer is the outbound body until a plugin changes the body.
+        The raw buffer is the outbound body until a plugin changes the body. A
+        spooled body is the read-only view of its spool file's mapping
+        (:meth:`adopt_spool` came first).
 
         Raises:
             IllegalTransition: not in the ``reading`` phase.
@@ -473,8 +503,14 @@ class Exchange:
         """
         await self._prepare_at(0)
 
-    async def refold(self) -> bool:
+    async def refold(
+        self, *, prompt_tokens: int | None = None, window_tokens: int | None = None
+    ) -> bool:
         """Re-run prepare at the next fold level after a context overflow.
+
+        ``prompt_tokens`` and ``window_tokens`` are what the upstream's error
+        stated (``None`` where it states nothing); the hooks see them, and the
+        size of the body just rejected (bytes), on their :class:`PrepareContext`.
 
         Returns ``True`` when the outbound body changed and is smaller than
         before, i.e. a resend may succeed; ``False`` when nothing shrank (the
@@ -483,13 +519,16 @@ class Exchange:
         ``refolds`` + ``retries``; ``fold_level`` counts every prepare run.
         """
         before = self.outbound_size
-        changed = await self._prepare_at(self.fold_level + 1)
+        overflow = (before, prompt_tokens, window_tokens)
+        changed = await self._prepare_at(self.fold_level + 1, overflow)
         shrank = changed and self.outbound_size < before
         if shrank:
             self.refolds += 1
         return shrank
 
-    async def _prepare_at(self, level: int) -> bool:
+    async def _prepare_at(
+        self, level: int, overflow: tuple[int, int | None, int | None] | None = None
+    ) -> bool:
         preparer, meta = self._preparer, self.meta
         if preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
@@ -520,6 +559,7 @@ class Exchange:
                 session_id=preparer.session_id,
                 path=self.path,
                 draft=draft,
+                overflow=overflow,
             )
             try:
                 reported = await host.run_prepare(ctx, wants)
@@ -556,6 +596,7 @@ class Exchange:
         self.outbound_size = splice.nbytes
         self.outbound_digest = splice.digest
         self._freed(before)
+        self._settle_spool()
 
     def _reserialize(self, parsed: ParsedHolder) -> None:
         """A plugin changed the whole parsed object: it becomes the outbound body.
@@ -577,6 +618,7 @@ class Exchange:
         self._drop_raw()
         self._outbound = None
         self._freed(before)
+        self._settle_spool()
         if data is None:
             data = wire.encode_body(parsed.body)
         self._outbound = BodyHolder(data)
@@ -605,12 +647,47 @@ class Exchange:
         # keeps it alive on purpose (untouched bodies are forwarded as is).
         self._raw = None
 
+    def _on_spool(self, holder: BodyHolder | Splice | None) -> bool:
+        """Whether ``holder`` is (or is spliced from) the spool file's mapping."""
+        if holder is None or self._raw_view is None:
+            return False
+        if isinstance(holder, Splice):
+            return holder.base is self._raw_view
+        return holder.data is self._raw_view
+
+    @property
+    def _raw_view(self) -> memoryview | None:
+        """The spooled body's view while the spool is open (the raw buffer as read)."""
+        return self._spool.view if self._spool is not None else None
+
+    def _settle_spool(self, *, closing: bool = False) -> None:
+        """Close the spool file once neither raw nor the outbound body is a view of it.
+
+        The one place it closes (the release boundary for the spooled bytes):
+        the mapping and the descriptor go, and with them the disk space. While
+        the body is still being read only ``closing`` (:meth:`close`) closes it.
+        """
+        spool = self._spool
+        if spool is None or self._on_spool(self._raw) or self._on_spool(self._outbound):
+            return
+        if spool.view is None and not closing:
+            return  # still being written by the reader
+        self._spool = None
+        spool.close()
+        if self.on_release is not None and spool.size:
+            # Not heap itself, but reading, viewing and folding its bytes left freed
+            # heap in proportion to them (read pieces, parse transients): the same
+            # trim a heap body's release brings (proxy/_alloc.py).
+            self.on_release(spool.size)
+
     # ------------------------------------------------------------------ sending
 
-    async def outbound_chunks(self) -> AsyncIterator[memoryview]:
+    async def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
         """The outbound body as ``memoryview`` slices of :func:`send_slice_bytes`, no copy.
 
-        Each call starts a fresh pass (a resend sends the same bytes again).
+        Each call starts a fresh pass (a resend sends the same bytes again). The
+        parts that are a spooled body's bytes come as :class:`~proxy._spool.FileSlice`
+        ranges of its file (sent with ``sendfile`` where the connection allows).
 
         Raises:
             RuntimeError: the outbound body was already released.
@@ -619,6 +696,12 @@ class Exchange:
         if holder is None:
             raise RuntimeError(f"{self.id}: outbound body already released")
         piece = send_slice_bytes(self.outbound_size)
+        spool = self._spool
+        if spool is not None and self._on_spool(holder):
+            del holder
+            for chunk in self._spool_chunks(spool, piece):
+                yield chunk
+            return
         if isinstance(holder, Splice):
             # Segment by segment, never joined; the slices are views of raw.
             for chunk in holder.chunks(piece):
@@ -631,6 +714,20 @@ class Exchange:
                 yield view[start : start + piece]
         finally:
             view.release()
+
+    def _spool_chunks(self, spool: SpoolFile, piece: int) -> Iterator[memoryview | FileSlice]:
+        """The outbound body that is (or is spliced from) the spool file, in order."""
+        out = self._outbound
+        if not isinstance(out, Splice):
+            yield from spool.slices(0, spool.size, piece)
+            return
+        for segment, offset in zip(out.segments, out.offsets, strict=True):
+            if offset is None:
+                view = memoryview(segment)
+                for start in range(0, len(view), piece):
+                    yield view[start : start + piece]
+            else:
+                yield from spool.slices(offset, offset + len(segment), piece)
 
     def mark_sent(self) -> None:
         """The request went upstream (again, after a refold or retry)."""
@@ -686,6 +783,7 @@ class Exchange:
             self._parsed = None
             self._drop_raw()
         self._freed(before)
+        self._settle_spool()
 
     def drop_outbound(self) -> None:
         """No resend can follow any more: let the outbound body and its header fields go."""
@@ -695,6 +793,7 @@ class Exchange:
         self._headers = None
         self._drop_raw()
         self._freed(before)
+        self._settle_spool()
 
     def close(self) -> None:
         """Final cleanup in the handler's ``finally``: nothing is held afterwards.
@@ -710,6 +809,9 @@ class Exchange:
         self._headers = None
         self.response_held = 0
         self._freed(before)
+        # A body whose read failed never became raw: its partial file goes too.
+        self._raw = None
+        self._settle_spool(closing=True)
         self._move(Phase.CLOSED)
 
     def _held_total(self) -> int:
@@ -717,8 +819,13 @@ class Exchange:
 
     def _held_sum(self) -> int:
         """``held_bytes().total`` without building the record (several calls per exchange)."""
-        raw = len(self._raw) if self._raw is not None else self.reading_bytes
-        return raw + self._parsed_estimate() + self._outbound_extra()
+        return self._raw_heap() + self._parsed_estimate() + self._outbound_extra()
+
+    def _raw_heap(self) -> int:
+        """Heap bytes of the raw body: its buffer, or what is being read (0 when spooled)."""
+        if self._spool is not None:
+            return 0
+        return len(self._raw) if self._raw is not None else self.reading_bytes
 
     def _parsed_estimate(self) -> int:
         """The parsed object's estimate: the kept one, or the one a plugin took in prepare."""
@@ -731,9 +838,9 @@ class Exchange:
         if out is None or out is raw:
             return 0
         if isinstance(out, Splice):
-            on_raw = raw is not None and out.base is raw.data
+            on_raw = (raw is not None and out.base is raw.data) or self._on_spool(out)
             return out.owned_bytes + (0 if on_raw else out.base_bytes)
-        return len(out)
+        return 0 if self._on_spool(out) else len(out)
 
     def _freed(self, before: int) -> None:
         """Tell ``on_release`` how many bytes the last drop let go (if any)."""
@@ -745,8 +852,14 @@ class Exchange:
     def held_bytes(self) -> HeldBytes:
         """What this exchange holds now, by kind (the raw buffer counts once even
         when it is also the outbound body)."""
-        raw = len(self._raw) if self._raw is not None else self.reading_bytes
-        return HeldBytes(raw, self._parsed_estimate(), self._outbound_extra(), self.response_held)
+        spooled = self._spool.size if self._spool is not None else 0
+        return HeldBytes(
+            self._raw_heap(),
+            self._parsed_estimate(),
+            self._outbound_extra(),
+            self.response_held,
+            spooled,
+        )
 
     # ------------------------------------------------------------- bookkeeping
 

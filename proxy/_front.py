@@ -1,6 +1,6 @@
 """The HTTP/1.1 server edge: request framing (sans-I/O), the connection driver, the listener.
 
-Replaces aiohttp's server for the proxy (issue 11 item 3: its request
+Replaces aiohttp's server for the proxy (its request
 handler, router, middlewares and response classes cost ~120 µs of CPU per
 request, more than all of this proxy's own per-request logic). Three layers,
 each usable alone:
@@ -31,7 +31,7 @@ and returns an answer: an ``aiohttp.web.Response`` (a small, complete one; it
 is only a value here, written by :meth:`_Connection._write_response`) or a
 :class:`StreamAnswer` it has prepared and written itself.
 
-Socket reads are sized for the body (issue 11 item 4): asyncio's selector
+Socket reads are sized for the body: asyncio's selector
 transport receives up to ``max_size`` bytes per read (256 KiB, a CPython class
 attribute with no public setter), and each read leaves transients of about its
 size in the heap. Between bodies a connection reads :data:`HEAD_READ_BYTES`;

@@ -73,7 +73,8 @@ def exchange_views(state: AppState) -> list[dict[str, Any]]:
 
     Keys: ``id``, ``session`` (or None), ``protocol``, ``phase``, ``fold_level``,
     ``declared_bytes`` (Content-Length of a body being read, 0: none),
-    ``held_bytes`` (``raw``, ``parsed``, ``outbound``, ``response``, ``total``; bytes),
+    ``held_bytes`` (``raw``, ``parsed``, ``outbound``, ``response``, ``total`` of memory,
+    and ``spooled``: body bytes in a spool file, not in ``total``; bytes),
     ``age_s`` (seconds).
     """
     out = []
@@ -94,6 +95,8 @@ def exchange_views(state: AppState) -> list[dict[str, Any]]:
                     "outbound": held.outbound,
                     "response": held.response,
                     "total": held.total,
+                    # In the spool file (disk and page cache), not in process memory.
+                    "spooled": held.spooled,
                 },
                 "age_s": round(ex.age(), 3),
             }

@@ -56,7 +56,7 @@ TIME_BUCKETS: Final = (
 #: Bytes, for request bodies: 1 KiB to 256 MiB in steps of four.
 BODY_BUCKETS: Final = tuple(float(1024 * 4**i) for i in range(10))
 #: Buffer kinds of ``context_proxy_held_bytes`` (the fields of ``HeldBytes``).
-HELD_KINDS: Final = ("raw", "parsed", "outbound", "response")
+HELD_KINDS: Final = ("raw", "parsed", "outbound", "response", "spooled")
 #: Phases an exchange can be in while listed as in flight, or when its client hangs up.
 LIVE_PHASES: Final = tuple(phase.value for phase in Phase if phase is not Phase.CLOSED)
 
@@ -131,6 +131,7 @@ class _LiveCollector(Collector):
                 ("parsed", h.parsed),
                 ("outbound", h.outbound),
                 ("response", h.response),
+                ("spooled", h.spooled),
             ):
                 totals[(phase, kind)] = totals.get((phase, kind), 0) + value
         for (phase, kind), value in sorted(totals.items()):
@@ -222,6 +223,15 @@ class Metrics:
             "context_proxy_memory_refused",
             "Requests answered 503 because memory could not be reserved (MemoryError)",
         )
+        self.spool_full = CounterTally(
+            "context_proxy_spool_full",
+            "Requests answered 503 because spool_dir could not take their body"
+            " (ENOSPC, EDQUOT, a file-size limit)",
+        )
+        self.spooled = CounterTally(
+            "context_proxy_spooled_bodies",
+            "Request bodies kept in the spool (over spool_above_bytes) instead of memory",
+        )
         self.in_flight = GaugeTally("context_proxy_in_flight", "In-flight exchanges")
         self.releases = CounterTally(
             "context_proxy_releases", "Exchanges whose buffers were released"
@@ -262,6 +272,8 @@ class Metrics:
                     self.body_size,
                     self.fd_exhausted,
                     self.memory_refused,
+                    self.spool_full,
+                    self.spooled,
                     self.in_flight,
                     self.releases,
                     self.refolds,

@@ -63,7 +63,7 @@ from typing import Any, ClassVar, Final, ParamSpec, TypeVar
 
 from ._config import require_redis_client
 from ._protocols import Protocol
-from ._shared import LedgerGate
+from ._shared import LedgerGate, SharedSessionState
 from ._structure import BodyView, Draft, ParsedHolder
 from ._wire import WireMetadata
 
@@ -84,6 +84,7 @@ __all__ = [
     "discover_plugins",
     "load_plugins",
     "open_ledger_gate",
+    "open_session_state",
 ]
 
 log = logging.getLogger("context_proxy.plugins")
@@ -240,9 +241,27 @@ class PrepareContext:
     (or, once a plugin took the whole object, from that object). Reading
     either after the hook returned raises :class:`BodyUnavailable`, so a
     plugin cannot keep them.
+
+    After an overflow (``fold_level`` >= 1) three scalars say what the upstream
+    rejected: ``rejected_bytes``, the size of the body it refused (bytes), and
+    ``prompt_tokens`` / ``window_tokens``, the prompt's size and the context
+    window its error stated (tokens; ``None`` where the wording states none,
+    e.g. an overflow event inside a Responses stream). All three are ``None``
+    at fold level 0.
     """
 
-    __slots__ = ("_closed", "_draft", "_open", "fold_level", "meta", "path", "session_id")
+    __slots__ = (
+        "_closed",
+        "_draft",
+        "_open",
+        "fold_level",
+        "meta",
+        "path",
+        "prompt_tokens",
+        "rejected_bytes",
+        "session_id",
+        "window_tokens",
+    )
 
     def __init__(
         self,
@@ -253,11 +272,16 @@ class PrepareContext:
         path: str,
         body: dict[str, Any] | None = None,
         draft: Draft | None = None,
+        overflow: tuple[int, int | None, int | None] | None = None,
     ) -> None:
         self.meta: Final = meta
         self.fold_level: Final = fold_level
         self.session_id: Final = session_id
         self.path: Final = path
+        rejected, prompt, window = overflow if overflow is not None else (None, None, None)
+        self.rejected_bytes: Final[int | None] = rejected
+        self.prompt_tokens: Final[int | None] = prompt
+        self.window_tokens: Final[int | None] = window
         if draft is None and body is not None:
             draft = Draft(meta.protocol, obj=ParsedHolder(body, meta.byte_length))
         self._draft = draft
@@ -437,6 +461,31 @@ def open_ledger_gate(
     from ._cluster.ledger import RedisLedgerGate
 
     return RedisLedgerGate(redis_url, timeout=timeout, max_connections=max_connections)
+
+
+def open_session_state(
+    redis_url: str, *, name: str, timeout: float = 1.0, max_connections: int = 8
+) -> SharedSessionState:
+    """Plugin ``name``'s per-session state shared by every node of a cluster, in Redis.
+
+    For a plugin that runs in cluster mode (it received ``redis_url``): call it
+    in ``startup`` and ``await state.close()`` in ``shutdown``. Building it
+    connects to nothing; the first call does. redis is imported here, on first
+    use, as for :func:`open_ledger_gate`.
+
+    Args:
+        redis_url: ``redis://host:port/db`` (or ``rediss://``, ``unix://``).
+        name: the plugin's name: each plugin has its own hash per session.
+        timeout: seconds per command and for connecting, never retried.
+        max_connections: size of the bounded connection pool (>= 2).
+
+    Raises:
+        ValueError: ``redis_url`` is not a Redis URL.
+    """
+    # Imported on demand: the Redis client is a cluster-mode dependency only.
+    from ._cluster.session_state import RedisSessionState
+
+    return RedisSessionState(redis_url, name=name, timeout=timeout, max_connections=max_connections)
 
 
 _HOOKS: Final = (

@@ -711,7 +711,7 @@ class _Relay:
         ex = self.ex
         if self.request.client_gone():
             raise ClientGone
-        if await ex.refold():
+        if await ex.refold(prompt_tokens=action.prompt_tokens, window_tokens=action.window_tokens):
             log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
             return "refold"
         assert self.gate is not None

@@ -5,7 +5,9 @@ that two nodes committing for one session at once still move it once. A plugin
 reaches it through this interface only: :class:`LedgerGate` (what a gate does),
 :class:`GateVerdict` (what one commit decided) and :class:`ClusterUnavailable`
 (Redis could not be reached). :func:`proxy.open_ledger_gate` builds the Redis
-implementation (``proxy._cluster.ledger``) on demand.
+implementation (``proxy._cluster.ledger``) on demand. :class:`SharedSessionState`
+is a plugin's own per-session scalars in the same store (the ``fold`` plugin's
+carried folds), built by :func:`proxy.open_session_state`.
 
 Nothing here imports redis: ``import proxy`` stays free of it, and so does a
 plugin that only *may* run in cluster mode. Pure (no I/O).
@@ -16,7 +18,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal, NamedTuple, Protocol
 
-__all__ = ["ClusterUnavailable", "GateOutcomeName", "GateRun", "GateVerdict", "LedgerGate"]
+__all__ = [
+    "ClusterUnavailable",
+    "GateOutcomeName",
+    "GateRun",
+    "GateVerdict",
+    "LedgerGate",
+    "SharedSessionState",
+]
 
 GateOutcomeName = Literal["first", "identical", "reformat", "revision"]
 """What the hash gate decided for one commit (the ledger's ``GateOutcome`` values)."""
@@ -203,4 +212,29 @@ class LedgerGate(Protocol):
 
     async def close(self) -> None:
         """Release the gate's connections; the gate is unusable afterwards."""
+        ...
+
+
+class SharedSessionState(Protocol):
+    """One plugin's per-session state shared by every node: a hash of short strings.
+
+    Each session has one hash per plugin (its fields and values are the
+    plugin's own encoding of scalars: never body bytes or text). Writes replace
+    the named fields and delete others in one atomic step, and refresh the
+    hash's lifetime. Every coroutine raises :class:`ClusterUnavailable` when the
+    store cannot be reached in time; nothing changed then.
+    """
+
+    async def load(self, session_id: str) -> dict[str, str]:
+        """The session's hash (``{}`` for none)."""
+        ...
+
+    async def save(
+        self, session_id: str, put: dict[str, str], drop: Sequence[str], ttl: float
+    ) -> None:
+        """Set the fields of ``put``, delete those of ``drop``; the hash lives ``ttl`` s more."""
+        ...
+
+    async def close(self) -> None:
+        """Release the connections."""
         ...

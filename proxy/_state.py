@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import tempfile
 import time
 from collections.abc import Callable
 from types import TracebackType
@@ -25,6 +26,7 @@ from ._metrics import Metrics
 from ._plugins import ExchangeRecord, Outcome, PluginHost
 from ._relay import Upstream
 from ._sessions import SessionRegistry, Tracking
+from ._spool import Spool
 
 if TYPE_CHECKING:
     from ._cluster import ClusterNode
@@ -64,6 +66,7 @@ class AppState:
         "registry",
         "settings",
         "snapshot_event",
+        "spool",
         "stop",
         "tracing",
         "upstream",
@@ -104,6 +107,14 @@ class AppState:
         #: Cluster-mode session closes answered with 202 and still running (``?wait=false``),
         #: referenced until done (the loop keeps only weak references to tasks).
         self.background_closes: set[asyncio.Task[Any]] = set()
+        #: Large bodies' anonymous files and their budget (proxy/_spool.py).
+        self.spool: Final = Spool(
+            settings.spool_dir or tempfile.gettempdir(),
+            above_bytes=settings.spool_above_bytes,
+            max_bytes=settings.max_spool_bytes,
+            # A full disk fails every large body until space is freed: one line a minute.
+            warner=LogLimiter(logging.getLogger("context_proxy.spool"), interval=60.0),
+        )
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
         self.metrics: Final = Metrics(self)  # it reads the state when registering

@@ -162,9 +162,15 @@ class Refold:
     The driver must not refold once the client has gone. When the refold does
     not shrink the body, it calls :meth:`StreamGate.refold_declined` and goes on
     reading this answer.
+
+    ``prompt_tokens`` and ``window_tokens`` are the figures the upstream's error
+    states (the rejected prompt's size and the context window, in tokens), or
+    ``None`` where its wording states none (an overflow event inside a stream).
     """
 
     reason: str
+    prompt_tokens: int | None = None
+    window_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -709,7 +715,8 @@ class StreamGate:
             )
         ):
             self._state = GateState.REFOLDING
-            return [Refold("context overflow")]
+            prompt, window = protocols.stated_tokens(head)
+            return [Refold("context overflow", prompt, window)]
         actions = self._open([])
         if not clean:
             return self._fail(actions, self._failure(reason), cut=True)

@@ -30,6 +30,7 @@ not what a node reads.
 from __future__ import annotations
 
 import bisect
+import mmap
 import re
 from collections.abc import Iterator
 from typing import Any, Final
@@ -79,7 +80,7 @@ _KINDS: Final = {
     ord("f"): "false",
     ord("n"): "null",
 }
-_BACKSLASH: Final = ord("\\")
+_BACKSLASH: Final = b"\\"
 _LBRACE: Final = ord("{")
 _RBRACE: Final = ord("}")
 # Decoded strings are measured in slices so a huge non-ASCII one is never encoded whole.
@@ -100,6 +101,22 @@ def _utf8_len(text: str) -> int:
         len(text[i : i + _MEASURE_SLICE].encode("utf-8", "surrogatepass"))
         for i in range(0, len(text), _MEASURE_SLICE)
     )
+
+
+def _find(buf: bytes | bytearray | memoryview, needle: bytes, start: int, end: int) -> int:
+    """``buf.find(needle, start, end)``, also for a spooled body's view of its mapping.
+
+    A ``memoryview`` has no ``find``; the ``mmap`` under a spooled body's view
+    (proxy/_spool.py) searches in place, so no string is copied out of it.
+    """
+    if not isinstance(buf, memoryview):
+        return buf.find(needle, start, end)
+    under = buf.obj
+    # Only a view of the whole object shares its offsets.
+    if isinstance(under, (mmap.mmap, bytes, bytearray)) and len(under) == buf.nbytes:
+        return under.find(needle, start, end)
+    found = bytes(buf[start:end]).find(needle)
+    return found if found < 0 else start + found
 
 
 class Node:
@@ -159,8 +176,7 @@ class Node:
         if self._text_bytes < 0:
             if self.kind != "string":
                 raise TypeError(f"a JSON {self.kind} is not a string")
-            buf = self._view._buf
-            if buf.find(_BACKSLASH, self.start, self.end) < 0:
+            if _find(self._view._buf, _BACKSLASH, self.start, self.end) < 0:
                 self._text_bytes = self.end - self.start - 2
             else:
                 self._text_bytes = _utf8_len(self.text())
@@ -265,13 +281,32 @@ class Splice:
     ``owned_bytes`` the replacement bytes' share (the rest is the base buffer's
     memory, kept alive by the slices); ``base_bytes`` is the base buffer's
     size; ``digest`` is the xxh3_128 hex digest of the concatenation, computed
-    segment by segment.
+    segment by segment. ``offsets`` gives, per segment, where a slice of the base
+    starts in it (``None`` for replacement bytes, or when not known): a spooled
+    base is then sent as ranges of its file (proxy/_spool.py).
     """
 
-    __slots__ = ("__weakref__", "base", "base_bytes", "digest", "nbytes", "owned_bytes", "segments")
+    __slots__ = (
+        "__weakref__",
+        "base",
+        "base_bytes",
+        "digest",
+        "nbytes",
+        "offsets",
+        "owned_bytes",
+        "segments",
+    )
 
-    def __init__(self, segments: list[memoryview | bytes], base: bytes | bytearray) -> None:
+    def __init__(
+        self,
+        segments: list[memoryview | bytes],
+        base: bytes | bytearray | memoryview,
+        offsets: list[int | None] | None = None,
+    ) -> None:
         self.segments: Final = tuple(segments)
+        self.offsets: Final = (
+            tuple(offsets) if offsets is not None else (None,) * len(self.segments)
+        )
         #: The buffer the slices view (the raw body, or a re-encoded one).
         self.base: Final = base
         self.base_bytes: Final = len(base)
@@ -306,7 +341,7 @@ class _Body:
 
     __slots__ = ("_buf", "_edits", "_mv", "_starts")
 
-    def __init__(self, buffer: bytes | bytearray) -> None:
+    def __init__(self, buffer: bytes | bytearray | memoryview) -> None:
         self._buf = buffer
         self._mv = memoryview(buffer).toreadonly()
         # Edits sorted by start: parallel lists of starts and (start, end, bytes).
@@ -464,7 +499,7 @@ class BodyView:
 
     __slots__ = ("__weakref__", "_body", "_root", "protocol")
 
-    def __init__(self, buffer: bytes | bytearray, protocol: Protocol | None) -> None:
+    def __init__(self, buffer: bytes | bytearray | memoryview, protocol: Protocol | None) -> None:
         self._body = _Body(buffer)
         self.protocol: Final = protocol
         self._root: Node | None = None
@@ -549,16 +584,20 @@ class BodyView:
         """The outbound body: raw slices between the edits and the replacement bytes."""
         body = self._body
         segments: list[memoryview | bytes] = []
+        offsets: list[int | None] = []
         pos = 0
         for start, end, data in body._edits:
             if start > pos:
                 segments.append(body._mv[pos:start])
+                offsets.append(pos)
             if data:
                 segments.append(data)
+                offsets.append(None)
             pos = end
         if pos < len(body._buf):
             segments.append(body._mv[pos:])
-        return Splice(segments, body._buf)
+            offsets.append(pos)
+        return Splice(segments, body._buf, offsets)
 
     def release(self) -> None:
         """Drop the nodes and edits and release the buffer view (idempotent)."""
@@ -603,7 +642,7 @@ class Draft:
         self,
         protocol: Protocol,
         *,
-        base: bytes | bytearray | None = None,
+        base: bytes | bytearray | memoryview | None = None,
         obj: ParsedHolder | None = None,
     ) -> None:
         if (base is None) == (obj is None):

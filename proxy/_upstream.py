@@ -6,7 +6,7 @@ already holds as slices) and relays one answer shape (a status, header fields,
 body bytes as they come). aiohttp's client does much more per request (URL
 objects, cookie and redirect handling, trace hooks, a task per upload, a
 timer per socket read) and keeps several KiB per open stream (its response,
-parser, stream reader and queues; issue 11 items 3 and 5). Framing is not
+parser, stream reader and queues; see ``bench overhead``). Framing is not
 ours: the status line, header fields, chunked and length bodies are parsed by
 llhttp through ``httptools``.
 
@@ -31,6 +31,7 @@ import asyncio
 import collections
 import http
 import ipaddress
+import os
 import socket
 import ssl
 import typing
@@ -43,6 +44,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ._egress import ForwardProxy
+from ._spool import FileSlice
 
 __all__ = [
     "AnswerCut",
@@ -61,6 +63,10 @@ __all__ = [
     "UpstreamPool",
     "UpstreamTarget",
 ]
+
+#: One piece of an outbound body: bytes in memory, or a range of a spooled body's
+#: file (sent with ``sendfile`` on a plain TCP connection, see ``_Connection._upload``).
+_Piece: typing.TypeAlias = memoryview | FileSlice
 
 #: Longest header field line accepted from an upstream (name, ``": "``, value), bytes.
 #: The same bound as aiohttp's and nginx's default (8 KiB less the line end).
@@ -660,7 +666,7 @@ class _Connection(asyncio.Protocol):
     async def send(
         self,
         head: bytes,
-        body: AsyncIterable[memoryview] | None,
+        body: AsyncIterable[_Piece] | None,
         body_bytes: int,
         bound: _Bound | None = None,
     ) -> UpstreamAnswer:
@@ -707,7 +713,7 @@ class _Connection(asyncio.Protocol):
         self,
         transport: asyncio.Transport,
         head: bytes,
-        body: AsyncIterable[memoryview],
+        body: AsyncIterable[_Piece],
         body_bytes: int,
     ) -> None:
         """Write the head and the body's slices, waiting while the socket is full.
@@ -718,15 +724,23 @@ class _Connection(asyncio.Protocol):
         sending on a response that says the body is not wanted. A 2xx head
         (a server streaming before it reads) does not: the upload goes on. A
         lost connection ends it too (no write goes to a closed transport).
+
+        A :class:`~proxy._spool.FileSlice` (a range of a spooled body) goes with
+        ``os.sendfile`` on a plain TCP connection whose transport has nothing
+        buffered (the kernel copies page cache to the socket; what the socket
+        cannot take now is written as the rest of its view); on TLS its bounded
+        view of the mapping is written (file-backed pages, no heap copy).
         """
         framing = self.framing
         pieces = aiter(body)
+        native = transport.get_extra_info("sslcontext") is None
+        sock = transport.get_extra_info("socket") if native else None
         try:
             if body_bytes <= _COALESCE_BYTES:
                 # A small body leaves with its head in one write (one syscall).
                 parts = [head]
                 async for piece in pieces:
-                    parts.append(bytes(piece))
+                    parts.append(bytes(piece.view if isinstance(piece, FileSlice) else piece))
                     del piece
                 transport.write(b"".join(parts))
                 return
@@ -741,7 +755,23 @@ class _Connection(asyncio.Protocol):
                 if self._upload_over(transport):
                     framing.keep_alive = False
                     return
-                transport.write(piece)
+                if isinstance(piece, FileSlice):
+                    sent = 0
+                    if sock is not None and not transport.get_write_buffer_size():
+                        # Straight to the socket only behind an empty transport buffer,
+                        # so bytes keep their order; the transport writes the rest.
+                        try:
+                            sent = os.sendfile(sock.fileno(), piece.fd, piece.offset, len(piece))
+                        except BlockingIOError:
+                            sent = 0
+                        except OSError:
+                            # A broken socket: the transport sees it on its next read.
+                            framing.keep_alive = False
+                            return
+                    if sent < len(piece):
+                        transport.write(piece.view[sent:])
+                else:
+                    transport.write(piece)
                 del piece  # the transport copied what it could not send
         finally:
             close = getattr(pieces, "aclose", None)
@@ -993,7 +1023,7 @@ class UpstreamPool:
         method: str,
         path: str,
         fields: Mapping[str, str],
-        body: Callable[[], AsyncIterable[memoryview]] | None = None,
+        body: Callable[[], AsyncIterable[_Piece]] | None = None,
         body_bytes: int = 0,
         *,
         head_timeout: float | None = None,
@@ -1060,7 +1090,7 @@ class UpstreamPool:
         target: UpstreamTarget,
         head: bytes,
         head_only: bool,
-        body: Callable[[], AsyncIterable[memoryview]] | None,
+        body: Callable[[], AsyncIterable[_Piece]] | None,
         body_bytes: int,
         waiting: list[bool],
         bound: _Bound | None,

@@ -192,7 +192,7 @@ _MAX_SCALAR_BYTES: Final = 4096
 # UTF-8 validation works on slices of this many bytes so the transient ``str`` stays
 # small whatever the body's size: decoding a mostly ASCII slice that holds one astral
 # character peaks at ~9x the slice (a 1-byte-per-char str widened to 4), ~38 KiB
-# here; 128 KiB slices peaked at ~1 MiB, the size of a 1 MiB body (issue 11 item 4).
+# here; 128 KiB slices peaked at ~1 MiB, the size of a 1 MiB body.
 # Measured on a 16 MiB agent history, 4-16 KiB slices also validate faster than
 # 128 KiB ones (the slice and its str stay in the CPU cache).
 _UTF8_CHUNK: Final = 4 * 1024

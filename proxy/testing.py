@@ -46,6 +46,7 @@ import aiohttp
 from ._app import AppState, ProxyApp, build_app, running
 from ._config import Settings, load_settings
 from ._emulator import EmulatorServer, start_emulator
+from ._emulator_script import window_script
 from ._plugins import ExchangeRecord, Outcome, Plugin, PluginHost, Scalar, load_plugins
 from ._protocols import Protocol
 
@@ -168,6 +169,7 @@ async def proxy_with_emulator(
     plugin_timeout: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     config: str | os.PathLike[str] | None = None,
+    context_window_tokens: int | None = None,
     tracer_provider: TracerProvider | None = None,
     **settings: Any,
 ) -> AsyncIterator[Harness]:
@@ -183,7 +185,11 @@ async def proxy_with_emulator(
     the proxy always listens on an ephemeral port of 127.0.0.1, and the
     environment is ignored. ``plugin_timeout`` (seconds) defaults to the settings'.
     ``clock`` (monotonic seconds) drives the session registry: pass a fake one
-    to expire tombstones without sleeping. ``tracer_provider`` receives the spans
+    to expire tombstones without sleeping. ``context_window_tokens`` gives the
+    emulator a context window, as ``context-proxy emulate
+    --context-window-tokens N`` does: a prompt over N tokens (body bytes // 4)
+    gets the protocol's overflow error, stating N as the maximum.
+    ``tracer_provider`` receives the spans
     when ``tracing="otel"`` is among ``settings`` (e.g. an SDK provider with an
     ``InMemorySpanExporter``); without one, the SDK reads the process's ``OTEL_*``
     variables, as ``serve`` does.
@@ -193,7 +199,8 @@ async def proxy_with_emulator(
         proxy._plugins.PluginError: a plugin cannot be loaded, or its ``startup`` raised.
     """
     async with contextlib.AsyncExitStack() as stack:
-        emulator = await start_emulator()
+        window = None if context_window_tokens is None else window_script(context_window_tokens)
+        emulator = await start_emulator(default_script=window)
         stack.push_async_callback(emulator.close)
         # Quick drains by default, and no plugins unless named, when there is no
         # config file to say otherwise.

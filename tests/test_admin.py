@@ -292,6 +292,7 @@ async def test_exchanges_and_sessions_views_show_state_never_a_body(
                 "outbound": 0,
                 "response": 0,
                 "total": 0,
+                "spooled": 0,
             }
             preparing = by_session["sess-view-2"]
             assert preparing["protocol"] == Protocol.MESSAGES

@@ -1051,6 +1051,13 @@ def test_load_plugins_passes_config_options() -> None:
         ({"placeholder": "cut {n!r}"}, ValueError, "only use the field"),
         ({"placeholder": "cut {n"}, ValueError, "not a valid format string"),
         ({"min_bytes": 40}, ValueError, "shorter than min_bytes"),
+        ({"carry": 1}, TypeError, "carry"),
+        ({"fold_target": 0}, ValueError, "fold_target"),
+        ({"fold_target": 1.5}, ValueError, "fold_target"),
+        ({"fold_target": "0.8"}, TypeError, "fold_target"),
+        ({"fold_headroom": 0.9}, ValueError, "below fold_target"),
+        ({"fold_headroom": -0.1}, ValueError, "fold_headroom"),
+        ({"max_histories": 0}, ValueError, "max_histories"),
     ],
 )
 def test_bad_options_are_rejected(options: dict[str, Any], error: type, match: str) -> None:
@@ -1064,3 +1071,5 @@ def test_defaults() -> None:
     assert (plugin.keep_last, plugin.min_bytes, plugin.levels_per_stage) == (4, 2048, 2)
     assert plugin.placeholder == DEFAULT_PLACEHOLDER
     assert plugin.max_level == 4
+    assert (plugin.carry, plugin.fold_target, plugin.fold_headroom) == (True, 0.85, 0.6)
+    assert plugin.max_histories == 8

@@ -98,7 +98,11 @@ async def test_a_body_whose_memory_cannot_be_reserved_is_a_503_with_retry_after(
 ) -> None:
     proc, port = await Proc.serve(
         emulator.url,
-        env={"CONTEXT_PROXY_MAX_BODY_BYTES": str(1024 * MiB)},
+        # The heap path: a spooled body would never ask for the memory (issue 21).
+        env={
+            "CONTEXT_PROXY_MAX_BODY_BYTES": str(1024 * MiB),
+            "CONTEXT_PROXY_SPOOL_ABOVE_BYTES": "0",
+        },
         preexec_fn=_limit_address_space,
     )
     try:

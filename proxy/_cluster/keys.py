@@ -31,6 +31,8 @@ class SessionKeys:
     ``tally``: hash ``finished``, ``cancelled``, ``expired``, ``done`` of the
     close in progress or last completed (same TTL as the tombstone).
     ``ledger``: hash of the ledger's hash gate (``plugins/ledger.py``).
+    :meth:`plugin`: hash of one plugin's shared session state
+    (:class:`proxy._shared.SharedSessionState`), with a TTL.
     """
 
     __slots__ = ("in_flight", "ledger", "sid", "tally", "tombstone")
@@ -42,3 +44,7 @@ class SessionKeys:
         self.in_flight: Final = base + "inflight"
         self.tally: Final = base + "close"
         self.ledger: Final = base + "ledger"
+
+    def plugin(self, name: str) -> str:
+        """The key of plugin ``name``'s shared state for this session."""
+        return f"{PREFIX}{{{self.sid}}}:plugin:{name}"

@@ -70,6 +70,8 @@ def _server_state(exc: ResponseError) -> ClusterUnavailable | None:
     if code in _SERVER_STATE_CODES:
         return ClusterUnavailable(f"redis: {code} reply")
     return None
+
+
 #: One script waiting for its trip: the script, its keys, its args, the caller's future.
 _Scripted = tuple[AsyncScript, list[str], list[Any], "asyncio.Future[Any]"]
 
@@ -655,6 +657,30 @@ class RedisStore:
         """The raw ledger hash of ``sid`` (empty for an unknown session)."""
         raw: Any = await self._call(lambda: self._client.hgetall(SessionKeys(sid).ledger))
         return {str(k): str(v) for k, v in raw.items()}
+
+    async def plugin_state(self, sid: str, name: str) -> dict[str, str]:
+        """Plugin ``name``'s shared hash for ``sid`` (empty when there is none)."""
+        raw: Any = await self._call(lambda: self._client.hgetall(SessionKeys(sid).plugin(name)))
+        return {str(k): str(v) for k, v in raw.items()}
+
+    async def save_plugin_state(
+        self, sid: str, name: str, put: Mapping[str, str], drop: Sequence[str], ttl: float
+    ) -> None:
+        """Set ``put``, delete ``drop`` and refresh the TTL (seconds) in one transaction."""
+        key = SessionKeys(sid).plugin(name)
+        # redis-py's mapping type is invariant in its keys: a plain dict of str is not one.
+        fields: Any = dict(put)
+
+        async def transaction() -> Any:
+            async with self._client.pipeline(transaction=True) as pipe:
+                if drop:
+                    pipe.hdel(key, *drop)
+                if put:
+                    pipe.hset(key, mapping=fields)
+                pipe.pexpire(key, _ms(ttl))
+                return await pipe.execute()
+
+        await self._call(transaction)
 
     async def close(self) -> None:
         """Close the pool's connections."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 from .._sse import SSEEvent
 from ._common import Protocol, Upstream, UsageReport, event_type
 from ._dialects import DIALECTS, Dialect, dialect
-from ._overflow import is_overflow_payload, message_says_overflow
+from ._overflow import is_overflow_payload, message_says_overflow, stated_tokens
 from ._routing import Route, route
 from ._usage import UsageMeter
 
@@ -49,6 +49,7 @@ __all__ = [
     "message_says_overflow",
     "route",
     "sequence_number",
+    "stated_tokens",
 ]
 
 _CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

@@ -37,7 +37,7 @@ from typing import Final
 
 from ._common import decode_any
 
-__all__ = ["MAX_ERROR_BODY", "is_overflow_payload", "message_says_overflow"]
+__all__ = ["MAX_ERROR_BODY", "is_overflow_payload", "message_says_overflow", "stated_tokens"]
 
 # Error bodies are small; past this size a body is searched as text only (and
 # only this much of it), never parsed.
@@ -155,3 +155,48 @@ def is_overflow_payload(status: int, content_type: str | None, body: bytes) -> b
             if messages:
                 return any(message_says_overflow(m[:MAX_ERROR_BODY]) for m in messages)
     return message_says_overflow(head.decode("utf-8", "replace"))
+
+
+# The figures an overflow message states (wordings and sources: the module doc). Each
+# pattern gives the prompt's tokens (group "prompt") and/or the window (group "window").
+_FIGURES: Final = tuple(
+    re.compile(pattern, re.IGNORECASE)
+    for pattern in (
+        # Anthropic: "prompt is too long: 210000 tokens > 200000 maximum"
+        r"too\s+long:\s*(?P<prompt>\d+)\s+tokens\s*>\s*(?P<window>\d+)\s+maximum",
+        # vLLM v1: "The decoder prompt (length N) is longer than the maximum model length of M"
+        r"decoder\s+prompt\s+\(length\s+(?P<prompt>\d+)\).{0,40}?maximum\s+model\s+length\s+of\s+(?P<window>\d+)",
+        # SGLang: "The input (N tokens) is longer than the model's context length (M tokens)"
+        r"input\s+\((?P<prompt>\d+)\s+tokens\).{0,40}?context\s+length\s+\((?P<window>\d+)",
+        # OpenAI and vLLM: "maximum context length is N tokens"
+        r"maximum\s+context\s+length\s+(?:is|of)\s+(?P<window>\d+)",
+        # OpenAI: "your messages resulted in M tokens";
+        # vLLM: "you requested M tokens (M in the messages, ..."
+        r"resulted\s+in\s+(?P<prompt>\d+)\s+tokens",
+        r"\((?P<prompt>\d+)\s+in\s+the\s+messages",
+    )
+)
+
+
+def stated_tokens(body: bytes) -> tuple[int | None, int | None]:
+    """The token figures an overflow error states: ``(prompt tokens, window tokens)``.
+
+    Read from the text of the first :data:`MAX_ERROR_BODY` bytes of an answer
+    :func:`is_overflow_payload` classified as an overflow (JSON or plain text:
+    the numbers appear unescaped either way). Either figure is ``None`` when the
+    wording does not state it (OpenAI Responses says only "exceeds the context
+    window"). Never raises.
+    """
+    text = bytes(body[:MAX_ERROR_BODY]).decode("utf-8", "replace")
+    prompt: int | None = None
+    window: int | None = None
+    for pattern in _FIGURES:
+        found = pattern.search(text)
+        if found is None:
+            continue
+        figures = found.groupdict()
+        if prompt is None and figures.get("prompt") is not None:
+            prompt = int(figures["prompt"])
+        if window is None and figures.get("window") is not None:
+            window = int(figures["window"])
+    return prompt, window
