@@ -1235,7 +1235,8 @@ class _Connection(asyncio.Protocol):
         if close:
             self._close()
             return
-        if self._broken is not None:
+        if self._broken is not None and not self._queue:
+            # The requests parsed before the fault are answered first, in order.
             self._answer_broken()
             return
         if self._queue:

@@ -79,3 +79,25 @@ async def test_a_content_length_shorter_than_the_body_is_judged_on_the_declared_
         assert [
             (r.outcome.value, r.status, r.error, r.request_bytes) for r in recorder.records
         ] == [("rejected", 400, "invalid_json", 250)]
+
+
+async def test_a_request_queued_behind_one_in_flight_is_answered_before_the_400() -> None:
+    """The first request streams for a while; the second and the bad bytes come
+    meanwhile: both requests are answered and committed, then the 400 closes."""
+    slow = exact_body(CHAT_PATH, 300)
+    quick = exact_body(CHAT_PATH, 200)
+    first = (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-emulator: stall_headers=0.5\r\nContent-Length: %d\r\n\r\n"
+        % (CHAT_PATH.encode(), len(slow))
+    ) + slow
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[recorder]) as h:
+        answer = await _exchange(h, [first, _post(quick) + quick + GARBAGE])
+        await h.settle()
+        assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer[:300]
+        assert answer.rindex(b"HTTP/1.1 400 ") > answer.rindex(b"HTTP/1.1 200 OK")
+        assert [(r.outcome.value, r.request_bytes) for r in recorder.records] == [
+            ("ok", len(slow)),
+            ("ok", len(quick)),
+        ]
