@@ -11,6 +11,8 @@ import openai
 import pytest
 
 from proxy._egress import EgressError, ForwardProxy, choose_proxy
+from tests.cluster_support import free_port
+from tests.process_support import Proc
 from tests.upstream_support import Scripted, pool_of, proxy_app
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -178,3 +180,39 @@ def test_percent_encoded_credentials_with_a_slash_still_work() -> None:
     proxy = ForwardProxy("http://alice:pa%2Fss@proxy.corp:3128", "HTTPS_PROXY")
     assert proxy.shown == "http://proxy.corp:3128"
     assert proxy.authorization == "Basic " + base64.b64encode(b"alice:pa/ss").decode()
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"HTTP_PROXY": "http://127.0.0.1:{port}"},  # the egress proxy is this proxy
+        {"CONTEXT_PROXY_UPSTREAM_OPENAI": "http://localhost:{port}"},  # the upstream is
+    ],
+    ids=["egress-proxy", "upstream"],
+)
+async def test_a_proxy_that_would_send_requests_to_itself_refuses_to_start(
+    env: dict[str, str],
+) -> None:
+    """Each request came back to the proxy and went out again, a connection pair per
+    hop: one request took every file descriptor (20,000) in 11 s, and from then on
+    every client got 503 fd_reserve."""
+    port = free_port()
+    proc = await Proc.start(
+        "proxy",
+        "serve",
+        "--port",
+        str(port),
+        env={
+            "CONTEXT_PROXY_PLUGINS": "",
+            "CONTEXT_PROXY_UPSTREAM_OPENAI": "http://api.example.invalid",
+            "CONTEXT_PROXY_UPSTREAM_ANTHROPIC": "http://api.example.invalid",
+            **{k: v.format(port=port) for k, v in env.items()},
+        },
+    )
+    try:
+        code = await proc.wait_exit(20)
+    finally:
+        await proc.stop()
+    assert code == 1, proc.output
+    assert "openai upstream:" in proc.output and "this proxy itself" in proc.output
+    assert "listening on" not in proc.output
