@@ -376,27 +376,38 @@ def _busy(ex: Exchange, state: AppState, refusal: BodyError | None = None) -> we
 
 
 class _ReadingAccount:
-    """Charges one body read's received bytes to the shared ``max_reading_bytes`` budget.
+    """Charges one body read's received heap bytes to the shared ``max_reading_bytes`` budget.
 
     ``grow`` is the reader's ``on_growth`` callback: the bytes the body buffer
     grew by are charged as they arrive, to the app's total and the exchange's
     held bytes. Past the budget, a read that shares it with others ends with
     :class:`~proxy._body.BodyBusy` (503); a read alone may grow to ``max_body_bytes``.
-    ``settle`` returns everything charged (idempotent); call it in ``finally``.
+    ``spooled`` is called when the body moves to the spool: what it charged is
+    returned and its later bytes are the spool's (``max_spool_bytes``), not the
+    heap budget's, since they no longer take memory. ``settle`` returns
+    everything charged (idempotent); call it in ``finally``.
     """
 
-    __slots__ = ("_charged", "_ex", "_state")
+    __slots__ = ("_charged", "_ex", "_spooled", "_state")
 
     def __init__(self, state: AppState, ex: Exchange) -> None:
         self._state = state
         self._ex = ex
         self._charged = 0
+        self._spooled = False
+
+    def spooled(self) -> None:
+        """The body now lives in the spool: stop charging the heap budget for it."""
+        self._spooled = True
+        self.settle()
 
     def grow(self, nbytes: int) -> None:
         state = self._state
+        self._ex.count_received(nbytes)
+        if self._spooled:
+            return
         self._charged += nbytes
         state.reading_bytes += nbytes
-        self._ex.count_received(nbytes)
         if (
             state.reading_bytes > state.settings.max_reading_bytes
             and state.reading_bytes > self._charged
@@ -424,9 +435,12 @@ async def _run_exchange(
         encoding = ", ".join(codings) if codings else None
         check_content_length(request.content_length, encoding, settings.max_body_bytes)
         declared = request.content_length or 0
-        if _over_reading_budget(state, declared):
-            return _busy(ex, state)
         spool = state.spool
+        # A body the spool takes from its first byte (a plain declared length over the
+        # threshold) never takes heap: max_spool_bytes admits it, not the heap budget.
+        spooled_at_once = encoding is None and spool.wants(declared)
+        if not spooled_at_once and _over_reading_budget(state, declared):
+            return _busy(ex, state)
         if not spool.admits(declared):
             spool.busy += 1
             return _busy(ex, state, SpoolBusy())
@@ -442,6 +456,7 @@ async def _run_exchange(
             # Owned by the exchange from its first byte: closed on every outcome.
             file = ex.adopt_spool(spool.open())
             state.metrics.spooled.inc()
+            account.spooled()
             return file
 
         try:

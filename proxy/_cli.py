@@ -331,22 +331,37 @@ def _session_state(detail: dict[str, Any]) -> str:
 LISTING_PAGE: Final = 250
 
 
-def _listing(base: str, token: str | None) -> Iterator[dict[str, Any]]:
-    """Every entry of ``GET /admin/sessions``, page after page (following ``next_cursor``).
+def _pages(
+    base: str, token: str | None, route: str, items: str, query: dict[str, str]
+) -> Iterator[Any]:
+    """Every item under ``items`` of a paged admin ``route``, following ``next_cursor``.
+
+    ``query`` holds the route's own parameters (``limit`` among them).
 
     Raises:
         click.ClickException: a page could not be read.
     """
     cursor: str | None = None
-    while True:  # bounded: each page moves the cursor forward through the sessions
-        query = {"limit": str(LISTING_PAGE)}
-        if cursor is not None:
-            query["cursor"] = cursor
-        page = _admin_get(f"{base}/admin/sessions?{urllib.parse.urlencode(query)}", token)
-        yield from page["sessions"]
+    seen: set[str] = set()
+    while True:  # bounded: each page moves the cursor forward, and a repeated one stops
+        page_query = query if cursor is None else {**query, "cursor": cursor}
+        page = _admin_get(f"{base}{route}?{urllib.parse.urlencode(page_query)}", token)
+        yield from page[items]
         cursor = page.get("next_cursor")
         if cursor is None:
             return
+        if cursor in seen:
+            raise click.ClickException(f"{base}{route}: the proxy repeated a page cursor")
+        seen.add(cursor)
+
+
+def _listing(base: str, token: str | None) -> Iterator[dict[str, Any]]:
+    """Every entry of ``GET /admin/sessions``, page after page.
+
+    Raises:
+        click.ClickException: a page could not be read.
+    """
+    return _pages(base, token, "/admin/sessions", "sessions", {"limit": str(LISTING_PAGE)})
 
 
 @main.command()
@@ -447,23 +462,15 @@ def _count(tokens: int) -> str:
 
 
 def _usage_rows(base: str, token: str | None, by: str, since: str | None) -> Iterator[Any]:
-    """Every row of ``GET /admin/usage``, page after page (following ``next_cursor``).
+    """Every row of ``GET /admin/usage``, page after page.
 
     Raises:
         click.ClickException: a page could not be read.
     """
-    cursor: str | None = None
-    while True:  # bounded: each page moves the cursor forward through the keys
-        query = {"by": by, "limit": str(USAGE_PAGE)}
-        if since is not None:
-            query["since"] = since
-        if cursor is not None:
-            query["cursor"] = cursor
-        page = _admin_get(f"{base}/admin/usage?{urllib.parse.urlencode(query)}", token)
-        yield from page["rows"]
-        cursor = page.get("next_cursor")
-        if cursor is None:
-            return
+    query = {"by": by, "limit": str(USAGE_PAGE)}
+    if since is not None:
+        query["since"] = since
+    return _pages(base, token, "/admin/usage", "rows", query)
 
 
 @main.command()

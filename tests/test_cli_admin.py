@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import click
 import pytest
 from click.testing import CliRunner, Result
 
@@ -315,3 +316,20 @@ async def test_ledger_sessions_loaded_at_start_up_are_listed_as_not_live(
             assert view["plugins"]["ledger"]["requests"] == 3 + start
             stored = await h.session_view("stays-stored")
             assert stored is not None and stored["live"] is False
+
+
+def test_a_proxy_that_repeats_a_page_cursor_cannot_keep_the_cli_looping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from proxy import _cli
+
+    asked: list[str] = []
+
+    def same_page(url: str, token: str | None) -> dict[str, object]:
+        asked.append(url)
+        return {"sessions": [{"id": f"s{len(asked)}"}], "next_cursor": "again"}
+
+    monkeypatch.setattr(_cli, "_admin_get", same_page)
+    with pytest.raises(click.ClickException, match="repeated a page cursor"):
+        list(_cli._listing("http://127.0.0.1:9", None))
+    assert len(asked) == 2

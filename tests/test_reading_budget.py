@@ -218,3 +218,72 @@ async def test_stalled_chunked_or_compressed_upload_is_charged_its_decoded_bytes
             stalled.abort()
         await wait_until(lambda: h.state.reading_bytes == 0, "the admission is returned")
         assert h.emulator.stats == []
+
+
+SPOOL_ABOVE = 100_000
+
+
+async def test_a_body_the_spool_takes_is_not_charged_to_the_heap_budget() -> None:
+    # max_spool_bytes caps spooled bodies; max_reading_bytes is for bodies held in memory.
+    async with proxy_with_emulator(max_reading_bytes=BUDGET, spool_above_bytes=SPOOL_ABOVE) as h:
+        body = exact_body(CHAT_PATH, DECLARED)
+        stalled = await RawClient.connect(h.url)
+        try:
+            stalled.send_head(
+                "POST",
+                CHAT_PATH,
+                [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
+            )
+            await stalled.send(body[:SENT])
+            await wait_until(
+                lambda: any(e.reading_bytes == SENT for e in h.state.exchanges.values()),
+                "the stalled upload's bytes are read",
+            )
+            # In the spool from its first byte: nothing charged to the heap budget.
+            assert h.state.reading_bytes == 0
+            # So a second large upload is admitted next to it (it was a 503 above).
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{h.url}{CHAT_PATH}", data=body, headers={"Content-Type": "application/json"}
+                ) as resp,
+            ):
+                assert resp.status == 200
+                await resp.read()
+            await stalled.send(body[SENT:])
+            head = await stalled.read_head()
+            assert head.status == 200
+            await stalled.read_body(head)
+        finally:
+            await stalled.close()
+        assert h.state.reading_bytes == 0
+        assert [r.body_bytes for r in h.emulator.stats] == [DECLARED, DECLARED]
+
+
+async def test_a_chunked_body_leaves_the_heap_budget_when_it_moves_to_the_spool() -> None:
+    async with proxy_with_emulator(max_reading_bytes=BUDGET, spool_above_bytes=SPOOL_ABOVE) as h:
+        body = exact_body(CHAT_PATH, DECLARED)
+        client = await RawClient.connect(h.url)
+
+        def chunk(data: bytes) -> bytes:
+            return b"%x\r\n%s\r\n" % (len(data), data)
+
+        try:
+            client.send_head(
+                "POST",
+                CHAT_PATH,
+                [("Content-Type", "application/json"), ("Transfer-Encoding", "chunked")],
+            )
+            # Below the threshold the body is in memory and charged as it arrives.
+            await client.send(chunk(body[:50_000]))
+            await wait_until(lambda: h.state.reading_bytes == 50_000, "heap bytes are charged")
+            # Past it the body moves to the spool and its charge is returned.
+            await client.send(chunk(body[50_000:SENT]))
+            await wait_until(lambda: h.state.reading_bytes == 0, "the spooled body is not charged")
+            await client.send(chunk(body[SENT:]) + b"0\r\n\r\n")
+            head = await client.read_head()
+            assert head.status == 200
+            await client.read_body(head)
+        finally:
+            await client.close()
+        assert [r.body_bytes for r in h.emulator.stats] == [DECLARED]

@@ -22,6 +22,7 @@ import os
 import resource
 import ssl
 import stat
+import subprocess
 import tracemalloc
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -827,6 +828,68 @@ async def test_kill_9_with_spooled_uploads_in_flight_leaves_nothing_in_spool_dir
         await proc.stop()
     assert os.listdir(tmp_path) == []
     assert emulator.stats == []
+
+
+@contextlib.contextmanager
+def _own_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` for the test (root only), unmounted after.
+
+    On a file system of its own the disk space the spool takes and returns is exact:
+    nothing else writes there.
+    """
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _used_bytes(path: Path) -> int:
+    fs = os.statvfs(path)
+    return (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+
+
+async def test_kill_9_with_spooled_uploads_in_flight_gives_the_disk_space_back(
+    emulator: EmulatorServer, tmp_path: Path
+) -> None:
+    body = encode(conversation(CHAT))
+    with _own_tmpfs(tmp_path / "spool", "256m") as spool_dir:
+        empty = _used_bytes(spool_dir)
+        proc, port = await Proc.serve(
+            emulator.url,
+            env={
+                "CONTEXT_PROXY_SPOOL_DIR": str(spool_dir),
+                "CONTEXT_PROXY_SPOOL_ABOVE_BYTES": "16384",
+            },
+        )
+        conns: list[RawConn] = []
+        half = len(body) // 2
+        try:
+            for _ in range(10):
+                conn = await RawConn.open(f"http://127.0.0.1:{port}")
+                await conn.send_head(CHAT, len(body), {})
+                await conn.send(body[:half])
+                conns.append(conn)
+            # The ten half bodies take the disk space `df` shows...
+            await wait_until(
+                lambda: _used_bytes(spool_dir) - empty >= 10 * half, "ten half bodies on disk"
+            )
+            proc.proc.kill()
+            assert await proc.wait_exit() == -9
+            # ...and the kernel returns all of it with the killed process's descriptors.
+            assert _used_bytes(spool_dir) == empty
+            assert os.listdir(spool_dir) == []
+        finally:
+            for conn in conns:
+                conn.abort()
+            await proc.stop()
 
 
 # ------------------------------------------------------------------------------ more paths
