@@ -93,7 +93,7 @@ def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool
                     event = line[len(b"event: ") :].decode()
                 elif line.startswith(b"data: ") and event == "snapshot":
                     seen += 1
-                    yield json.loads(line[len(b"data: ") :])
+                    yield _snapshot(url, line[len(b"data: ") :])
                 elif line.startswith(b"data: ") and event == "end":
                     return True
                 elif not line:
@@ -106,6 +106,21 @@ def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool
         # would go round without end.
         raise TopError(f"{url}: the event stream ended before its first snapshot")
     return False
+
+
+def _snapshot(url: str, data: bytes) -> dict[str, Any]:
+    """One snapshot event's data as a dict.
+
+    Raises:
+        TopError: it is not a JSON object (``--url`` names something else).
+    """
+    try:
+        snap = json.loads(data)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+        snap = None
+    if not isinstance(snap, dict):
+        raise TopError(f"{url}: a snapshot event that is not a JSON object (not a context-proxy?)")
+    return snap
 
 
 def _size(n: object) -> str:
