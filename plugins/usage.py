@@ -788,11 +788,13 @@ class UsagePlugin(Plugin):
         self._executor = None
         if executor is None:
             return
-        try:
-            if store is not None:
-                await asyncio.get_running_loop().run_in_executor(executor, store.close)
-        finally:
-            executor.shutdown(wait=False)
+        # Writes still queued are dropped (a shutdown past its budget, with the store
+        # locked, waited lock_timeout for each of them in turn: one per commit under
+        # sync = "commit"); only the statement running now is waited for.
+        executor.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(executor.shutdown, wait=True)
+        if store is not None:
+            store.close()  # the worker thread is done: no statement runs on it now
 
     # -- Prometheus collector protocol -----------------------------------------------------
 

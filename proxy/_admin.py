@@ -22,6 +22,7 @@ import hmac
 import ipaddress
 import logging
 import math
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
@@ -154,7 +155,8 @@ def _page_limit(raw: str | None) -> int | None:
     """``limit`` from the query: the default when absent, ``None`` when not 1..max."""
     if raw is None:
         return SESSIONS_PAGE_DEFAULT
-    if not raw.isdigit() or not 1 <= int(raw) <= SESSIONS_PAGE_MAX:
+    # isascii: str.isdigit() is true of "²" and other digits int() refuses.
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= SESSIONS_PAGE_MAX:
         return None
     return int(raw)
 
@@ -246,9 +248,11 @@ def _usage_after(cursor: str) -> str:
         raw = base64.urlsafe_b64decode(cursor.encode("ascii"))
     except (binascii.Error, UnicodeEncodeError) as exc:
         raise ValueError(cursor) from exc
-    if not raw or _usage_cursor(raw.decode("utf-8", "surrogateescape")) != cursor:
+    # Strict UTF-8 (UnicodeDecodeError is a ValueError): keys are text, and a lone
+    # surrogate would only fail later, in the store's query.
+    if not raw or _usage_cursor(raw.decode("utf-8")) != cursor:
         raise ValueError(cursor)
-    return raw.decode("utf-8", "surrogateescape")
+    return raw.decode("utf-8")
 
 
 def _bad_request(message: str) -> web.Response:
@@ -461,11 +465,13 @@ def _page_route(name: str) -> dict[str, AdminHandler]:
     return {"GET": get}
 
 
-def admin_routes(path: str) -> dict[str, AdminHandler] | None:
+def admin_routes(path: str, raw_path: str | None = None) -> dict[str, AdminHandler] | None:
     """The handlers of ``path`` (percent-decoded) by method, or None when it is no admin route.
 
     A ``GET`` route answers ``HEAD`` too (the caller sends no body for it).
-    ``/admin/sessions/{id}``: the id is one path segment (no ``/``), decoded.
+    ``/admin/sessions/{id}``: the id is one segment of ``raw_path`` (the path as
+    sent; ``path`` when not given), percent-decoded, so an id with a ``/`` in it
+    (``team/42``) is named as ``team%2F42``, as ``context-proxy sessions`` does.
     """
     routes = _PLAIN_ROUTES.get(path)
     if routes is not None:
@@ -473,10 +479,11 @@ def admin_routes(path: str) -> dict[str, AdminHandler] | None:
     asset = page_routes(path)
     if asset is not None:
         return _page_route(asset)
-    if path.startswith(_SESSION_PREFIX):
-        sid = path[len(_SESSION_PREFIX) :]
-        if sid and "/" not in sid:
-            return _session_routes(sid)
+    raw = path if raw_path is None else raw_path
+    if raw.startswith(_SESSION_PREFIX):
+        segment = raw[len(_SESSION_PREFIX) :]
+        if segment and "/" not in segment:
+            return _session_routes(urllib.parse.unquote(segment))
     return None
 
 

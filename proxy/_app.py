@@ -639,7 +639,7 @@ class ProxyApp:
         refusal = admin_guard(request, state)
         if refusal is not None:
             return _answer(refusal)
-        routes = admin_routes(path)
+        routes = admin_routes(path, request.raw_path)
         if routes is None:
             return _answer(_route_error(request, 404))
         method = "GET" if request.method == "HEAD" else request.method

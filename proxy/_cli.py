@@ -265,6 +265,8 @@ def _print_table(
     from rich.console import Console
     from rich.table import Table
 
+    from ._top import cell
+
     table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False, padding=(0, 1))
     for column in columns:
         if column in numeric:
@@ -275,7 +277,8 @@ def _print_table(
         else:
             table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(*row)
+        # Cells are data (a model or session id a client chose), never markup.
+        table.add_row(*(cell(value) for value in row))
     console = Console(width=TABLE_WIDTH, soft_wrap=False)
     with console.capture() as captured:
         console.print(table)

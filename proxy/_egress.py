@@ -54,7 +54,8 @@ class ForwardProxy:
 
     Raises:
         EgressError: the scheme is not ``http`` (an ``https://`` or ``socks5://``
-            proxy is not supported), or the URL has no host or a bad port.
+            proxy is not supported), the URL has no host or a bad port, or an
+            ``@`` after its host (credentials with an unencoded ``/``, ``?`` or ``#``).
             ``source`` (the setting's or variable's name) starts the message.
     """
 
@@ -65,6 +66,14 @@ class ForwardProxy:
         if "://" not in text:
             text = "http://" + text
         parts = urllib.parse.urlsplit(text)
+        if "@" in text[len(parts.scheme) + 3 + len(parts.netloc) :]:
+            # A "/", "?" or "#" in unencoded credentials ends the authority early: the
+            # user name and part of the password would be taken for host and port, and
+            # shown as such in every log line and error body.
+            raise EgressError(
+                f"{source}: the proxy URL has an '@' after its host: percent-encode "
+                "'/', '?', '#' and '@' in the user name and password"
+            )
         if parts.scheme.lower() != "http":
             raise EgressError(
                 f"{source}: only http:// forward proxies are supported, not {parts.scheme}://"

@@ -159,8 +159,14 @@ class MalformedRequest(Exception):
     """The client's bytes are not an HTTP/1.1 request we accept.
 
     ``str(exc)`` is the proxy's own words for the fault (never the parser's
-    message, which quotes request bytes: a header with its API key).
+    message, which quotes request bytes: a header with its API key). ``events``
+    are those the same feed completed before the fault (a whole request pipelined
+    ahead of the bad bytes is still a request to answer and to commit).
     """
+
+    def __init__(self, words: str, events: list[Event] | None = None) -> None:
+        super().__init__(words)
+        self.events: list[Event] = events or []
 
 
 class ClientBodyError(Exception):
@@ -250,7 +256,7 @@ class RequestFraming:
     Raises (from :meth:`feed`):
         MalformedRequest: the bytes are not a request we accept (see the module
             docstring); the connection must close after answering 400. The
-            events parsed before the fault are lost with it.
+            events the feed completed before the fault are its ``events``.
     """
 
     __slots__ = (
@@ -322,20 +328,16 @@ class RequestFraming:
             # request, then the connection closes (the bytes after it are not HTTP/1.1).
             self.upgraded = True
         except httptools.HttpParserCallbackError as exc:
-            self.events = []
             cause = exc.__context__
-            raise MalformedRequest(
+            raise self._fault(
                 str(cause) if isinstance(cause, MalformedRequest) else "malformed HTTP request"
             ) from None
         except httptools.HttpParserInvalidMethodError:
-            self.events = []
-            raise MalformedRequest("malformed request line") from None
+            raise self._fault("malformed request line") from None
         except httptools.HttpParserInvalidURLError:
-            self.events = []
-            raise MalformedRequest("malformed request target") from None
+            raise self._fault("malformed request target") from None
         except httptools.HttpParserError:
-            self.events = []
-            raise MalformedRequest("malformed HTTP request") from None
+            raise self._fault("malformed HTTP request") from None
         if self.in_head:
             if starts_in_head and not self._ended_here:
                 self._head_bytes += len(data)
@@ -345,18 +347,21 @@ class RequestFraming:
                 # by the read, and the next reads count whole.
                 self._head_bytes = self._field_bytes + len(self._url)
             if self._head_bytes > MAX_HEAD_BYTES:
-                self.events = []
-                raise MalformedRequest("the request head is over the size limit")
+                raise self._fault("the request head is over the size limit")
         elif self._in_message:
             # In a body, reads that bring none of it are chunked framing or trailer
             # fields, which httptools buffers whole (a never-ending trailer line grew
             # without bound: the body reader's idle clock saw nothing come): bounded too.
             self._quiet_bytes = 0 if self._body_here else self._quiet_bytes + len(data)
             if self._quiet_bytes > MAX_HEAD_BYTES:
-                self.events = []
-                raise MalformedRequest("the request's trailer fields are over the size limit")
+                raise self._fault("the request's trailer fields are over the size limit")
         events, self.events = self.events, []
         return events
+
+    def _fault(self, words: str) -> MalformedRequest:
+        """The fault ``words``, carrying the events this feed completed before it."""
+        events, self.events = self.events, []
+        return MalformedRequest(words, events)
 
     def _reframe(self) -> bool:
         """Ignore the Upgrade of a request with a body (RFC 9110 §7.8: a server may);
@@ -964,11 +969,13 @@ class _Connection(asyncio.Protocol):
             start = end
 
     def _parse(self, data: bytes | memoryview) -> None:
+        fault: str | None = None
         try:
             events = self._framing.feed(data)
         except MalformedRequest as exc:
-            self._malformed(str(exc))
-            return
+            # What came before the fault is handled first: a whole request ahead of the
+            # bad bytes is answered (and committed) before the 400 that closes.
+            fault, events = str(exc), exc.events
         for event in events:
             if event.__class__ is bytes:
                 assert self._parsing is not None and isinstance(event, bytes)
@@ -985,6 +992,9 @@ class _Connection(asyncio.Protocol):
             else:
                 assert isinstance(event, RequestHead)
                 self._head(event)
+        if fault is not None:
+            self._malformed(fault)
+            return
         if self._framing.upgraded:
             self.close_after_answer()
 
@@ -1225,7 +1235,8 @@ class _Connection(asyncio.Protocol):
         if close:
             self._close()
             return
-        if self._broken is not None:
+        if self._broken is not None and not self._queue:
+            # The requests parsed before the fault are answered first, in order.
             self._answer_broken()
             return
         if self._queue:

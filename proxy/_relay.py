@@ -163,13 +163,41 @@ def egress_problems(settings: Settings, environ: Mapping[str, str]) -> list[str]
     ``upstream_ca_file``; one line each, never a credential. Never raises."""
     problems = []
     try:
-        upstream_targets(settings, environ)
+        targets = upstream_targets(settings, environ)
     except EgressError as exc:
         problems.append(str(exc))
+    else:
+        problems += _loop_problems(settings, targets)
     try:
         upstream_tls(settings.upstream_ca_file)
     except EgressError as exc:
         problems.append(str(exc))
+    return problems
+
+
+#: Host names and addresses that reach this machine's loopback, as a proxy URL names them.
+_LOOPBACK_NAMES: Final = frozenset({"localhost", "::1", "0.0.0.0", "::"})
+
+
+def _loop_problems(settings: Settings, targets: Mapping[str, UpstreamTarget]) -> list[str]:
+    """The upstreams whose first hop (the forward proxy, else the upstream itself) is
+    this proxy's own listening address: each request would come back to it and go out
+    again, one connection pair per hop, until the descriptors run out (one request
+    took all 20,000 in 11 s). Only a fixed ``port`` is checked (0 picks one at bind)."""
+    if settings.port == 0:
+        return []
+    own = {settings.host.lower(), *_LOOPBACK_NAMES}
+    problems = []
+    for name, target in targets.items():
+        via = target.via
+        host, port = (target.host, target.port) if via is None else (via.host, via.port)
+        host = host.lower()
+        if port == settings.port and (host in own or host.startswith("127.")):
+            first = "upstream" if via is None else f"egress proxy {via.shown} (from {via.source})"
+            problems.append(
+                f"{name} upstream: its {first} is this proxy itself "
+                f"({settings.host}:{settings.port}): every request would loop through it"
+            )
     return problems
 
 

@@ -566,7 +566,7 @@ class SessionRegistry:
             closing = [(sid, ttl) for sid in self._closing]
         else:
             token, _, number = cursor.partition(".t")
-            if token != self._listing_token or not number.isdigit():
+            if token != self._listing_token or not (number.isascii() and number.isdigit()):
                 raise ValueError("cursor: not one this process issued (start again without one)")
             after = int(number)
         closed, position = self._tombstones.page(after, limit)
@@ -827,7 +827,7 @@ class SessionRegistry:
         after = -1
         if cursor is not None:
             token, _, number = cursor.partition(".")
-            if token != self._listing_token or not number.isdigit():
+            if token != self._listing_token or not (number.isascii() and number.isdigit()):
                 raise ValueError("cursor: not one this process issued (start again without one)")
             after = int(number)
         keys = self._listing.irange(minimum=after, inclusive=(False, True))

@@ -65,6 +65,7 @@ class AppState:
         "reading_bytes",
         "registry",
         "settings",
+        "snapshot_event",
         "spool",
         "stop",
         "tracing",
@@ -100,6 +101,9 @@ class AppState:
         #: Declared Content-Length of the bodies being read right now, bytes.
         self.reading_bytes = 0
         self.stop = asyncio.Event()
+        #: The last ``snapshot`` event of ``/admin/events`` (event-loop time, encoded
+        #: bytes), shared by the viewers that ask within half an interval (proxy/_live.py).
+        self.snapshot_event: tuple[float, bytes] | None = None
         #: Cluster-mode session closes answered with 202 and still running (``?wait=false``),
         #: referenced until done (the loop keeps only weak references to tasks).
         self.background_closes: set[asyncio.Task[Any]] = set()

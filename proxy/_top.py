@@ -19,13 +19,27 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["READ_TIMEOUT_S", "TopError", "print_once", "render", "snapshots"]
+__all__ = ["READ_TIMEOUT_S", "TopError", "cell", "print_once", "render", "snapshots"]
 
 #: Seconds without a byte from the event stream before ``top`` gives up (snapshots
 #: come every second).
 READ_TIMEOUT_S: Final = 10.0
 #: Widest a session id gets in the table; longer ones end in an ellipsis.
 SESSION_WIDTH: Final = 14
+
+
+def cell(value: object) -> Text:
+    """``str(value)`` as a table cell shown as it is: never read as rich markup (a
+    session id or model ``[/x]`` would raise ``MarkupError``, ``[bold]`` would style),
+    and with every non-printable character but a line break (ESC, BEL, CR, ...)
+    written as its Python escape (``\\x1b``), so a client-chosen name cannot drive
+    the operator's terminal; a line break starts a line of the cell."""
+    text = str(value)
+    if not text.isprintable():
+        text = "".join(
+            c if c.isprintable() or c == "\n" else c.encode("unicode_escape").decode() for c in text
+        )
+    return Text(text)
 
 
 class TopError(Exception):
@@ -48,7 +62,8 @@ def snapshots(base: str, token: str | None) -> Generator[dict[str, Any], None, N
 
     Raises:
         TopError: a stream could not be opened (refused, not there, no proxy), broke,
-            or sent nothing for :data:`READ_TIMEOUT_S` seconds.
+            sent nothing for :data:`READ_TIMEOUT_S` seconds, or ended before its
+            first snapshot.
     """
     url = f"{base}/admin/events"
     while True:  # bounded: a stream is opened again only after one lived its whole life
@@ -68,6 +83,7 @@ def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool
         raise TopError(f"{url}: HTTP {exc.code}", exc.code) from None
     except OSError as exc:
         raise TopError(f"{url}: {exc}") from None
+    seen = 0
     with resp:
         event = "message"
         try:
@@ -76,14 +92,35 @@ def _stream(url: str, token: str | None) -> Generator[dict[str, Any], None, bool
                 if line.startswith(b"event: "):
                     event = line[len(b"event: ") :].decode()
                 elif line.startswith(b"data: ") and event == "snapshot":
-                    yield json.loads(line[len(b"data: ") :])
+                    seen += 1
+                    yield _snapshot(url, line[len(b"data: ") :])
                 elif line.startswith(b"data: ") and event == "end":
                     return True
                 elif not line:
                     event = "message"
         except (OSError, http.client.HTTPException) as exc:  # a timeout, a reset, a cut chunk
             raise TopError(f"{url}: {exc or type(exc).__name__}") from None
+    if not seen:
+        # The proxy sends a snapshot at once: a stream ended before one is not its
+        # end of life (something in between cut it), and opening it again at once
+        # would go round without end.
+        raise TopError(f"{url}: the event stream ended before its first snapshot")
     return False
+
+
+def _snapshot(url: str, data: bytes) -> dict[str, Any]:
+    """One snapshot event's data as a dict.
+
+    Raises:
+        TopError: it is not a JSON object (``--url`` names something else).
+    """
+    try:
+        snap = json.loads(data)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
+        snap = None
+    if not isinstance(snap, dict):
+        raise TopError(f"{url}: a snapshot event that is not a JSON object (not a context-proxy?)")
+    return snap
 
 
 def _size(n: object) -> str:
@@ -139,11 +176,11 @@ def render(snap: dict[str, Any]) -> RenderableType:
     table.add_column("held", overflow="fold", min_width=12)
     for ex in exchanges:
         table.add_row(
-            str(ex.get("id")),
-            str(ex.get("protocol")),
-            str(ex.get("session") or "-"),
-            str(ex.get("phase")),
-            str(ex.get("fold_level")),
+            cell(ex.get("id")),
+            cell(ex.get("protocol")),
+            cell(ex.get("session") or "-"),
+            cell(ex.get("phase")),
+            cell(ex.get("fold_level")),
             f"{float(ex.get('age_s') or 0):.0f}s",
             _held_cell(ex.get("held_bytes") or {}),
         )

@@ -1431,8 +1431,9 @@ async def _open_tunnel(
 
     Writes ``CONNECT host:port`` (with ``Proxy-Authorization`` when the proxy URL
     has credentials) and reads the answer's head, at most
-    :data:`MAX_TUNNEL_HEAD_BYTES` in :data:`_TUNNEL_READS` reads. Any 2xx opens the
-    tunnel; the proxy's body after another status is not read (the socket is closed).
+    :data:`MAX_TUNNEL_HEAD_BYTES`, in as many reads as the proxy takes within the
+    connect timeout. Any 2xx opens the tunnel; the proxy's body after another
+    status is not read (the socket is closed).
 
     Raises:
         TunnelFailed: a status other than 2xx (``status`` set), no HTTP answer, a
@@ -1447,7 +1448,9 @@ async def _open_tunnel(
     head = bytearray()
     try:
         await loop.sock_sendall(sock, request)
-        for _ in range(_TUNNEL_READS):
+        # Each read adds at least one byte: the size bound bounds the reads too, and
+        # the connect timeout the time (a proxy may write its head line by line).
+        for _ in range(MAX_TUNNEL_HEAD_BYTES + 1):
             data = await loop.sock_recv(sock, MAX_TUNNEL_HEAD_BYTES + 1 - len(head))
             if not data:
                 break
@@ -1461,7 +1464,14 @@ async def _open_tunnel(
     status = _tunnel_status(bytes(head[: head.find(b"\r\n")]) if b"\r\n" in head else b"")
     end = head.find(b"\r\n\r\n")
     if status is None or (end < 0 and 200 <= status < 300):
-        words = "closed the connection before answering" if not head else "sent no HTTP answer to"
+        if not head:
+            words = "closed the connection before answering"
+        elif status is not None and len(head) > MAX_TUNNEL_HEAD_BYTES:
+            words = f"sent an answer head over {MAX_TUNNEL_HEAD_BYTES} bytes to"
+        elif status is not None:
+            words = "closed the connection in the middle of its answer to"
+        else:
+            words = "sent no HTTP answer to"
         raise TunnelFailed(via, authority, None, f"{words} CONNECT {authority}")
     if not 200 <= status < 300:
         raise TunnelFailed(
@@ -1473,9 +1483,6 @@ async def _open_tunnel(
 
 #: Most bytes of a proxy's answer to ``CONNECT`` read before it is refused.
 MAX_TUNNEL_HEAD_BYTES: Final = 16 * 1024
-# Reads of that answer before it is refused as too slow in coming (each read waits for
-# bytes; the connect timeout bounds the time).
-_TUNNEL_READS: Final = 64
 
 
 def _tunnel_status(line: bytes) -> int | None:
