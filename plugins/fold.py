@@ -109,6 +109,7 @@ docs/plugins.md ("Carried folds") is the user's description.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -528,17 +529,75 @@ def _check_share(name: str, value: object) -> float:
     return float(value)
 
 
+_CACHE_MARK: Final = re.compile(rb'"cache_control"')
+
+
+def _marker_cuts(entry: Node, data: memoryview) -> list[tuple[int, int]]:
+    """Byte ranges (body offsets, in order) of the ``cache_control`` members of ``entry``
+    and of its content blocks, each with the separator that goes with it.
+
+    Cutting them leaves the text the entry would have without those members, in
+    compact and in ``json.dumps`` spacing alike: the comma before a member that
+    is not first, or for a first member the comma and spaces after it. ``data``
+    is the entry's JSON text.
+    """
+    cuts: list[tuple[int, int]] = []
+    objects = [entry]
+    content = entry.get("content")
+    if content is not None and content.kind == "array":
+        objects += [block for block in content if block.kind == "object"]
+    for node in objects:
+        members = list(node.items())
+        for index, (key, value) in enumerate(members):
+            if key != "cache_control":
+                continue
+            if index > 0:
+                cuts.append((members[index - 1][1].end, value.end))
+            elif len(members) > 1:
+                # Through the comma after it and the spaces after that: the next
+                # member's key starts there.
+                end = value.end - entry.start
+                for _ in range(2):  # bounded: spaces, the comma, spaces
+                    while end < len(data) and data[end] in b" \t\r\n":
+                        end += 1
+                    if end < len(data) and data[end] == ord(","):
+                        end += 1
+                cuts.append((node.start + 1, end + entry.start))
+    cuts.sort()  # the entry's own member may come after its content's
+    return cuts
+
+
+def _hash_entry(hasher: hashlib.blake2b, entry: Node) -> None:
+    """Feed ``entry``'s JSON text to ``hasher`` length-prefixed, without its
+    ``cache_control`` members (see :func:`_digest`)."""
+    with entry.raw() as data:
+        cuts = _marker_cuts(entry, data) if _CACHE_MARK.search(data) else []
+        if not cuts:
+            hasher.update(len(data).to_bytes(8, "little"))
+            hasher.update(data)
+            return
+        start = entry.start
+        kept = [(0, cuts[0][0] - start)]
+        kept += [(a - start, b - start) for (_, a), (b, _) in itertools.pairwise(cuts)]
+        kept.append((cuts[-1][1] - start, len(data)))
+        hasher.update(sum(end - begin for begin, end in kept).to_bytes(8, "little"))
+        for begin, end in kept:
+            hasher.update(data[begin:end])
+
+
 def _digest(entries: list[Node], stop: int) -> str:
     """Hex digest of the JSON text of ``entries[:stop]`` as received, each length-prefixed.
 
     The entries are read from the raw buffer (an edit changes what is sent, not
-    what a node reads), so the digest is of the history as the client sent it.
+    what a node reads), so the digest is of the history as the client sent it,
+    except for prompt-cache breakpoints: ``cache_control`` members (of an entry
+    or of its content blocks) are left out, since a client moves them to its
+    newest messages every turn (Anthropic's multi-turn caching) and they do not
+    change what the fold elides. The client's markers are sent as it sent them.
     """
     hasher = hashlib.blake2b(digest_size=16)
     for entry in entries[:stop]:
-        with entry.raw() as data:
-            hasher.update(len(data).to_bytes(8, "little"))
-            hasher.update(data)
+        _hash_entry(hasher, entry)
     return hasher.hexdigest()
 
 
@@ -547,13 +606,23 @@ def _outbound_size(view: BodyView) -> int:
     return view.nbytes + sum(len(data) - (end - start) for start, end, data in view.edits)
 
 
-def _history_key(entries: list[Node], protocol: Protocol | None) -> str:
-    """Digest of a history's first entries: up to and including the first user-side one.
+def _history_key(entries: list[Node], protocol: Protocol | None, model: str | None) -> str:
+    """Digest of the protocol, the model and a history's first entries (up to and
+    including the first user-side one).
 
-    Sub-agents of one session (Claude Code's) differ there: their own task prompt.
+    Sub-agents of one session (Claude Code's) differ in the entries: their own
+    task prompt. The model is part of it because what a fold learned is one
+    model's context window: a session that switches to a model with more room
+    must not get the old model's elisions.
     """
     first_user = next((i for i, entry in enumerate(entries) if _side(entry, protocol) == _USER), 0)
-    return _digest(entries, first_user + 1)
+    hasher = hashlib.blake2b(digest_size=16)
+    for part in (str(protocol), model or ""):
+        data = part.encode()
+        hasher.update(len(data).to_bytes(8, "little"))
+        hasher.update(data)
+    hasher.update(bytes.fromhex(_digest(entries, first_user + 1)))
+    return hasher.hexdigest()
 
 
 class _History:
@@ -1023,7 +1092,7 @@ class FoldPlugin(Plugin):
         entries = view.items()
         if not entries:
             return False
-        key = _history_key(entries, view.protocol)
+        key = _history_key(entries, view.protocol, ctx.meta.model)
         carried = folds.by_key.get(key) if folds is not None else None
         if level == 0 and carried is None:
             return False

@@ -45,7 +45,7 @@ from ._protocols import Protocol
 from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
 from ._sessions import SessionClosed
-from ._spool import SpoolBusy, SpoolFile, SpoolFull
+from ._spool import SpoolBusy, SpoolFile, SpoolFull, SpoolNoDescriptor
 from ._state import AppState
 from ._tracing import ExchangeTrace, start_tracing
 
@@ -146,6 +146,8 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
             _memory_refused(state)
         elif isinstance(exc, SpoolFull):
             state.metrics.spool_full.inc()
+        elif isinstance(exc, SpoolNoDescriptor):
+            state.metrics.fd_exhausted.inc()
         resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
         # The rest of the body was never read: close rather than drain it.
         resp.force_close()

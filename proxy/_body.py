@@ -46,7 +46,9 @@ from ._coding import (
     io_piece_bytes,
     parse_content_encoding,
 )
+from ._fdlimit import EXHAUSTION_ERRNOS
 from ._front import ClientBodyError
+from ._spool import SpoolNoDescriptor
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -297,7 +299,8 @@ async def read_body(
             corrupt or truncated coded data.
         BodyMemory: 503, the buffer's reservation or growth (or a decoder's
             allocation) raised ``MemoryError``, or a spooled body's ``mmap``
-            failed; the partial buffer (or file) is freed.
+            failed; the partial buffer (or file) is freed. For want of a file
+            descriptor (``EMFILE``), :class:`~proxy._spool.SpoolNoDescriptor` instead.
         asyncio.CancelledError: propagated unchanged (the handler was cancelled,
             usually because the client hung up); the caller logs it.
         ValueError: ``limit``, ``idle_timeout`` or ``chunk_bytes`` out of range.
@@ -359,8 +362,11 @@ async def read_body(
         return ReadResult(buffer=buffer, digest=digest, wire_bytes=wire_bytes)
     try:
         view = spooled.map()
-    except (OSError, MemoryError):
+    except (OSError, MemoryError) as exc:
         spooled.close()
+        if isinstance(exc, OSError) and exc.errno in EXHAUSTION_ERRNOS:
+            # mmap holds a duplicate of the file's descriptor: the limit, not memory.
+            raise _detached(SpoolNoDescriptor()) from None
         raise _detached(BodyMemory()) from None
     return ReadResult(buffer=view, digest=digest, wire_bytes=wire_bytes, spool=spooled)
 

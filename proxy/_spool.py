@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from typing import Final, Protocol
 
 from ._coding import BodyError
+from ._fdlimit import EXHAUSTED_MESSAGE, EXHAUSTION_ERRNOS
 
 __all__ = [
     "FileSlice",
@@ -43,6 +44,7 @@ __all__ = [
     "SpoolBusy",
     "SpoolFile",
     "SpoolFull",
+    "SpoolNoDescriptor",
     "SpoolUnavailable",
     "open_anonymous",
     "spool_dir_problem",
@@ -72,6 +74,18 @@ class SpoolFull(BodyError):
 
     def __init__(self) -> None:
         super().__init__("the proxy has no disk space left for request bodies; retry later")
+
+
+class SpoolNoDescriptor(BodyError):
+    """503: the process (or the system) is out of file descriptors (``EMFILE``,
+    ``ENFILE``) for the spool's file or its mapping; the same answer as a request
+    refused from the descriptor reserve (``fd_reserve``, proxy/_fdlimit.py)."""
+
+    status = 503
+    kind = "fd_reserve"
+
+    def __init__(self) -> None:
+        super().__init__(EXHAUSTED_MESSAGE)
 
 
 class SpoolUnavailable(BodyError):
@@ -369,6 +383,7 @@ class Spool:
 
         Raises:
             SpoolFull: the file system has no room for even the file.
+            SpoolNoDescriptor: no file descriptor left (``EMFILE``, ``ENFILE``).
             SpoolUnavailable: the directory cannot be used (any other error;
                 logged, rate-limited: start-up checked it, so it changed since).
         """
@@ -377,6 +392,9 @@ class Spool:
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
                 raise self.filled() from None
+            if exc.errno in EXHAUSTION_ERRNOS:
+                # The descriptor limit, not the directory: nothing to warn about here.
+                raise SpoolNoDescriptor() from None
             self._warn(
                 "spool_dir unusable",
                 "spool_dir %s cannot be used (%s): large request bodies get 503",

@@ -725,11 +725,15 @@ class _Connection(asyncio.Protocol):
         (a server streaming before it reads) does not: the upload goes on. A
         lost connection ends it too (no write goes to a closed transport).
 
-        A :class:`~proxy._spool.FileSlice` (a range of a spooled body) goes with
-        ``os.sendfile`` on a plain TCP connection whose transport has nothing
-        buffered (the kernel copies page cache to the socket; what the socket
-        cannot take now is written as the rest of its view); on TLS its bounded
-        view of the mapping is written (file-backed pages, no heap copy).
+        On a plain TCP connection whose transport has nothing buffered, a slice
+        goes straight to the socket: a :class:`~proxy._spool.FileSlice` (a range
+        of a spooled body) with ``os.sendfile`` (page cache to socket), a heap
+        slice with ``os.write``; what the socket cannot take now goes to the
+        transport as a copy, never as a view of the body, since some transports
+        (uvloop's; asyncio's from Python 3.12) keep what they cannot send as the
+        object given, which would keep the whole body past the release boundary.
+        On TLS a heap slice is written as it is (encrypted into the TLS buffer at
+        once), a spooled one as a copy.
         """
         framing = self.framing
         pieces = aiter(body)
@@ -755,23 +759,34 @@ class _Connection(asyncio.Protocol):
                 if self._upload_over(transport):
                     framing.keep_alive = False
                     return
-                if isinstance(piece, FileSlice):
-                    sent = 0
-                    if sock is not None and not transport.get_write_buffer_size():
-                        # Straight to the socket only behind an empty transport buffer,
-                        # so bytes keep their order; the transport writes the rest.
-                        try:
+                sent = 0
+                if sock is not None and not transport.get_write_buffer_size():
+                    # Straight to the socket only behind an empty transport buffer,
+                    # so bytes keep their order; the transport writes the rest.
+                    try:
+                        if isinstance(piece, FileSlice):
                             sent = os.sendfile(sock.fileno(), piece.fd, piece.offset, len(piece))
-                        except BlockingIOError:
-                            sent = 0
-                        except OSError:
-                            # A broken socket: the transport sees it on its next read.
-                            framing.keep_alive = False
-                            return
-                    if sent < len(piece):
-                        transport.write(piece.view[sent:])
-                else:
-                    transport.write(piece)
+                        else:
+                            sent = os.write(sock.fileno(), piece)
+                    except BlockingIOError:
+                        sent = 0
+                    except OSError:
+                        # A broken socket: the transport sees it on its next read.
+                        framing.keep_alive = False
+                        return
+                view = piece.view if isinstance(piece, FileSlice) else piece
+                if sent < len(view):
+                    # A copy of the rest (at most one slice): uvloop and asyncio's
+                    # selector transports from Python 3.12 on keep what they cannot
+                    # send now as the object given, and a view there would keep the
+                    # whole body (its buffer, or the spool's mapping) past the
+                    # release boundary. TLS encrypts a heap slice at once: it gets
+                    # the view (a spooled one is copied all the same).
+                    rest = view[sent:]
+                    copy = sock is not None or isinstance(piece, FileSlice)
+                    transport.write(bytes(rest) if copy else rest)
+                    del rest
+                del view
                 del piece  # the transport copied what it could not send
         finally:
             close = getattr(pieces, "aclose", None)
