@@ -7,9 +7,7 @@ must parse the figures from each protocol's usage fields.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -21,6 +19,8 @@ from openai.types.responses import ResponseInputParam
 
 from proxy._emulator import EmulatorServer, Script, start_emulator
 from proxy._emulator_cache import BLOCK_BYTES, BLOCK_TOKENS, PrefixChain, PromptCache
+
+from .process_support import Proc
 
 KEY = "sk-emulator-cache-test"
 # A history that grows: turn 1 is one long user entry (5 whole blocks and 1,920 bytes),
@@ -186,28 +186,11 @@ async def test_a_rejected_prompt_caches_nothing_and_a_reset_forgets_everything(
 
 
 async def test_cli_prompt_cache_flag_turns_it_on_for_every_request() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "proxy",
-        "emulate",
-        "--port",
-        "0",
-        "--prompt-cache",
-        "--context-window-tokens",
-        "100000",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
+    proc = await Proc.start(
+        "emulator", "emulate", "--port", "0", "--prompt-cache", "--context-window-tokens", "100000"
     )
     try:
-        assert proc.stdout is not None
-        url = ""
-        for _ in range(50):
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            if "listening on" in line:
-                url = line.split("listening on ")[1].strip()
-                break
-        assert url
+        url = (await proc.wait_line(r"listening on (http://\S+)", within=30))[1]
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
         cached: list[int] = []
         for question in ("one", "two"):
@@ -222,5 +205,4 @@ async def test_cli_prompt_cache_flag_turns_it_on_for_every_request() -> None:
             cached.append(reply.usage.prompt_tokens_details.cached_tokens or 0)
         assert cached == [0, SHARED_BLOCKS * BLOCK_TOKENS]
     finally:
-        proc.terminate()
-        await proc.wait()
+        await proc.stop()

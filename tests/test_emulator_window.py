@@ -2,37 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
 
 import aiohttp
 
 from proxy._protocols._overflow import is_overflow_payload
 
+from .process_support import Proc
+
 
 async def test_cli_window_rejects_longer_prompts_in_each_protocol() -> None:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "proxy",
-        "emulate",
-        "--port",
-        "0",
-        "--context-window-tokens",
-        "100",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-    )
+    proc = await Proc.start("emulator", "emulate", "--port", "0", "--context-window-tokens", "100")
     try:
-        assert proc.stdout is not None
-        url = ""
-        for _ in range(50):
-            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-            if "listening on" in line:
-                url = line.split("listening on ")[1].strip()
-                break
-        assert url
+        url = (await proc.wait_line(r"listening on (http://\S+)", within=30))[1]
         async with aiohttp.ClientSession() as http:
             for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
                 small = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -46,5 +28,4 @@ async def test_cli_window_rejects_longer_prompts_in_each_protocol() -> None:
                     message = json.loads(body)["error"]["message"]
                     assert "100" in message, message
     finally:
-        proc.terminate()
-        await proc.wait()
+        await proc.stop()
