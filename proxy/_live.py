@@ -108,19 +108,24 @@ def snapshot(state: AppState) -> dict[str, Any]:
     """One ``snapshot`` event's data.
 
     Keys: ``time`` (Unix seconds), ``rss_bytes`` (int or None), ``draining``,
-    ``held_by_phase`` (phase → bytes held by the exchanges in it) and
-    ``exchanges`` (:func:`exchange_views`).
+    ``held_by_phase`` (phase → heap bytes held by the exchanges in it),
+    ``spooled_bytes`` (body bytes the exchanges keep in spool files, not in the heap)
+    and ``exchanges`` (:func:`exchange_views`).
     """
     exchanges = exchange_views(state)
     by_phase: dict[str, int] = {}
+    spooled = 0
     for view in exchanges:
         phase = view["phase"]
-        by_phase[phase] = by_phase.get(phase, 0) + view["held_bytes"]["total"]
+        held = view["held_bytes"]
+        by_phase[phase] = by_phase.get(phase, 0) + held["total"]
+        spooled += held.get("spooled", 0)
     return {
         "time": round(time.time(), 3),
         "rss_bytes": rss_bytes(),
         "draining": state.draining,
         "held_by_phase": by_phase,
+        "spooled_bytes": spooled,
         "exchanges": exchanges,
     }
 

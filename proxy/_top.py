@@ -138,7 +138,13 @@ def _size(n: object) -> str:
 
 
 #: The kinds of held bytes, as the table names them.
-_KINDS: Final = (("raw", "raw"), ("parsed", "parsed"), ("outbound", "out"), ("response", "resp"))
+_KINDS: Final = (
+    ("raw", "raw"),
+    ("parsed", "parsed"),
+    ("outbound", "out"),
+    ("response", "resp"),
+    ("spooled", "spool"),
+)
 
 
 def _held_cell(held: dict[str, Any]) -> str:
@@ -147,6 +153,7 @@ def _held_cell(held: dict[str, Any]) -> str:
     A space only between kinds: the cell folds there, never inside one.
     """
     kinds = " ".join(f"{label}={_size(held.get(key))}" for key, label in _KINDS if held.get(key))
+    # ``total`` is the heap's: a spooled body (spool=) is in a file, not in it.
     return f"{_size(held.get('total'))} {kinds}" if kinds else "0"
 
 
@@ -161,6 +168,9 @@ def render(snap: dict[str, Any]) -> RenderableType:
     summary = f"RSS {rss} · {len(exchanges)} in flight · held {_size(total)}"
     if by_phase:
         summary += f" ({by_phase})"
+    spooled = snap.get("spooled_bytes")
+    if isinstance(spooled, int) and spooled:
+        summary += f" · spooled {_size(spooled)}"
     if snap.get("draining"):
         summary += " · draining"
     if not exchanges:

@@ -26,6 +26,8 @@ from proxy import _live as live
 from proxy import _top as top
 from proxy.testing import Harness, proxy_with_emulator
 
+from .test_e2e_support import CHAT_PATH, RawClient, exact_body, wait_until
+
 PROMPT = "PROMPT-TEXT-7f3a9c-never-shown"
 KEY = "sk-KEY-5d2e1b-never-shown"
 SESSION = "page-session"
@@ -361,7 +363,12 @@ async def test_browser_shows_a_hostile_session_id_as_text() -> None:
                 "the session",
                 lambda d: [r for r in _table(d, "sessions") if r[0] is not None],
             )
-            assert [r[1] for r in rows] == [hostile]
+            # Shown as text, cut like the CLI cuts ids; the whole id is the cell's title.
+            assert [r[1] for r in rows] == [hostile[:23] + "\u2026"]
+            title = await asyncio.to_thread(
+                driver.execute_script, "return document.querySelector('#sessions td.id').title"
+            )
+            assert title == hostile
             injected = await asyncio.to_thread(
                 driver.execute_script, "return document.getElementById('injected')"
             )
@@ -475,3 +482,71 @@ async def test_top_live_ends_when_the_proxy_drains() -> None:
         out, err = await asyncio.wait_for(child.communicate(), 30)
     assert child.returncode == 0, err.decode()
     assert "the proxy ended the stream (draining)" in out.decode()
+
+
+async def test_a_spooled_upload_is_shown_as_spooled_in_events_and_top() -> None:
+    # A body over spool_above_bytes is in a file: the page and `top` must say so, or RSS
+    # grows with nothing on screen to explain it.
+    async with proxy_with_emulator(spool_above_bytes=100_000) as h:
+        body = exact_body(CHAT_PATH, 150_000)
+        upload = await RawClient.connect(h.url)
+        try:
+            upload.send_head(
+                "POST",
+                CHAT_PATH,
+                [("Content-Type", "application/json"), ("Content-Length", "150000")],
+            )
+            await upload.send(body[:120_000])
+            await wait_until(
+                lambda: any(e.reading_bytes == 120_000 for e in h.state.exchanges.values()),
+                "the upload's first bytes are read",
+            )
+            snap = live.snapshot(h.state)
+            (view,) = snap["exchanges"]
+            assert view["held_bytes"]["spooled"] == 120_000
+            assert view["held_bytes"]["total"] == 0  # the heap holds none of it
+            assert snap["spooled_bytes"] == 120_000
+            text = top.print_once(snap, 80)
+            (row,) = [line for line in text.splitlines() if line.lstrip().startswith(view["id"])]
+            assert "spool=117K" in row, text
+            assert "spooled 117K" in text.splitlines()[0], text
+        finally:
+            await upload.close()
+
+
+def _in_flight_first(driver: Any) -> list[list[str | None]] | None:
+    """The sessions table once its first row is SESSION with one exchange in flight."""
+    rows = _table(driver, "sessions")
+    return rows if rows and rows[0][:3] == [SESSION, SESSION, "1"] else None
+
+
+async def test_browser_lists_sessions_in_flight_first_even_past_the_first_page() -> None:
+    async with proxy_with_emulator(plugins=["usage"]) as h:
+        client = _client(h)
+        try:
+            for n in range(55):  # older sessions fill the listing's first page of 50
+                await client.chat.completions.create(
+                    model="emulator-1",
+                    messages=[{"role": "user", "content": "hi"}],
+                    extra_headers={"x-session-id": f"old-{n:02d}"},
+                )
+        finally:
+            await client.close()
+        driver = await asyncio.to_thread(chromium)
+        stream = asyncio.create_task(_stream(h, "hold=late"))
+        try:
+            await _in_flight(h)
+            await asyncio.to_thread(driver.get, f"{h.url}/admin/")
+            rows = await asyncio.to_thread(
+                _wait,
+                driver,
+                "the session in flight at the top of the sessions table",
+                _in_flight_first,
+                15.0,
+            )
+            assert rows[-1][0] == "more"  # the listing has more pages: the table says so
+            assert len(rows) == 51
+        finally:
+            h.emulator.release("late")
+            await stream
+            await asyncio.to_thread(driver.quit)

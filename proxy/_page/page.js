@@ -7,14 +7,18 @@ const HISTORY_S = 300; // the chart keeps the last 5 minutes, one point per snap
 const MIN_SPAN_S = 60; // and spans at least one minute, so that a fresh page is not a dot
 const SLOW_POLL_MS = 5000; // sessions and usage: a page each, every 5 s
 const SESSION_DETAILS = 20; // sessions whose usage is read (one request each)
+const SESSIONS_LISTED = 50; // rows of the sessions table
 const PHASE_COLOURS = {
   reading: "#6941c6", parsed: "#2e90fa", prepared: "#175cd3", sent: "#f79009",
   accepted: "#12b76a", streaming: "#1f9d55", committed: "#98a2b3",
 };
 const RSS_COLOUR = "#1d2430";
+const SPOOL_COLOUR = "#98a2b3"; // spooled bytes: in files, not in the heap
+const ID_CHARS = 24; // longer ids are cut (the whole id is the cell's title)
 const SVG = "http://www.w3.org/2000/svg";
 
-const history = []; // {time, rss, byPhase}
+const history = []; // {time, rss, byPhase, spooled}
+let inFlightSessions = []; // session ids of the latest snapshot's exchanges, first seen first
 
 function bytes(n) {
   if (n === null || n === undefined) return "-";
@@ -40,7 +44,12 @@ function ago(seconds) {
 
 function cell(text, className) {
   const td = document.createElement("td");
-  td.textContent = text;
+  if (className === "id" && text.length > ID_CHARS) {
+    td.textContent = text.slice(0, ID_CHARS - 1) + "\u2026";
+    td.title = text;
+  } else {
+    td.textContent = text;
+  }
   if (className) td.className = className;
   return td;
 }
@@ -73,11 +82,12 @@ function showExchanges(exchanges) {
         cell(ex.phase, "phase phase-" + ex.phase), cell(String(ex.fold_level), "num"),
         cell(bytes(held.raw), "num"), cell(bytes(held.parsed), "num"),
         cell(bytes(held.outbound), "num"), cell(bytes(held.response), "num"),
-        cell(bytes(held.total), "num"), cell(ex.age_s.toFixed(1) + " s", "num"),
+        cell(bytes(held.total), "num"), cell(bytes(held.spooled ?? 0), "num"),
+        cell(ex.age_s.toFixed(1) + " s", "num"),
       ],
     };
   });
-  fill(document.querySelector("#exchanges tbody"), rows, 11, "no exchange in flight");
+  fill(document.querySelector("#exchanges tbody"), rows, 12, "no exchange in flight");
 }
 
 function line(points, colour) {
@@ -99,7 +109,8 @@ function label(x, y, text, anchor) {
 }
 
 function axes(parts, left, right, top, bottom, max, name) {
-  for (const frac of [0, 0.5, 1]) {
+  // Under 2 bytes the half and top ticks would repeat the bottom one's label.
+  for (const frac of max >= 2 ? [0, 0.5, 1] : [0]) {
     const at = bottom - frac * (bottom - top);
     const axis = document.createElementNS(SVG, "line");
     axis.setAttribute("class", "axis");
@@ -122,11 +133,12 @@ function drawChart() {
   const first = history.length ? history[0].time : 0;
   const span = Math.min(HISTORY_S, Math.max(MIN_SPAN_S, now - first));
   const phases = Object.keys(PHASE_COLOURS).filter((p) => history.some((h) => h.byPhase[p]));
+  const spooling = history.some((h) => h.spooled);
   let maxRss = 1;
   let maxHeld = 1;
   for (const h of history) {
     maxRss = Math.max(maxRss, h.rss ?? 0);
-    maxHeld = Math.max(maxHeld, ...phases.map((p) => h.byPhase[p] ?? 0));
+    maxHeld = Math.max(maxHeld, h.spooled ?? 0, ...phases.map((p) => h.byPhase[p] ?? 0));
   }
   const x = (t) => right - ((now - t) / span) * (right - left);
   const parts = [];
@@ -137,6 +149,10 @@ function drawChart() {
   const series = [["RSS", RSS_COLOUR, (h) => h.rss, maxRss, panels.rss]];
   for (const p of phases) {
     series.push(["held: " + p, PHASE_COLOURS[p], (h) => h.byPhase[p] ?? 0, maxHeld, panels.held]);
+  }
+  if (spooling) {
+    // Body bytes in spool files: page cache, not the heap; drawn so RSS growth is explained.
+    series.push(["spooled (file)", SPOOL_COLOUR, (h) => h.spooled ?? 0, maxHeld, panels.held]);
   }
   const legend = [];
   for (const [name, colour, value, max, [top, bottom]] of series) {
@@ -158,7 +174,11 @@ function onSnapshot(snap) {
   status.className = "status live";
   document.getElementById("rss").textContent = "RSS " + bytes(snap.rss_bytes);
   showExchanges(snap.exchanges);
-  history.push({ time: snap.time, rss: snap.rss_bytes, byPhase: snap.held_by_phase });
+  inFlightSessions = [...new Set(snap.exchanges.map((ex) => ex.session).filter((s) => s))];
+  history.push({
+    time: snap.time, rss: snap.rss_bytes, byPhase: snap.held_by_phase,
+    spooled: snap.spooled_bytes ?? 0,
+  });
   while (history.length && history[0].time < snap.time - HISTORY_S) history.shift();
   drawChart();
 }
@@ -176,12 +196,22 @@ async function getJSON(path) {
 async function refreshSessions() {
   const tbody = document.querySelector("#sessions tbody");
   try {
-    const page = await getJSON("sessions?limit=50");
-    const details = await Promise.all(
-      page.sessions.slice(0, SESSION_DETAILS).map((s) =>
-        getJSON("sessions/" + encodeURIComponent(s.id)).catch(() => null)),
+    const page = await getJSON("sessions?limit=" + SESSIONS_LISTED);
+    // Sessions with work in flight first (the listing is oldest first and paged, so an
+    // active session may be on a later page), then the most recently active.
+    const listed = new Map(page.sessions.map((s) => [s.id, s]));
+    const missing = inFlightSessions.filter((id) => !listed.has(id)).slice(0, SESSION_DETAILS);
+    const extra = await Promise.all(
+      missing.map((id) => getJSON("sessions/" + encodeURIComponent(id)).catch(() => null)),
     );
-    const rows = page.sessions.map((s, i) => {
+    const sessions = [...extra.filter((s) => s && s.id), ...page.sessions];
+    sessions.sort((a, b) => (b.in_flight > 0) - (a.in_flight > 0) || a.idle_s - b.idle_s);
+    const shown = sessions.slice(0, SESSIONS_LISTED);
+    const details = await Promise.all(
+      shown.slice(0, SESSION_DETAILS).map((s) =>
+        s.plugins !== undefined ? s : getJSON("sessions/" + encodeURIComponent(s.id)).catch(() => null)),
+    );
+    const rows = shown.map((s, i) => {
       const usage = (details[i] && details[i].plugins && details[i].plugins.usage) || {};
       return {
         key: s.id,
@@ -194,6 +224,11 @@ async function refreshSessions() {
         ],
       };
     });
+    if (page.next_cursor) {
+      const more = cell("more sessions: context-proxy sessions", "more");
+      more.colSpan = 8;
+      rows.push({ key: "more", cells: [more] });
+    }
     fill(tbody, rows, 8, "no sessions");
   } catch (err) {
     fill(tbody, [], 8, "sessions unavailable (" + err.message + ")");
