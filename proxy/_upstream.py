@@ -1073,6 +1073,8 @@ class UpstreamPool:
             BadResponseHead: the head could not be parsed or is over a limit.
             ValueError: a field name or value holds a line break.
             PoolClosed: the pool is closed (the proxy shuts down).
+            TunnelFailed: an http upstream through a forward proxy, and the proxy
+                answered 407 (its credentials are missing or wrong).
         """
         head = _request_head(target, method, path, fields)
         waiting = [True]  # whether the bound ran out in the wait for a free connection
@@ -1080,7 +1082,7 @@ class UpstreamPool:
         bound = _Bound(loop, loop.time() + head_timeout) if head_timeout is not None else None
         try:
             try:
-                return await self._exchange(
+                answer = await self._exchange(
                     target, head, method == "HEAD", body, body_bytes, waiting, bound
                 )
             except asyncio.CancelledError:
@@ -1099,6 +1101,19 @@ class UpstreamPool:
                     "(upstream_max_connections); retry later"
                 ) from None
             raise HeadTimeout("upstream sent no response headers in time") from None
+        if target.origin and answer.status == 407:
+            # An http upstream through a forward proxy: 407 can only be the proxy's own
+            # answer (RFC 9110 section 15.5.8), never the upstream's, so the client
+            # gets the tunnel refusal's 502, not the proxy's HTML page as its API's error.
+            answer.close()
+            assert target.via is not None
+            raise TunnelFailed(
+                target.via,
+                target.authority,
+                407,
+                f"refused to forward to {target.authority}: {_status_words(407)}",
+            )
+        return answer
 
     async def _exchange(
         self,

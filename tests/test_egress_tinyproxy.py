@@ -118,6 +118,30 @@ async def test_an_http_upstream_gets_the_absolute_form_through_http_proxy(
     assert [r.path for r in plain_emulator.stats] == ["/v1/messages"]
 
 
+async def test_an_http_proxys_407_is_a_502_naming_the_proxy_not_the_clients_api_error(
+    tmp_path: Path, plain_emulator: EmulatorServer
+) -> None:
+    # Without credentials, the proxy answers the absolute-form request itself: its 407
+    # (an HTML page) must not reach an SDK as if its API key had been refused upstream.
+    with tinyproxy(tmp_path, basic_auth=("alice", "s3cret")) as proxy:
+        env = {"HTTP_PROXY": proxy.url, "HTTPS_PROXY": "http://127.0.0.1:9"}
+        async with (
+            proxy_app(plain_emulator.url, environ=env) as (url, _app),
+            anthropic.AsyncAnthropic(
+                base_url=url, api_key=SECRET, max_retries=0, timeout=20
+            ) as sdk,
+        ):
+            with pytest.raises(anthropic.APIStatusError) as caught:
+                await sdk.messages.create(
+                    model="claude-x", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
+                )
+        assert caught.value.status_code == 502
+        message = str(caught.value)
+        assert "egress proxy" in message and "407 Proxy Authentication Required" in message
+        assert "<html" not in message.lower()
+    assert plain_emulator.stats == []
+
+
 async def test_no_proxy_sends_its_hosts_direct_and_the_others_through_the_proxy(
     ca: PrivateCA, tls_emulator: EmulatorServer, tunnel: Tinyproxy
 ) -> None:
