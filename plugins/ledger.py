@@ -356,6 +356,12 @@ def _ensure_schema(conn: sqlite3.Connection, path: str) -> None:
 
 def _verify_schema(conn: sqlite3.Connection, path: str, version: int, tables: list[str]) -> None:
     """Raise :class:`LedgerError` unless the database holds this version's schema."""
+    if "sessions" not in tables:
+        # Another program's file (a usage store pointed at by mistake, say).
+        raise LedgerError(
+            f"ledger database {path} holds tables {tables} and no sessions table: "
+            "another program's file, not a ledger"
+        )
     if version != SCHEMA_VERSION:
         raise LedgerError(
             f"ledger database {path} has schema version {version} (expected "

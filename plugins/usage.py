@@ -393,11 +393,26 @@ def _ensure_store_schema(conn: sqlite3.Connection, path: str) -> None:
             raise
         return
     columns = tuple(r[1] for r in conn.execute("PRAGMA table_info(usage)"))
-    if version != STORE_SCHEMA_VERSION or columns != _STORE_COLUMNS:
-        raise UsageStoreError(
-            f"usage store {path} has schema version {version} and tables {tables}; "
-            f"not a usage store of version {STORE_SCHEMA_VERSION}"
+    problem = _schema_problem(version, tables, columns)
+    if problem is not None:
+        raise UsageStoreError(f"usage store {path} {problem}")
+
+
+def _schema_problem(version: int, tables: list[str], columns: tuple[str, ...]) -> str | None:
+    """Why a non-empty file is not this version's usage store (``None``: it is).
+
+    Said in the order an operator can act on: another program's file (say, a
+    ledger's, pointed at by mistake), another version, a damaged table.
+    """
+    if "usage" not in tables:
+        return (
+            f"holds tables {tables} and no usage table: another program's file, not a usage store"
         )
+    if version != STORE_SCHEMA_VERSION:
+        return f"has schema version {version}, not {STORE_SCHEMA_VERSION}"
+    if columns != _STORE_COLUMNS:
+        return f"has an unexpected usage table: columns {list(columns)}"
+    return None
 
 
 class UsagePlugin(Plugin):
@@ -526,14 +541,12 @@ class UsagePlugin(Plugin):
                 raise UsageStoreError(f"usage store {path} is corrupt: {problems[0][:200]}")
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
             columns = tuple(r[1] for r in conn.execute("PRAGMA table_info(usage)"))
-            tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-            if (version or tables) and (
-                version != STORE_SCHEMA_VERSION or columns != _STORE_COLUMNS
-            ):
-                raise UsageStoreError(
-                    f"usage store {path} has schema version {version}; "
-                    f"not a usage store of version {STORE_SCHEMA_VERSION}"
-                )
+            tables = [
+                r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            ]
+            problem = _schema_problem(version, tables, columns) if version or tables else None
+            if problem is not None:
+                raise UsageStoreError(f"usage store {path} {problem}")
         except sqlite3.Error as exc:
             raise UsageStoreError(f"usage store {path} cannot be used: {exc}") from exc
         finally:

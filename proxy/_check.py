@@ -39,6 +39,30 @@ class CheckReport:
         return not self.problems
 
 
+def shared_files(options: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """A problem for every file named by the ``path`` option of two plugin tables.
+
+    The ledger and the usage store each own their SQLite file (its schema and its
+    write lock): sharing one, the second to start refuses it, so ``serve`` would stop
+    at start-up although each table is fine on its own. Paths are compared after
+    ``os.path.realpath``; ``":memory:"`` is never shared.
+    """
+    owners: dict[str, str] = {}
+    problems: list[str] = []
+    for table, values in options.items():
+        path = values.get("path")
+        if not isinstance(path, str) or path in ("", ":memory:"):
+            continue
+        real = os.path.realpath(path)
+        first = owners.setdefault(real, table)
+        if first != table:
+            problems.append(
+                f"plugins {first!r} and {table!r} both keep their state in {path}: "
+                "give each its own file"
+            )
+    return problems
+
+
 def check_config(
     config_path: str | os.PathLike[str] | None = None,
     *,
@@ -96,6 +120,7 @@ def check_config(
                 continue
         constructed.append(spec)
     problems.extend(unclaimed_tables(settings.plugins, settings.plugin))
+    problems.extend(shared_files(settings.plugin))
     where = os.fspath(config_path) if config_path is not None else "defaults and environment"
     summary = (
         f"{where}: settings ok, {len(constructed)} plugin(s) ok"

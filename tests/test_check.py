@@ -63,6 +63,26 @@ def test_a_corrupt_or_foreign_ledger_file_is_a_problem(tmp_path: Path) -> None:
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_two_plugins_keeping_their_state_in_one_file_is_a_problem(tmp_path: Path) -> None:
+    # Each check passes alone (the file does not exist yet); serve would then refuse the
+    # second store at start-up, so check must say so first.
+    shared = tmp_path / "state.db"
+    config = tmp_path / "proxy.toml"
+    config.write_text(
+        'plugins = ["fold", "ledger", "usage"]\n'
+        f'[plugin.ledger]\npath = "{shared}"\n[plugin.usage]\npath = "{tmp_path}/./state.db"\n'
+    )
+    result = _check(config)
+    assert result.exit_code == 1, result.output
+    assert "plugins 'ledger' and 'usage' both keep their state in" in result.output
+    apart = tmp_path / "apart.toml"
+    apart.write_text(
+        'plugins = ["fold", "ledger", "usage"]\n'
+        f'[plugin.ledger]\npath = "{shared}"\n[plugin.usage]\npath = ":memory:"\n'
+    )
+    assert _check(apart).exit_code == 0
+
+
 async def test_a_good_file_passes_with_a_summary_and_storage_is_left_untouched(
     tmp_path: Path,
 ) -> None:
@@ -166,3 +186,24 @@ def test_a_descriptor_reserve_the_limit_cannot_hold_is_a_problem_for_check_and_s
         assert "listening" not in output
     config.write_text("fd_reserve = 16\nplugins = []\n")
     assert _check(config).exit_code == 0
+
+
+async def test_a_store_pointed_at_the_other_plugins_file_says_so(tmp_path: Path) -> None:
+    from plugins.ledger import LedgerPlugin
+    from plugins.usage import UsagePlugin
+
+    ledger_db, usage_db = tmp_path / "ledger.db", tmp_path / "usage.db"
+    for plugin in (LedgerPlugin(path=str(ledger_db)), UsagePlugin(path=str(usage_db))):
+        await plugin.startup()
+        await plugin.shutdown()
+    crossed = tmp_path / "crossed.toml"
+    crossed.write_text(
+        'plugins = ["fold", "ledger", "usage"]\n'
+        f'[plugin.ledger]\npath = "{usage_db}"\n[plugin.usage]\npath = "{ledger_db}"\n'
+    )
+    result = _check(crossed)
+    assert result.exit_code == 1
+    assert (
+        f"ledger database {usage_db} holds tables ['usage'] and no sessions table" in result.output
+    ), result.output
+    assert f"usage store {ledger_db} holds tables ['sessions'] and no usage table" in result.output
