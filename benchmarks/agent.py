@@ -43,6 +43,8 @@ from typing import Any, Final
 import aiohttp
 import click
 
+from proxy._emulator_script import window_script
+
 from . import _report as rpt
 from ._harness import (
     CONTEXT_SETTINGS,
@@ -59,7 +61,7 @@ __all__ = ["MODES", "AgentHistory", "TurnFigures", "command", "main", "summarize
 
 #: Proxy modes compared: name → the fold plugin's ``carry`` option.
 MODES: Final = {"fresh": False, "carried": True}
-#: The emulator's tokens per body byte, and bytes per cache block (proxy/_emulator_cache.py).
+#: Body bytes per token, as the emulator counts them (input tokens = body bytes // 4).
 _BYTES_PER_TOKEN: Final = 4
 _KEY: Final = "sk-bench-agent"
 #: Every fold level of the default fold plugin (2 stages of 2 levels).
@@ -334,7 +336,9 @@ async def run_session(
     model: str,
 ) -> list[TurnFigures]:
     """Drive ``history`` through the proxy for ``turns`` turns; one figure per turn."""
-    limit = _BYTES_PER_TOKEN * window_tokens + _BYTES_PER_TOKEN - 1
+    # The emulator's own rule for a window (the body sizes it rejects), not a copy of it.
+    limit = window_script(window_tokens).overflow_above
+    assert limit is not None
     seen = max((r["id"] for r in await emulator.records()), default=0)
     figures: list[TurnFigures] = []
     for turn in range(1, turns + 1):

@@ -380,26 +380,34 @@ async def test_browser_shows_a_hostile_session_id_as_text() -> None:
 # ------------------------------------------------------------------ the terminal
 
 
+async def _top_once(h: Harness) -> tuple[int | None, bytes, bytes]:
+    """``context-proxy top --once --url`` against ``h`` (30 s at most): status, stdout,
+    stderr. The child gets no ``CONTEXT_PROXY_ADMIN_TOKEN`` of this environment's."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy",
+        "top",
+        "--once",
+        "--url",
+        h.url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={k: v for k, v in os.environ.items() if k != "CONTEXT_PROXY_ADMIN_TOKEN"},
+    )
+    out, err = await asyncio.wait_for(child.communicate(), 30)
+    return child.returncode, out, err
+
+
 async def test_top_once_prints_the_in_flight_table() -> None:
     async with proxy_with_emulator() as h:
         stream = asyncio.create_task(_stream(h, "hold=top"))
         await _in_flight(h)
         (ex_id,) = list(h.state.exchanges)
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy",
-            "top",
-            "--once",
-            "--url",
-            h.url,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(child.communicate(), 30)
+        code, out, err = await _top_once(h)
         h.emulator.release("top")
         await stream
-    assert child.returncode == 0, err.decode()
+    assert code == 0, err.decode()
     text = out.decode()
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines), text
@@ -412,38 +420,15 @@ async def test_top_once_prints_the_in_flight_table() -> None:
 
 async def test_top_once_says_so_when_nothing_is_in_flight() -> None:
     async with proxy_with_emulator() as h:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy",
-            "top",
-            "--once",
-            "--url",
-            h.url,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(child.communicate(), 30)
-    assert child.returncode == 0, err.decode()
+        code, out, err = await _top_once(h)
+    assert code == 0, err.decode()
     assert "no exchange in flight" in out.decode()
 
 
 async def test_top_refused_names_the_token() -> None:
     async with proxy_with_emulator(admin_allow=[], admin_token="tok-123") as h:
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "proxy",
-            "top",
-            "--once",
-            "--url",
-            h.url,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env={k: v for k, v in os.environ.items() if k != "CONTEXT_PROXY_ADMIN_TOKEN"},
-        )
-        _, err = await asyncio.wait_for(child.communicate(), 30)
-    assert child.returncode == 1
+        code, _, err = await _top_once(h)
+    assert code == 1
     assert "HTTP 403" in err.decode() and "CONTEXT_PROXY_ADMIN_TOKEN" in err.decode()
 
 
@@ -491,12 +476,7 @@ async def test_a_spooled_upload_is_shown_as_spooled_in_events_and_top() -> None:
         body = exact_body(CHAT_PATH, 150_000)
         upload = await RawClient.connect(h.url)
         try:
-            upload.send_head(
-                "POST",
-                CHAT_PATH,
-                [("Content-Type", "application/json"), ("Content-Length", "150000")],
-            )
-            await upload.send(body[:120_000])
+            await upload.start_upload(CHAT_PATH, body, 120_000)
             await wait_until(
                 lambda: any(e.reading_bytes == 120_000 for e in h.state.exchanges.values()),
                 "the upload's first bytes are read",

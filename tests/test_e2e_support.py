@@ -283,6 +283,16 @@ class RawClient:
         self.writer.write(data)
         await _step(self.writer.drain())
 
+    async def start_upload(self, target: str, body: bytes, sent: int) -> None:
+        """POST the head of a JSON body of ``len(body)`` declared bytes, then its first
+        ``sent`` bytes only: an upload left in progress (the rest with :meth:`send`)."""
+        self.send_head(
+            "POST",
+            target,
+            [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
+        )
+        await self.send(body[:sent])
+
     async def request(
         self,
         method: str,

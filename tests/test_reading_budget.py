@@ -30,12 +30,7 @@ async def test_stalled_upload_is_accounted_and_later_uploads_wait_their_turn() -
         body = exact_body(CHAT_PATH, DECLARED)
         stalled = await RawClient.connect(h.url)
         try:
-            stalled.send_head(
-                "POST",
-                CHAT_PATH,
-                [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
-            )
-            await stalled.send(body[:SENT])
+            await stalled.start_upload(CHAT_PATH, body, SENT)
             await wait_until(lambda: h.state.reading_bytes == SENT, "the bytes sent are charged")
 
             async with aiohttp.ClientSession() as session:
@@ -96,12 +91,7 @@ async def test_a_hang_up_mid_upload_returns_its_admission() -> None:
     async with proxy_with_emulator(max_reading_bytes=BUDGET) as h:
         body = exact_body(CHAT_PATH, DECLARED)
         client = await RawClient.connect(h.url)
-        client.send_head(
-            "POST",
-            CHAT_PATH,
-            [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
-        )
-        await client.send(body[:10])
+        await client.start_upload(CHAT_PATH, body, 10)
         await wait_until(lambda: h.state.reading_bytes == 10, "the upload is charged")
         client.abort()
         await wait_until(lambda: h.state.reading_bytes == 0, "the admission is returned")
@@ -114,12 +104,7 @@ async def test_declared_but_unsent_bytes_are_not_charged() -> None:
         body = exact_body(CHAT_PATH, DECLARED)
         idle = await RawClient.connect(h.url)
         try:
-            idle.send_head(
-                "POST",
-                CHAT_PATH,
-                [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
-            )
-            await idle.send(body[:1])
+            await idle.start_upload(CHAT_PATH, body, 1)
             await wait_until(lambda: h.state.reading_bytes == 1, "the one byte is charged")
             # A second upload of the same declared size fits: the first one holds a byte.
             async with (
@@ -142,12 +127,7 @@ async def test_a_read_growing_past_the_shared_budget_gets_503_and_the_other_goes
         first = await RawClient.connect(h.url)
         second = await RawClient.connect(h.url)
         try:
-            first.send_head(
-                "POST",
-                CHAT_PATH,
-                [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
-            )
-            await first.send(body[:SENT])
+            await first.start_upload(CHAT_PATH, body, SENT)
             await wait_until(lambda: h.state.reading_bytes == SENT, "the first upload is charged")
             # Chunked: nothing declared, so admitted; it grows past the budget mid-body.
             second.send_head(
@@ -229,12 +209,7 @@ async def test_a_body_the_spool_takes_is_not_charged_to_the_heap_budget() -> Non
         body = exact_body(CHAT_PATH, DECLARED)
         stalled = await RawClient.connect(h.url)
         try:
-            stalled.send_head(
-                "POST",
-                CHAT_PATH,
-                [("Content-Type", "application/json"), ("Content-Length", str(DECLARED))],
-            )
-            await stalled.send(body[:SENT])
+            await stalled.start_upload(CHAT_PATH, body, SENT)
             await wait_until(
                 lambda: any(e.reading_bytes == SENT for e in h.state.exchanges.values()),
                 "the stalled upload's bytes are read",
