@@ -28,6 +28,7 @@ PURE = frozenset(
         "proxy._emulator_frames",
         "proxy._emulator_script",
         "proxy._headers",
+        "proxy._http1",
         "proxy._protocols",
         "proxy._session_ids",
         "proxy._shared",
