@@ -38,6 +38,7 @@ __all__ = [
     "Expiry",
     "Fault",
     "IllegalMove",
+    "RequestHead",
     "Response",
     "State",
     "encode_head",
@@ -158,6 +159,25 @@ def encode_head(start_line: str, fields: Iterable[tuple[str, str]]) -> bytes:
 KEEPALIVE_SECONDS: Final = 15.0
 
 
+class RequestHead:
+    """A request head to send: ``method``, its bytes (``data``, encoded once, so a resend
+    costs nothing) and whether it asks to ``close`` the connection after the answer.
+
+    Raises:
+        ValueError: a field holds a line break (:func:`encode_head`).
+    """
+
+    __slots__ = ("close", "data", "method")
+
+    def __init__(self, method: str, target: str, fields: Iterable[tuple[str, str]]) -> None:
+        fields = list(fields)
+        self.data = encode_head(f"{method} {target} HTTP/1.1", fields)
+        self.method = method
+        self.close = any(
+            name.lower() == "connection" and "close" in value.lower() for name, value in fields
+        )
+
+
 class Response:
     """A response head: ``status``, ``fields`` (name, value pairs, as sent, decoded), and
     whether it is ``interim`` (1xx: the final one follows; 101 is a :class:`Fault`)."""
@@ -248,7 +268,7 @@ class _Stop(Exception):
 class ClientConnection:
     """The client side of one HTTP/1.1 connection, one request at a time (no pipelining).
 
-    Sending: :meth:`send_head` (the request head's bytes; ``body_bytes`` is the
+    Sending: :meth:`send_head` (a :class:`RequestHead`'s bytes; ``body_bytes`` is the
     length its ``Content-Length`` field declares), :meth:`send_body` for each
     piece the caller writes itself (the bytes go out as they are: the body is
     length-framed), :meth:`send_end`; :meth:`abandon` when the upload stops
@@ -295,6 +315,7 @@ class ClientConnection:
         "_pending",
         "_since_field",
         "_waiting_since",
+        "ended",
         "idle_read_s",
         "keep_alive",
         "keep_alive_s",
@@ -333,31 +354,26 @@ class ClientConnection:
         self.keep_alive_s = KEEPALIVE_SECONDS
         #: Whether the response's body ends only with the connection.
         self.until_close = False
+        #: Whether the response's end was parsed (its event may not be taken yet).
+        self.ended = False
 
     # ---- sending
 
-    def send_head(
-        self, method: str, target: str, fields: Iterable[tuple[str, str]], body_bytes: int = 0
-    ) -> bytes:
+    def send_head(self, head: RequestHead, body_bytes: int = 0) -> bytes:
         """The request head's bytes (``body_bytes``: the declared body length, bytes).
 
         Raises:
             IllegalMove: a request is under way already.
-            ValueError: a field holds a line break (:func:`encode_head`).
         """
-        fields = list(fields)
-        head = encode_head(f"{method} {target} HTTP/1.1", fields)
         self.our_state = _moved(
             _OURS, self.our_state, _M.HEAD_WITH_BODY if body_bytes else _M.HEAD_ALONE
         )
         self.their_state = _moved(_THEIRS, self.their_state, _M.ASKED)
         self._idle_since = None
-        self._head_only = method == "HEAD"
+        self._head_only = head.method == "HEAD"
         self._declared = body_bytes
-        self._our_close = any(
-            name.lower() == "connection" and "close" in value.lower() for name, value in fields
-        )
-        return head
+        self._our_close = head.close
+        return head.data
 
     def send_body(self, nbytes: int) -> None:
         """``nbytes`` more body bytes went out (written by the caller, unframed).
@@ -449,6 +465,7 @@ class ClientConnection:
 
     def _end(self) -> None:
         self.their_state = _moved(_THEIRS, self.their_state, _M.END)
+        self.ended = True
         self._events.append(EndOfMessage(self._fields))
         self._fields = []
 
@@ -485,14 +502,14 @@ class ClientConnection:
     @property
     def reusable(self) -> bool:
         """Whether the connection may carry the next request: both messages ended, every
-        event was taken, and both sides allow it."""
+        body byte was taken (the end itself need not be), and both sides allow it."""
         return (
             self.our_state is State.DONE
             and self.their_state is State.DONE
             and self.keep_alive
             and not self._our_close
             and self.keep_alive_s > 0
-            and not self._events
+            and not self._pending
         )
 
     def start_next(self, now: float) -> None:

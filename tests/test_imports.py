@@ -29,6 +29,7 @@ PURE = frozenset(
         "proxy._emulator_script",
         "proxy._headers",
         "proxy._http1",
+        "proxy._pool",
         "proxy._protocols",
         "proxy._session_ids",
         "proxy._shared",
@@ -48,6 +49,7 @@ IO_MODULES = frozenset(
         "proxy._app",
         "proxy._body",
         "proxy._cli",
+        "proxy._connect",
         "proxy._cluster.ledger",
         "proxy._cluster.node",
         "proxy._cluster.store",
@@ -56,6 +58,7 @@ IO_MODULES = frozenset(
         "proxy._relay",
         "proxy._front",
         "proxy._state",
+        "proxy._upstream",
     }
 )
 IO_LIBRARIES = frozenset(
@@ -217,6 +220,16 @@ def test_pure_modules_import_only_pure_modules_and_no_io_library() -> None:
             if target.partition(".")[0] in IO_LIBRARIES:
                 problems.append(f"{name} imports the I/O library {target}")
     assert problems == []
+
+
+def test_the_state_machines_import_nothing_of_ours_but_the_limits() -> None:
+    """The HTTP/1.1 machines and the pool's policy stand alone (docs/design.md §8): the
+    drivers import them, never the other way round; only shared limits may be imported."""
+    files = module_files()
+    graph = import_graph(files)
+    for name in ("proxy._http1", "proxy._pool"):
+        assert graph[name] <= {"proxy._limits"}, f"{name} imports {sorted(graph[name])}"
+    assert "proxy._http1" in graph["proxy._upstream"] and "proxy._pool" in graph["proxy._upstream"]
 
 
 # The checks above are only as good as the graph: prove they see what they must.

@@ -18,6 +18,7 @@ from proxy._http1 import (
     Expiry,
     Fault,
     IllegalMove,
+    RequestHead,
     Response,
     State,
     encode_head,
@@ -28,7 +29,7 @@ from proxy._http1 import (
 def asked(method: str = "GET", body_bytes: int = 0, **kwargs: float) -> ClientConnection:
     """A connection whose request head (and, without a body, end) is sent."""
     conn = ClientConnection(**kwargs)
-    conn.send_head(method, "/v1/x", [("Host", "up")], body_bytes)
+    conn.send_head(RequestHead(method, "/v1/x", [("Host", "up")]), body_bytes)
     return conn
 
 
@@ -60,7 +61,7 @@ def kinds(found: list[Event]) -> list[str]:
 def test_a_second_request_head_before_the_first_ended_is_an_illegal_move() -> None:
     conn = asked("POST", 3)
     with pytest.raises(IllegalMove):
-        conn.send_head("POST", "/", [], 0)
+        conn.send_head(RequestHead("POST", "/", []))
 
 
 def test_body_without_a_head_or_past_its_length_and_a_short_end_are_illegal() -> None:
@@ -104,17 +105,15 @@ def test_an_abandoned_upload_is_never_reused() -> None:
 
 def test_the_head_bytes_and_the_field_check() -> None:
     conn = ClientConnection()
-    assert conn.send_head("GET", "/a?b", [("Host", "h"), ("X", "é")]) == (
-        "GET /a?b HTTP/1.1\r\nHost: h\r\nX: é\r\n\r\n".encode()
-    )
+    head = RequestHead("GET", "/a?b", [("Host", "h"), ("X", "é")])
+    assert conn.send_head(head) == "GET /a?b HTTP/1.1\r\nHost: h\r\nX: é\r\n\r\n".encode()
     for bad in [("X", "a\r\nInjected: 1"), ("X\n", "a"), ("X", "a\rb")]:
         with pytest.raises(ValueError, match="line break"):
             encode_head("GET / HTTP/1.1", [bad])
-    # A refused head moved nothing: the connection can still send one.
-    fresh = ClientConnection()
-    with pytest.raises(ValueError):
-        fresh.send_head("GET", "/", [("X", "a\nb")])
-    assert fresh.our_state is State.IDLE
+        with pytest.raises(ValueError, match="line break"):
+            RequestHead("GET", "/", [bad])
+    with pytest.raises(ValueError, match="line break"):
+        RequestHead("GET", "/\r\nX: 1", [])
 
 
 # ------------------------------------------------------------------ framing
@@ -305,18 +304,20 @@ def test_reuse_follows_the_answer_s_version_and_fields(wire: bytes, reusable: bo
 
 def test_our_own_connection_close_rules_out_reuse() -> None:
     conn = ClientConnection()
-    conn.send_head("GET", "/", [("Connection", "close")])
+    conn.send_head(RequestHead("GET", "/", [("Connection", "close")]))
     events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
     assert not conn.reusable
 
 
-def test_an_event_not_taken_rules_out_reuse() -> None:
+def test_body_bytes_not_taken_rule_out_reuse_an_end_not_taken_does_not() -> None:
     conn = asked()
     conn.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na")
-    assert not conn.reusable  # the head, the byte and the end are still queued
-    events(conn, b"")
-    # The close after the end: not reusable either way.
-    assert not conn.reusable
+    assert conn.ended and not conn.reusable  # the byte is still queued
+    assert isinstance(conn.next_event(), Response)
+    assert isinstance(conn.next_event(), Data)
+    assert conn.reusable  # the end is queued, not taken: nothing unread is lost
+    conn.start_next(0.0)
+    assert conn.next_event() is NEED_DATA and not conn.ended
 
 
 @pytest.mark.parametrize(
@@ -352,7 +353,7 @@ def test_an_idle_kept_connection_expires_after_its_keep_alive_time() -> None:
     assert conn.expired(103.9) is None
     assert conn.expired(104.0) is Expiry.IDLE
     # The keep-alive time holds for the next request too, and a request clears the clock.
-    conn.send_head("GET", "/", [])
+    conn.send_head(RequestHead("GET", "/", []))
     assert conn.next_deadline() is None and conn.keep_alive_s == 4.0
 
 

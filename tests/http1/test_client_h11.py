@@ -26,7 +26,15 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy._http1 import NEED_DATA, ClientConnection, Data, EndOfMessage, Fault, Response
+from proxy._http1 import (
+    NEED_DATA,
+    ClientConnection,
+    Data,
+    EndOfMessage,
+    Fault,
+    RequestHead,
+    Response,
+)
 
 Outline = list[Any]
 
@@ -38,7 +46,7 @@ BETWEEN = re.compile(rb"\r\n\r\n[\r\n]+HTTP/")
 
 def ours(pieces: list[bytes], method: str) -> Outline:
     conn = ClientConnection()
-    conn.send_head(method, "/", [("Host", "up")])
+    conn.send_head(RequestHead(method, "/", [("Host", "up")]))
     out: Outline = []
     body = b""
     for piece in [*pieces, b""]:
