@@ -25,8 +25,7 @@ from benchmarks.admin_page import chromium
 from proxy import _live as live
 from proxy import _top as top
 from proxy.testing import Harness, proxy_with_emulator
-
-from .test_e2e_support import CHAT_PATH, RawClient, exact_body, wait_until
+from tests.support.e2e import CHAT_PATH, RawClient, exact_body, wait_until
 
 PROMPT = "PROMPT-TEXT-7f3a9c-never-shown"
 KEY = "sk-KEY-5d2e1b-never-shown"

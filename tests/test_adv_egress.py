@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from proxy._egress import EgressError, ForwardProxy, choose_proxy
-from tests.cluster_support import free_port
-from tests.process_support import Proc
-from tests.upstream_support import Scripted, pool_of, proxy_app
+from tests.support.cluster import free_port
+from tests.support.process import Proc
+from tests.support.upstream import Scripted, pool_of, proxy_app
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
-from tests.process_support import Proc
+from tests.support.process import Proc
 
 
 async def test_top_gives_up_on_a_stream_that_ends_before_any_snapshot() -> None:

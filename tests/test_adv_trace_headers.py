@@ -11,7 +11,7 @@ import signal
 import aiohttp
 
 from proxy._emulator import start_emulator
-from tests.process_support import Proc
+from tests.support.process import Proc
 
 HEADERS = [
     {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" + "x" * 600},

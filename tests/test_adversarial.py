@@ -40,7 +40,7 @@ from proxy._plugins import PrepareContext
 from proxy._relay import ClientGone
 from proxy._wire import WireMetadata
 from proxy.testing import Harness, ProxyStartError, proxy_process, proxy_with_emulator
-from tests.test_e2e_support import (
+from tests.support.e2e import (
     ANTHROPIC_PATH,
     CHAT_PATH,
     RESPONSES_PATH,
@@ -49,7 +49,7 @@ from tests.test_e2e_support import (
     sse_events,
     wait_until,
 )
-from tests.upstream_support import SSE_HEAD, RawUpstream, chunked, proxy_for
+from tests.support.upstream import SSE_HEAD, RawUpstream, chunked, proxy_for
 
 PATHS: Final = (CHAT_PATH, RESPONSES_PATH, ANTHROPIC_PATH)
 PATH_IDS: Final = ("chat", "responses", "messages")

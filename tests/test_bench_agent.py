@@ -8,8 +8,7 @@ from pathlib import Path
 
 from benchmarks import agent
 from benchmarks._workload import BenchProtocol
-
-from .process_support import run_cli
+from tests.support.process import run_cli
 
 
 def test_each_turn_repeats_the_last_body_and_adds_one_paired_tool_exchange() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from .cluster_support import need_binary
-from .process_support import run_cli
+from tests.support.cluster import need_binary
+from tests.support.process import run_cli
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,8 +7,7 @@ import math
 from pathlib import Path
 
 from benchmarks import soak
-
-from .process_support import run_cli
+from tests.support.process import run_cli
 
 
 def test_rss_slope_is_kib_per_thousand_requests() -> None:

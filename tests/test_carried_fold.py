@@ -34,7 +34,7 @@ from proxy._emulator_script import window_script
 from proxy._plugins import PluginHost, load_plugins
 from proxy._protocols import stated_tokens
 from proxy.testing import Harness, proxy_with_emulator
-from tests.cluster_support import RedisServer, need_binary
+from tests.support.cluster import RedisServer, need_binary
 
 #: The emulator's context window: 24,000 tokens, i.e. bodies of up to 96,003 bytes.
 WINDOW_TOKENS = 24_000

@@ -1,6 +1,6 @@
 """Cluster mode end to end: a real redis-server, real nginx, three node processes.
 
-One cluster per module (tests/cluster_support.py): redis-server and the
+One cluster per module (tests/support/cluster.py): redis-server and the
 emulator on loopback ports, three ``python -m proxy serve`` processes with
 ``CONTEXT_PROXY_REDIS_URL`` set and the ledger enabled, nginx hashing the
 session id in front (the configuration of docs/cluster.md). A test that stops
@@ -26,8 +26,8 @@ import openai
 import pytest
 import redis
 
-from .closed_log import closed_ids
-from .cluster_support import Cluster, ProxyNode
+from tests.support.closed_log import closed_ids
+from tests.support.cluster import Cluster, ProxyNode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +38,7 @@ _NODE_SETTINGS = {
     "session_shutdown_timeout": GRACE,
     "cluster_heartbeat_ttl": TTL,
     "shutdown_grace": 3.0,
-    "plugins": "ledger,tests.closed_log:ClosedLog",
+    "plugins": "ledger,tests.support.closed_log:ClosedLog",
 }
 
 
@@ -46,7 +46,7 @@ _NODE_SETTINGS = {
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     workdir = Path(tmp_path_factory.mktemp("cluster"))
     # Each node's ClosedLog writes the ids its plugins were told are closed here.
-    plugin = {"tests.closed_log:ClosedLog": {"directory": str(workdir)}}
+    plugin = {"tests.support.closed_log:ClosedLog": {"directory": str(workdir)}}
     settings = {**_NODE_SETTINGS, "plugin": json.dumps(plugin)}
     c = Cluster(workdir, n=3, settings=settings)
     c.start()

@@ -1,7 +1,7 @@
 """Many concurrent cluster closes against a healthy Redis: pool waits are not outages.
 
 A real redis-server, the emulator and three ``python -m proxy serve`` nodes
-(tests/cluster_support.py). Each session holds one stream on one node and is
+(tests/support/cluster.py). Each session holds one stream on one node and is
 closed by a ``DELETE`` sent to the next node, all at once: every node's
 64-connection Redis pool is far smaller than the Redis work in flight, so
 callers queue for a connection. A node must not take that queue for an outage
@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from .cluster_support import Cluster, ProxyNode
+from tests.support.cluster import Cluster, ProxyNode
 
 pytestmark = pytest.mark.timeout(300)
 

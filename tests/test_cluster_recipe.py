@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks._cluster import DOCS
-
-from .cluster_support import free_port, need_binary
+from tests.support.cluster import free_port, need_binary
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -23,9 +23,8 @@ from proxy._cluster import ClusterNode, ClusterUnavailable, RedisStore
 from proxy._cluster.keys import SessionKeys
 from proxy._cluster.store import _ConnectionQueue, read_closes
 from proxy._sessions import SessionClosed, SessionRegistry, shutdown_cause
-
-from .cluster_support import RedisServer, free_port
-from .test_e2e_support import wait_until
+from tests.support.cluster import RedisServer, free_port
+from tests.support.e2e import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -28,7 +28,7 @@ from plugins.ledger import LedgerPlugin
 from plugins.usage import UsagePlugin
 from proxy import ExchangeRecord, Plugin
 from proxy.testing import Harness, proxy_with_emulator
-from tests.test_e2e_support import (
+from tests.support.e2e import (
     ANTHROPIC_PATH,
     CHAT_PATH,
     RESPONSES_PATH,

@@ -30,7 +30,7 @@ from plugins.ledger import LedgerPlugin
 from plugins.usage import UsagePlugin
 from proxy import ExchangeRecord, Plugin
 from proxy.testing import Harness, make_record, proxy_with_emulator
-from tests.test_e2e_support import CHAT_PATH, RawClient, exact_body, wait_until
+from tests.support.e2e import CHAT_PATH, RawClient, exact_body, wait_until
 
 LIMIT: Final = 1000  # max_body_bytes of the size cases, bytes
 PART: Final = 300  # bytes of a body sent before the client stalls or leaves

@@ -16,8 +16,7 @@ import pytest
 
 from proxy._front import _Connection
 from proxy.testing import proxy_with_emulator
-
-from .test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RawClient, exact_body, wait_until
+from tests.support.e2e import ANTHROPIC_PATH, CHAT_PATH, RawClient, exact_body, wait_until
 
 HEADER_TIMEOUT = 0.6
 BODY_TIMEOUT = 2.0

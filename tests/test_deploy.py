@@ -17,7 +17,7 @@ import pytest
 
 from proxy._config import load_settings
 from proxy._plugins import load_plugins
-from tests.process_support import Proc
+from tests.support.process import Proc
 
 DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
 

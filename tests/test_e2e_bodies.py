@@ -19,7 +19,7 @@ import xxhash
 import zstandard
 
 from proxy.testing import Harness, proxy_with_emulator
-from tests.test_e2e_support import (
+from tests.support.e2e import (
     ANTHROPIC_PATH,
     CHAT_PATH,
     RESPONSES_PATH,

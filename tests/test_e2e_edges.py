@@ -22,7 +22,7 @@ from openai.types.chat import ChatCompletionUserMessageParam
 
 from proxy._emulator import DEFAULT_TEXT, Script, start_emulator
 from proxy.testing import Harness, proxy_with_emulator
-from tests.test_e2e_support import (
+from tests.support.e2e import (
     ANTHROPIC_PATH,
     CHAT_PATH,
     RESPONSES_PATH,

@@ -2,7 +2,7 @@
 
 Every test runs a real proxy in front of the upstream emulator on 127.0.0.1
 (ephemeral ports) and talks to it with the installed ``openai`` / ``anthropic``
-SDKs, ``aiohttp`` or :class:`~tests.test_e2e_support.RawClient`. The emulator's
+SDKs, ``aiohttp`` or :class:`~tests.support.e2e.RawClient`. The emulator's
 records say what reached the upstream.
 """
 
@@ -30,7 +30,7 @@ from proxy._app import build_app, running
 from proxy._config import load_settings
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.testing import Harness, proxy_with_emulator
-from tests.test_e2e_support import (
+from tests.support.e2e import (
     ANTHROPIC_PATH,
     CHAT_PATH,
     COUNT_TOKENS_PATH,

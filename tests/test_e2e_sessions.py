@@ -5,7 +5,7 @@ process (``proxy.testing.proxy_with_emulator``) and talks plain HTTP to the
 proxy with aiohttp. Ordering uses asyncio events set by test plugins and the
 emulator's own wait helpers (``hold=KEY`` keeps an upstream stream open until
 the test releases it). Tombstone expiry uses an injected clock, never a sleep.
-SSE is parsed by the minimal reader of ``test_e2e_support``, not by the proxy's framer.
+SSE is parsed by the minimal reader of ``tests.support.e2e``, not by the proxy's framer.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from proxy._plugins import ExchangeRecord, PrepareContext
 from proxy._session_ids import bearer_session_id
 from proxy._wire import WireMetadata
 from proxy.testing import proxy_with_emulator
-from tests.test_e2e_support import Event, request_body, sse_events, streamed_text, wait_until
+from tests.support.e2e import Event, request_body, sse_events, streamed_text, wait_until
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"

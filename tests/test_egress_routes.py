@@ -21,7 +21,7 @@ from proxy._config import ConfigError, load_settings
 from proxy._egress import EgressError, ForwardProxy, NoProxy, choose_proxy
 from proxy._relay import upstream_targets
 from proxy._upstream import UpstreamTarget, _request_head
-from tests.upstream_support import Scripted, proxy_app
+from tests.support.upstream import Scripted, proxy_app
 
 
 def _via(url: str, env: dict[str, str], setting: str | None = None) -> str | None:

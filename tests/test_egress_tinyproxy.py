@@ -25,10 +25,10 @@ from proxy._egress import ForwardProxy
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy._relay import upstream_tls
 from proxy._upstream import UpstreamPool, UpstreamTarget
-from tests.cluster_support import free_port
-from tests.process_support import Proc
-from tests.tinyproxy_support import PrivateCA, Tinyproxy, private_ca, tinyproxy
-from tests.upstream_support import Scripted, json_answer, proxy_app, read_request
+from tests.support.cluster import free_port
+from tests.support.process import Proc
+from tests.support.tinyproxy import PrivateCA, Tinyproxy, private_ca, tinyproxy
+from tests.support.upstream import Scripted, json_answer, proxy_app, read_request
 
 SECRET = "sk-egress-test-key-0123456789"
 USER: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": "hi"}]

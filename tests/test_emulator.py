@@ -1,7 +1,7 @@
 """The local upstream emulator (proxy/_emulator.py): real SDKs, every script key, instrumentation.
 
 Everything runs on loopback against a real emulator on an ephemeral port. SSE is
-parsed by the small independent reader of ``test_e2e_support``, not by the proxy's framer.
+parsed by the small independent reader of ``tests.support.e2e``, not by the proxy's framer.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from proxy._emulator import (
     script_help,
     start_emulator,
 )
-from tests.test_e2e_support import WAIT_S, Event, request_body, sse_events
+from tests.support.e2e import WAIT_S, Event, request_body, sse_events
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"

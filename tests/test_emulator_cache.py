@@ -19,8 +19,7 @@ from openai.types.responses import ResponseInputParam
 
 from proxy._emulator import EmulatorServer, Script, start_emulator
 from proxy._emulator_cache import BLOCK_BYTES, BLOCK_TOKENS, PrefixChain, PromptCache
-
-from .process_support import Proc
+from tests.support.process import Proc
 
 KEY = "sk-emulator-cache-test"
 # A history that grows: turn 1 is one long user entry (5 whole blocks and 1,920 bytes),

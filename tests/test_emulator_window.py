@@ -7,8 +7,7 @@ import json
 import aiohttp
 
 from proxy._protocols._overflow import is_overflow_payload
-
-from .process_support import Proc
+from tests.support.process import Proc
 
 
 async def test_cli_window_rejects_longer_prompts_in_each_protocol() -> None:

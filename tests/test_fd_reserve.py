@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 
 from proxy._emulator import EmulatorServer
-from tests.process_support import Proc
+from tests.support.process import Proc
 
 BOUND_S = 20.0
 FD_LIMIT = 256

@@ -14,7 +14,7 @@ import pytest
 
 from proxy._emulator import EmulatorServer
 from proxy._fdlimit import is_fd_exhaustion
-from tests.process_support import Proc
+from tests.support.process import Proc
 
 BOUND_S = 20.0
 

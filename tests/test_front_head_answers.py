@@ -16,7 +16,7 @@ import asyncio
 
 import pytest
 
-from .upstream_support import Scripted, proxy_for, read_request
+from tests.support.upstream import Scripted, proxy_for, read_request
 
 pytestmark = pytest.mark.asyncio
 

@@ -23,8 +23,7 @@ import pytest
 
 from proxy import _front
 from proxy.testing import proxy_with_emulator
-
-from .test_e2e_support import CHAT_PATH, wait_until
+from tests.support.e2e import CHAT_PATH, wait_until
 
 LIMIT = 1024 * 1024
 BIG = "x" * (8 * LIMIT)  # far more than the kernel's socket buffers take at once

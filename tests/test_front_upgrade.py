@@ -16,8 +16,7 @@ import json
 
 from proxy._front import END, RequestFraming, RequestHead
 from proxy.testing import proxy_with_emulator
-
-from .test_e2e_support import CHAT_PATH, RawClient, stream_body
+from tests.support.e2e import CHAT_PATH, RawClient, stream_body
 
 H2C = (
     "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"

@@ -30,7 +30,7 @@ import pytest
 from proxy._exchange import Exchange
 from proxy._sse import SSEFramer
 from proxy._upstream import UpstreamAnswer
-from tests.test_lifetime_support import CHAT, SubprocessEmulator, proxy_at
+from tests.support.lifetime import CHAT, SubprocessEmulator, proxy_at
 
 #: Streams held open at once for the tracemalloc figure.
 STREAMS = 8

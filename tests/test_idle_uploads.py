@@ -18,8 +18,7 @@ import aiohttp
 import psutil  # type: ignore[import-untyped]  # no stubs; types-psutil is not a dependency
 
 from benchmarks._harness import Service, start_emulator, start_proxy
-
-from .test_e2e_support import CHAT_PATH, RawClient, exact_body
+from tests.support.e2e import CHAT_PATH, RawClient, exact_body
 
 MiB = 1024 * 1024
 ATTACKERS = 20

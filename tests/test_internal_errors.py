@@ -21,7 +21,7 @@ from proxy import ExchangeRecord, Plugin
 from proxy import _app as app_module
 from proxy._exchange import Exchange
 from proxy.testing import Harness, proxy_with_emulator
-from tests.test_e2e_support import (
+from tests.support.e2e import (
     ANTHROPIC_PATH,
     CHAT_PATH,
     RESPONSES_PATH,

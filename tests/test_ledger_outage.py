@@ -29,8 +29,8 @@ from proxy import ClusterUnavailable, ExchangeRecord, GateRun, Plugin
 from proxy._cluster import RedisStore
 from proxy._cluster.ledger import RedisLedgerGate
 from proxy.testing import proxy_with_emulator
-from tests.cluster_support import RedisServer
-from tests.test_e2e_support import CHAT_PATH
+from tests.support.cluster import RedisServer
+from tests.support.e2e import CHAT_PATH
 
 pytestmark = pytest.mark.timeout(90)
 

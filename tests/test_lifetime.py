@@ -3,7 +3,7 @@
 Unit tests drive :class:`~proxy.exchange.Exchange` directly; the others run a
 real proxy on loopback in front of the emulator (in process, or in a child
 process where memory is measured) and watch the exchange through
-:class:`~tests.test_lifetime_support.TracedExchange`: its phases, its release
+:class:`~tests.support.lifetime.TracedExchange`: its phases, its release
 calls and a ``weakref.finalize`` on every buffer holder.
 
 Memory is measured two ways, as the issue asks: tracemalloc (every allocation
@@ -55,7 +55,7 @@ from proxy._protocols import Protocol
 from proxy._structure import Splice
 from proxy._wire import WireMetadata
 from proxy.testing import proxy_with_emulator
-from tests.test_lifetime_support import (
+from tests.support.lifetime import (
     CHAT,
     MESSAGES,
     MIB,

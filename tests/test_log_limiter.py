@@ -18,8 +18,7 @@ import pytest
 
 import proxy._relay as relay
 from proxy._logs import LogLimiter
-
-from .upstream_support import proxy_app
+from tests.support.upstream import proxy_app
 
 N_FAILED = 200
 BOUND_S = 10.0

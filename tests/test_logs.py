@@ -22,7 +22,7 @@ from proxy import Plugin
 from proxy._emulator import EmulatorServer
 from proxy._logs import BurstFilter
 from proxy._plugins import ExchangeRecord
-from tests.process_support import Proc
+from tests.support.process import Proc
 
 API_KEY = "sk-logs-test-SECRET-9f8e7d"
 PROMPT = "PROMPT-MARKER-logs-5a5a"

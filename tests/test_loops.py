@@ -14,7 +14,7 @@ import uvloop
 
 from proxy import _loops as loops
 from proxy._config import ConfigError, load_settings
-from tests.test_lifetime_support import SubprocessEmulator, proxy_at
+from tests.support.lifetime import SubprocessEmulator, proxy_at
 
 
 def _loop_kind() -> str:

@@ -25,8 +25,8 @@ from proxy import ExchangeRecord, Plugin
 from proxy import _app as app_module
 from proxy._emulator import EmulatorServer
 from proxy.testing import proxy_with_emulator
-from tests.process_support import Proc
-from tests.test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RawClient, stream_body
+from tests.support.e2e import ANTHROPIC_PATH, CHAT_PATH, RawClient, stream_body
+from tests.support.process import Proc
 
 BOUND_S = 20.0
 MiB = 1024 * 1024

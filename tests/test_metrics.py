@@ -20,8 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy._metrics import BODY_BUCKETS, TIME_BUCKETS
 from proxy._protocols import Protocol
 from proxy.testing import proxy_with_emulator
-
-from .cluster_support import RedisServer, need_binary
+from tests.support.cluster import RedisServer, need_binary
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"

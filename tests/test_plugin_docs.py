@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from proxy import ExchangeRecord, Outcome, WireMetadata
-
-from .cluster_support import free_port, need_binary
+from tests.support.cluster import free_port, need_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "plugins.md"

@@ -23,8 +23,7 @@ from proxy._exchange import BodyHolder, Exchange, Preparer, null_lock
 from proxy._plugins import PluginHost
 from proxy._protocols import Protocol
 from proxy.testing import proxy_with_emulator
-
-from .test_e2e_support import CHAT_PATH, request_body
+from tests.support.e2e import CHAT_PATH, request_body
 
 
 class Poison(Plugin):

@@ -17,8 +17,7 @@ import aiohttp
 import pytest
 
 from proxy.testing import proxy_with_emulator
-
-from .test_e2e_support import CHAT_PATH, RawClient, exact_body, wait_until
+from tests.support.e2e import CHAT_PATH, RawClient, exact_body, wait_until
 
 BUDGET = 200_000
 DECLARED = 150_000

@@ -35,7 +35,7 @@ from proxy._plugins import Plugin, PrepareContext
 from proxy._protocols import Protocol
 from proxy._structure import BodyView, Splice
 from proxy.testing import Harness, proxy_with_emulator
-from tests.test_lifetime_support import (
+from tests.support.lifetime import (
     CHAT,
     MESSAGES,
     RESPONSES,

@@ -36,8 +36,8 @@ from proxy import Plugin
 from proxy._emulator import DEFAULT_TEXT
 from proxy._plugins import ExchangeRecord, PrepareContext
 from proxy.testing import proxy_with_emulator
-from tests.process_support import Proc
-from tests.test_e2e_support import request_body, sse_events, streamed_text
+from tests.support.e2e import request_body, sse_events, streamed_text
+from tests.support.process import Proc
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"

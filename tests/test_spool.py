@@ -44,9 +44,8 @@ from proxy._spool import FileSlice, Spool, SpoolFile, SpoolFull, open_anonymous,
 from proxy._upstream import UpstreamPool, UpstreamTarget
 from proxy._wire import compute_wire_metadata, digest_bytes
 from proxy.testing import Harness, proxy_with_emulator
-from tests.process_support import Proc
-from tests.test_e2e_support import wait_until
-from tests.test_lifetime_support import (
+from tests.support.e2e import wait_until
+from tests.support.lifetime import (
     CHAT,
     MESSAGES,
     RESPONSES,
@@ -60,7 +59,8 @@ from tests.test_lifetime_support import (
     proxy_at,
     slices,
 )
-from tests.upstream_support import Scripted, read_request, self_signed
+from tests.support.process import Proc
+from tests.support.upstream import Scripted, read_request, self_signed
 
 #: Spool threshold of these tests: far below the ~120 KB conversations.
 SPOOL_ABOVE = 16 * 1024

@@ -20,9 +20,9 @@ import aiohttp
 import pytest
 
 from proxy.testing import proxy_with_emulator
-from tests.test_e2e_support import wait_until
-from tests.test_lifetime_support import RawConn, conversation, encode
-from tests.upstream_support import Scripted, proxy_app
+from tests.support.e2e import wait_until
+from tests.support.lifetime import RawConn, conversation, encode
+from tests.support.upstream import Scripted, proxy_app
 
 CHAT = "/v1/chat/completions"
 ANSWER = (

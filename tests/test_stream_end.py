@@ -35,9 +35,9 @@ from proxy._app import build_app, running
 from proxy._config import load_settings
 from proxy._plugins import Plugin, PluginHost, PrepareContext
 from proxy._protocols import Protocol
-from tests.test_e2e_support import ANTHROPIC_PATH, CHAT_PATH, RESPONSES_PATH
-from tests.test_lifetime_support import Recorder, conversation
-from tests.upstream_support import SSE_HEAD, HoldingUpstream, RawUpstream, chunked, proxy_for
+from tests.support.e2e import ANTHROPIC_PATH, CHAT_PATH, RESPONSES_PATH
+from tests.support.lifetime import Recorder, conversation
+from tests.support.upstream import SSE_HEAD, HoldingUpstream, RawUpstream, chunked, proxy_for
 
 KEY: Final = "sk-stream-end-test"
 BOUND_S: Final = 10.0

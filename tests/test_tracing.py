@@ -36,7 +36,7 @@ from proxy._emulator import DEFAULT_TEXT, start_emulator
 from proxy._tracing import MISSING_EXTRA
 from proxy._upstream import UpstreamTarget
 from proxy.testing import Harness, ProxyStartError, proxy_process, proxy_with_emulator
-from tests.test_lifetime_support import CHAT, WAIT_S, Recorder, conversation, encode
+from tests.support.lifetime import CHAT, WAIT_S, Recorder, conversation, encode
 
 API_KEY = "sk-tracing-secret-key-0123456789"
 SESSION = "tracing-session-42"

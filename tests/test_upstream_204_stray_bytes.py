@@ -15,8 +15,8 @@ import logging
 
 import pytest
 
-from tests.test_e2e_support import RawClient
-from tests.upstream_support import Scripted, proxy_app, read_request
+from tests.support.e2e import RawClient
+from tests.support.upstream import Scripted, proxy_app, read_request
 
 
 async def test_a_204_with_stray_bytes_reaches_the_client_and_is_not_logged_as_failed(

@@ -37,7 +37,7 @@ from proxy._upstream import (
     UpstreamPool,
     UpstreamTarget,
 )
-from tests.upstream_support import chunked, read_request, self_signed
+from tests.support.upstream import chunked, read_request, self_signed
 
 # ------------------------------------------------------------------ framing (sans-I/O)
 

@@ -19,8 +19,8 @@ import anthropic
 import openai
 import pytest
 
-from tests.test_e2e_support import RawClient, sse_events
-from tests.upstream_support import (
+from tests.support.e2e import RawClient, sse_events
+from tests.support.upstream import (
     SSE_HEAD,
     Scripted,
     black_hole,

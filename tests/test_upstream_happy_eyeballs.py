@@ -22,7 +22,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.upstream_support import Scripted, black_hole, json_answer, proxy_app, read_request
+from tests.support.upstream import Scripted, black_hole, json_answer, proxy_app, read_request
 
 
 async def test_a_dead_first_address_falls_back_to_the_next_one_within_two_seconds() -> None:

@@ -18,8 +18,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from proxy._upstream import UpstreamPool, UpstreamTarget
-
-from .upstream_support import Scripted, read_request
+from tests.support.upstream import Scripted, read_request
 
 pytestmark = pytest.mark.asyncio
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from tests.upstream_support import Scripted, json_answer, proxy_app, read_request
+from tests.support.upstream import Scripted, json_answer, proxy_app, read_request
 
 
 async def test_non_ascii_header_value_bytes_cross_the_proxy_unchanged_both_ways() -> None:

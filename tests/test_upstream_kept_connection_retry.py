@@ -16,7 +16,7 @@ import asyncio
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
-from tests.upstream_support import Script, Scripted, json_answer, proxy_for, read_request
+from tests.support.upstream import Script, Scripted, json_answer, proxy_for, read_request
 
 
 async def _fifty_chats(serve: Script) -> list[str]:

@@ -20,7 +20,7 @@ import asyncio
 
 import openai
 
-from tests.upstream_support import Scripted, json_answer, proxy_for, read_request
+from tests.support.upstream import Scripted, json_answer, proxy_for, read_request
 
 
 async def test_a_request_the_upstream_held_for_a_second_then_dropped_is_not_resent() -> None:

@@ -14,8 +14,8 @@ import json
 
 import openai
 
-from tests.test_e2e_support import RawClient
-from tests.upstream_support import (
+from tests.support.e2e import RawClient
+from tests.support.upstream import (
     SSE_HEAD,
     Scripted,
     black_hole,

@@ -14,7 +14,7 @@ import asyncio
 
 import openai
 
-from tests.upstream_support import (
+from tests.support.upstream import (
     SSE_HEAD,
     Scripted,
     chat_sse_events,

@@ -16,8 +16,8 @@ import logging
 import socket
 import struct
 
-from tests.test_e2e_support import RawClient, wait_until
-from tests.upstream_support import Scripted, pool_of, proxy_app
+from tests.support.e2e import RawClient, wait_until
+from tests.support.upstream import Scripted, pool_of, proxy_app
 
 
 async def test_a_reset_mid_upload_is_a_502_and_no_write_goes_to_the_dead_socket() -> None:

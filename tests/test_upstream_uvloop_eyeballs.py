@@ -17,7 +17,7 @@ from typing import Any
 import uvloop
 
 from proxy._upstream import UpstreamPool, UpstreamTarget
-from tests.upstream_support import Scripted, black_hole, json_answer, read_request
+from tests.support.upstream import Scripted, black_hole, json_answer, read_request
 
 
 async def _dead_first_address() -> tuple[float, int]:

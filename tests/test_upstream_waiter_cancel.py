@@ -17,8 +17,8 @@ import random
 import pytest
 
 from proxy._upstream import UpstreamPool, UpstreamTarget
-from tests.test_e2e_support import RawClient
-from tests.upstream_support import (
+from tests.support.e2e import RawClient
+from tests.support.upstream import (
     SSE_HEAD,
     Scripted,
     chat_sse_events,

@@ -28,7 +28,7 @@ from typing import Final
 
 import trustme
 
-from tests.cluster_support import free_port, need_binary
+from tests.support.cluster import free_port, need_binary
 
 __all__ = ["PrivateCA", "Tinyproxy", "private_ca", "tinyproxy"]
 

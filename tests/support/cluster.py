@@ -38,7 +38,7 @@ __all__ = [
     "need_binary",
 ]
 
-_REPO: Final = Path(__file__).resolve().parent.parent
+_REPO: Final = Path(__file__).resolve().parents[2]
 _START_ATTEMPTS: Final = 5
 _READY_WITHIN: Final = 20.0  # seconds; a node is a fresh Python process on a loaded machine
 _STOP_WITHIN: Final = 15.0
@@ -252,7 +252,7 @@ class ProxyNode:
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("CONTEXT_PROXY_")}
-        # The repository on the path, so a test plugin (tests.closed_log) imports.
+        # The repository on the path, so a test plugin (tests.support.closed_log) imports.
         path = [str(_REPO), *filter(None, [env.get("PYTHONPATH")])]
         env.update(
             {

@@ -1,4 +1,4 @@
-"""Helpers shared by the end-to-end tests (``test_e2e_*.py``); this module holds no tests.
+"""Helpers shared by the end-to-end tests (``tests/e2e/``); this module holds no tests.
 
 The request-body builders and the SSE reader here serve ``test_e2e_sessions.py``,
 ``test_shutdown.py`` and ``test_emulator.py`` too. The reader is independent of
