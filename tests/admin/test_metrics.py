@@ -24,7 +24,7 @@ from tests.support.cluster import RedisServer, need_binary
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
