@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import memory
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PUBLISHED = ROOT / "docs" / "bench-memory.json"
 
 
