@@ -24,10 +24,10 @@ from proxy import ExchangeRecord, Plugin, PrepareContext
 from proxy._body import BodyTimeout, read_body
 from proxy._commits import CommitTracker
 from proxy.testing import proxy_with_emulator
+from tests.body.test_body import _NoFlowControl, fed_reader
 from tests.support.e2e import CHAT_PATH, stream_body
 from tests.support.lifetime import proxy_at
 from tests.support.upstream import SSE_HEAD, RawUpstream, chat_sse_events, chunked, proxy_for
-from tests.test_body import _NoFlowControl, fed_reader
 
 IO_TIMEOUT = 20.0  # seconds; bounds every wait
 

@@ -28,8 +28,7 @@ from proxy._coding import (
     encoded_size_cap,
     parse_content_encoding,
 )
-
-from .test_body import BOMBS, CODED, KiB, MiB, chat_json
+from tests.body.test_body import BOMBS, CODED, KiB, MiB, chat_json
 
 PIECE = ZSTD_BLOCK_MAX_BYTES
 

@@ -25,8 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy._body import BodyError, BodyTooLarge, read_body
-
-from .test_body import _NoFlowControl
+from tests.body.test_body import _NoFlowControl
 
 _ENCODERS = {
     "gzip": lambda d: gzip.compress(d, 1),
