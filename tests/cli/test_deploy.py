@@ -19,7 +19,7 @@ from proxy._config import load_settings
 from proxy._plugins import load_plugins
 from tests.support.process import Proc
 
-DEPLOY = Path(__file__).resolve().parents[1] / "docs" / "deploy.md"
+DEPLOY = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 
 
 @pytest.fixture

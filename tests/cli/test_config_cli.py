@@ -140,7 +140,7 @@ def test_version_has_one_source_and_the_cli_prints_it() -> None:
 
     import proxy
 
-    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert proxy.__version__ == declared["project"]["version"]
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0
