@@ -1,6 +1,6 @@
 """An ``Expect`` other than ``100-continue`` is a 417 on every route, never a 500.
 
-Found by the HTTP fuzzer (tests/test_properties_http.py): aiohttp's own answer
+Found by the HTTP fuzzer (tests/e2e/test_properties_http.py): aiohttp's own answer
 echoes the value into its 417 text and fails with a 500 when the value is not
 valid UTF-8 (``Expect: \\x80``), on every route that is not the proxy's /v1 one,
 matched or not.
