@@ -14,8 +14,8 @@ from typing import Final
 import pytest
 
 from proxy.testing import Harness, proxy_with_emulator
+from tests.exchange.test_commit_refused import Recorder
 from tests.support.e2e import CHAT_PATH, exact_body
-from tests.test_commit_refused import Recorder
 
 GARBAGE: Final = b"\x00GARBAGE\r\n\r\n"
 
