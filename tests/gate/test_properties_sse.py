@@ -1,6 +1,6 @@
 """Property-based tests of the SSE framer (hypothesis): random streams, random splits.
 
-The oracle is the whole-stream reference parser of ``tests/test_sse.py``,
+The oracle is the whole-stream reference parser of ``tests/gate/test_sse.py``,
 written from the WHATWG prose and sharing no code with :mod:`proxy._sse`.
 Streams are built from the things real upstreams send and the spec allows:
 ``data``/``event``/``id``/``retry``/unknown fields, comments, fields without a
@@ -16,8 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy._sse import SSEEvent, SSEFramer
-
-from .test_sse import BOM, reference_events, simple
+from tests.gate.test_sse import BOM, reference_events, simple
 
 _EOL = st.sampled_from([b"\n", b"\r\n", b"\r"])
 # Values never contain CR or LF (a line end would end them); anything else goes.
