@@ -33,7 +33,7 @@ from proxy._protocols import Protocol
 from proxy.pytest_plugin import ProxyFactory
 from proxy.testing import make_record, proxy_process
 
-ROOT: Final = Path(__file__).resolve().parent.parent
+ROOT: Final = Path(__file__).resolve().parents[2]
 EXAMPLE: Final = ROOT / "examples" / "count_per_model"
 GUIDE: Final = ROOT / "docs" / "plugins.md"
 SECRET: Final = "sk-plugin-kit-5d1e8c2b7a9f4036b1c8e2d7a5f9c3b1"

@@ -21,7 +21,7 @@ from plugins.fold import FoldPlugin
 from proxy._emulator import EmulatorServer, start_emulator
 from proxy._emulator_script import window_script
 from proxy.testing import Harness
-from tests.test_carried_fold import (
+from tests.plugins.test_carried_fold import (
     PLACEHOLDER_MARK,
     WINDOW_TOKENS,
     _text,
