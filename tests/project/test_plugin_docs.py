@@ -19,7 +19,7 @@ import pytest
 from proxy import ExchangeRecord, Outcome, WireMetadata
 from tests.support.cluster import free_port, need_binary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "plugins.md"
 
 

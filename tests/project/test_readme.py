@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Final
 
-ROOT: Final = Path(__file__).resolve().parents[1]
+ROOT: Final = Path(__file__).resolve().parents[2]
 README: Final = ROOT / "README.md"
 #: Lines of a first screen (a laptop's browser window at GitHub's line height).
 FIRST_SCREEN: Final = 45

@@ -10,7 +10,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _build_wheel(out: Path) -> Path:

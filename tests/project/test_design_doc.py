@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "design.md"
 OLD_CITATION = "DESIGN " + "section"  # split, so this file does not match itself
 CITATION = re.compile(r"docs/design\.md §(\d+)(?: and §(\d+))?")

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("proxy", "plugins")
 
 # Sans-I/O modules (docs/design.md §8): fed bytes and scalars, they return values.
