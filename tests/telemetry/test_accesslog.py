@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from proxy._emulator import EmulatorServer
-from tests.test_logs import API_KEY, BOUND_S, PROMPT, _serve
+from tests.telemetry.test_logs import API_KEY, BOUND_S, PROMPT, _serve
 
 UA_HEAD = "ua-test/1.0"
 #: A tab inside (a control character HTTP allows in a field value) and 200 characters.

@@ -93,7 +93,7 @@ async def test_json_lines_parse_and_carry_one_access_line_per_exchange(
     emulator: EmulatorServer,
 ) -> None:
     proc, base = await _serve(
-        emulator.url, log_format="json", plugins="tests.test_logs:FailingCommit"
+        emulator.url, log_format="json", plugins="tests.telemetry.test_logs:FailingCommit"
     )
     try:
         await _traffic(base)
