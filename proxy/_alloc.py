@@ -77,7 +77,7 @@ log = logging.getLogger("context_proxy.alloc")
 M_TRIM_THRESHOLD: Final = -1
 M_MMAP_THRESHOLD: Final = -3
 #: Blocks of this many bytes or more get their own mapping (freed at once).
-#: Large enough that aiohttp's read chunks (<= 256 KiB) stay on the fast heap.
+#: Large enough that the edges' socket reads and body pieces (<= 256 KiB) stay on the fast heap.
 DEFAULT_MMAP_THRESHOLD: Final = 1 << 20
 #: Seconds after the last exchange ended at which an idle process trims its freed heap.
 DEFAULT_IDLE_AFTER: Final = 0.1

@@ -251,13 +251,11 @@ async def read_body(
 ) -> ReadResult:
     """Read and decode a request body within ``limit`` bytes (docs/design.md §3).
 
-    An aiohttp server feeding it MUST run with ``auto_decompress=False``:
-    otherwise aiohttp inflates the body itself, with no limit, before this
-    function sees a byte, and the decoding done here would be applied twice.
+    ``content`` MUST yield the body as it crossed the wire (content coding
+    included): the decoding and its limit are applied here, once.
 
     Args:
-        content: ``request.content``; nothing else may read it concurrently. (With
-            aiohttp, never ``Request.read()``: it caches a second copy on the request.)
+        content: ``request.content``; nothing else may read it concurrently.
         content_length: ``request.content_length`` (bytes) or None for chunked.
         content_encoding: the ``Content-Encoding`` value or None; see
             :func:`parse_content_encoding` for the accepted codings.

@@ -932,8 +932,8 @@ class SessionRegistry:
             # the failure stays visible as close_failed on the kept entry.
             task.exception()
 
-    # `timeout` is the grace period given to in-flight exchanges (the issue's
-    # signature), not a deadline for the call itself.
+    # `timeout` is the grace period given to in-flight exchanges, not a deadline for
+    # the call itself (hence the ASYNC109 exemption).
     async def shutdown_session(self, sid: str, timeout: float) -> ShutdownResult:  # noqa: ASYNC109
         """Shut one session down (docs/design.md §6, rule 5); idempotent.
 
