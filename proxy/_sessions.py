@@ -454,7 +454,6 @@ class SessionRegistry:
         "_closing",
         "_detached",
         "_idle",
-        "_idle_cap",
         "_in_flight_total",
         "_inflight",
         "_listing",
@@ -484,7 +483,6 @@ class SessionRegistry:
             tombstones = TombstoneSet(ttl=tombstone_ttl, cap=tombstone_cap, clock=clock)
         elif tombstone_ttl is not None or tombstone_cap is not None:
             raise TypeError("give tombstone_ttl and tombstone_cap, or a tombstone store, not both")
-        self._idle_cap = idle_cap
         self._clock = clock
         self._on_close = on_close
         self._before_close = before_close
