@@ -14,6 +14,8 @@ import json
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy import _stream as stream
 from proxy._protocols import Protocol, UsageReport
@@ -332,3 +334,75 @@ def test_each_action_names_its_kind() -> None:
         Reject(502, "r"),
     ]
     assert [a.kind for a in actions] == list(ActionKind)
+
+
+# ------------------------------------------------------- random walks (hypothesis)
+
+MSG_START = event("message_start", {"type": "message_start", "message": {"usage": {}}})
+MSG_DELTA = event("content_block_delta", {"type": "content_block_delta", "index": 0})
+MSG_STOP = event("message_stop", {"type": "message_stop"})
+MSG_OVERFLOW = event(
+    "error",
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "prompt is too long"}},
+)
+RESP_COMPLETED = event(
+    "response.completed", {"type": "response.completed", "response": {}, "sequence_number": 2}
+)
+CHAT_OVERFLOW = event(None, {"error": {"message": "too long", "code": "context_length_exceeded"}})
+PIECES = [
+    CHAT_TEXT,
+    CHAT_DONE,
+    CHAT_OVERFLOW,
+    RESP_CREATED,
+    RESP_DELTA,
+    RESP_OVERFLOW,
+    RESP_COMPLETED,
+    MSG_START,
+    MSG_DELTA,
+    MSG_STOP,
+    MSG_OVERFLOW,
+    OVERFLOW_400,
+    b": keep-alive\n\n",
+    b"data: [DONE]",
+    b"{}",
+]
+
+
+@st.composite
+def calls(draw: st.DrawFn) -> Call:
+    on = draw(st.sampled_from(list(GateInput)))
+    if on is GateInput.FEED:
+        data = b"".join(draw(st.lists(st.sampled_from(PIECES), max_size=4)))
+        cut = draw(st.integers(min_value=0, max_value=len(data)))
+        return feed(data[:cut] if draw(st.booleans()) else data)
+    return Call(on, clean=draw(st.booleans()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.builds(
+        Options,
+        protocol=st.sampled_from(list(Protocol)),
+        status=st.sampled_from([200, 204, 400, 500]),
+        content_type=st.sampled_from([SSE, JSON, "text/html", ""]),
+        stream_requested=st.booleans(),
+        can_refold=st.booleans(),
+        may_resend=st.booleans(),
+    ),
+    st.lists(calls(), max_size=12),
+)
+def test_any_sequence_of_calls_moves_only_along_the_table(
+    options: Options, sequence: list[Call]
+) -> None:
+    gate = options.gate()
+    for call in [START, *sequence]:
+        before = gate.state
+        if (before, call.on) in REFUSED:
+            with pytest.raises(GateError):
+                call(gate)
+            assert gate.state is before
+            continue
+        actions = call(gate)
+        row = _row(before, call.on, gate.state)
+        kinds = [action.kind for action in actions]
+        assert _in_row_order(kinds, row.actions), f"{kinds} not within {row.actions}"
