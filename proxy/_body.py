@@ -224,6 +224,9 @@ async def read_body(
 ) -> ReadResult:
     """Read and decode a request body within ``limit`` bytes (docs/design.md §3).
 
+    ``content`` MUST yield the body as it crossed the wire (content coding
+    included): the decoding and its limit are applied here, once.
+
     Args:
         content: ``request.content``, the body as the server edge receives it
             (transfer coding undone, content coding not); nothing else may read
