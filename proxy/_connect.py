@@ -8,8 +8,7 @@ resolved (kept :data:`DNS_TTL_S` seconds) and raced (RFC 8305), an https
 upstream behind a proxy is reached in a ``CONNECT`` tunnel (RFC 9110 section
 9.3.6), and TLS is set up with the upstream itself (SNI is its name).
 
-Errors are :class:`UpstreamError` subclasses carrying our own words, never the
-peer's bytes; :mod:`proxy._upstream` raises the rest of the family.
+Errors are :mod:`proxy._upstream_errors`' (our own words, never the peer's bytes).
 """
 
 from __future__ import annotations
@@ -21,23 +20,24 @@ import socket
 import ssl
 import typing
 import urllib.parse
+from collections.abc import Mapping
 from typing import Any, Final
 
 import cachetools
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from ._egress import ForwardProxy
+from ._http1 import RequestHead
+from ._upstream_errors import ConnectFailed, ConnectTimeout, TunnelFailed
 
 __all__ = [
+    "ACCEPT_ENCODING",
     "DNS_TTL_S",
     "HAPPY_EYEBALLS_DELAY_S",
     "MAX_TUNNEL_HEAD_BYTES",
     "USER_AGENT",
-    "ConnectFailed",
-    "ConnectTimeout",
     "Connector",
     "RouteKey",
-    "TunnelFailed",
-    "UpstreamError",
     "UpstreamTarget",
     "status_words",
 ]
@@ -46,71 +46,12 @@ __all__ = [
 HAPPY_EYEBALLS_DELAY_S: Final = 0.25
 #: Seconds a host name's addresses are kept (aiohttp's default DNS cache time).
 DNS_TTL_S: Final = 10.0
+#: What the proxy accepts from upstreams (it decodes answers itself, piece by piece).
+ACCEPT_ENCODING: Final = "gzip, deflate, br"
 #: The ``User-Agent`` sent when the client sent none (and in ``CONNECT``).
 USER_AGENT: Final = "context-proxy"
 #: Most bytes of a proxy's answer to ``CONNECT`` read before it is refused.
 MAX_TUNNEL_HEAD_BYTES: Final = 16 * 1024
-
-
-class UpstreamError(Exception):
-    """No usable answer (or no complete body) from the upstream; ``str()`` is our words."""
-
-
-class ConnectFailed(UpstreamError):
-    """The TCP or TLS connect failed: ``host``, ``port`` and the ``OSError`` behind it.
-
-    ``proxy`` is the forward proxy when the failure was the connect to it (then
-    ``host`` and ``port`` are the proxy's); a TLS failure through a tunnel is the
-    upstream's, as without a proxy.
-    """
-
-    def __init__(
-        self, host: str, port: int, os_error: OSError, proxy: ForwardProxy | None = None
-    ) -> None:
-        where = f"{host}:{port}"
-        if proxy is not None:
-            # The proxy's URL without its credentials, and the variable that named it.
-            peer = f"egress proxy {proxy.shown} (from {proxy.source})"
-        else:
-            peer = "upstream"
-        if isinstance(os_error, ConnectionRefusedError):
-            words = f"{peer} refused the connection at {where}"
-        elif isinstance(os_error, ssl.SSLCertVerificationError):
-            # OpenSSL's reason ("self-signed certificate", "hostname mismatch"): no secret.
-            reason = os_error.verify_message or "not trusted"
-            words = f"{peer}'s TLS certificate could not be verified at {where}: {reason}"
-        elif isinstance(os_error, ssl.SSLError):
-            words = f"TLS handshake with the {peer} at {where} failed"
-        elif isinstance(os_error, socket.gaierror):
-            words = f"{peer} host name did not resolve ({where})"
-        else:
-            words = f"could not connect to the {peer} at {where}"
-        super().__init__(words)
-        self.host = host
-        self.port = port
-        self.os_error = os_error
-        self.proxy = proxy
-        self.__cause__ = os_error
-
-
-class TunnelFailed(UpstreamError):
-    """The forward proxy did not open a ``CONNECT`` tunnel to the upstream.
-
-    ``status`` is the proxy's answer (407: credentials missing or wrong, 403: the
-    target is not allowed, 502: the proxy could not reach the upstream), or
-    ``None`` when it closed or sent no HTTP answer. ``str()`` is our words: the
-    status and its standard reason phrase, never the proxy's own bytes.
-    """
-
-    def __init__(self, proxy: ForwardProxy, authority: str, status: int | None, words: str) -> None:
-        super().__init__(f"egress proxy {proxy.shown} (from {proxy.source}) {words}")
-        self.proxy = proxy
-        self.authority = authority
-        self.status = status
-
-
-class ConnectTimeout(UpstreamError, TimeoutError):
-    """The connect did not complete within ``connect_timeout`` seconds."""
 
 
 class UpstreamTarget:
@@ -173,6 +114,22 @@ class UpstreamTarget:
         origin form, or the absolute form for an http upstream through a proxy."""
         target = f"{self.origin}{self.prefix}{path}"
         return f"{target}?{query}" if query else target
+
+    def request_head(self, method: str, path: str, fields: Mapping[str, str]) -> RequestHead:
+        """The request head for this upstream: ``Host``, the route's fields, ``fields`` as
+        given, ``Accept`` and ``User-Agent`` when absent, and ``Accept-Encoding`` (what
+        the proxy decodes); ``path`` is the request target (:meth:`request_target`).
+
+        Raises:
+            ValueError: a field name or value holds CR or LF (it would split the head).
+        """
+        lines = [("Host", self.host_field), *self.proxy_fields, *fields.items()]
+        if not _has_field(fields, "accept"):
+            lines.append(("Accept", "*/*"))
+        if not _has_field(fields, "user-agent"):
+            lines.append(("User-Agent", USER_AGENT))
+        lines.append(("Accept-Encoding", ACCEPT_ENCODING))
+        return RequestHead(method, path, lines)
 
 
 #: One address to connect to: family, socket type, protocol, socket address.
@@ -474,3 +431,10 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _has_field(fields: Mapping[str, str], lowered: str) -> bool:
+    """Whether ``fields`` has a field named ``lowered`` (lower case), in any case."""
+    if isinstance(fields, (CIMultiDict, CIMultiDictProxy)):
+        return lowered in fields  # the relay's own: a lookup, case-insensitive
+    return any(name.lower() == lowered for name in fields)

@@ -8,22 +8,18 @@ objects, cookie and redirect handling, trace hooks, a task per upload, a
 timer per socket read) and keeps several KiB per open stream (its response,
 parser, stream reader and queues; see ``bench overhead``).
 
-This module is the driver only. What the bytes mean, when an answer ends, whether
-a connection may be reused and when it must be woken is decided by the sans-I/O
-state machine :class:`proxy._http1.ClientConnection`; which connection a request
-gets, who waits and what to close, by :class:`proxy._pool.PoolPolicy`; how a
-connection is opened (address racing, the DNS cache, ``CONNECT`` tunnels, TLS), by
-:class:`proxy._connect.Connector`. Here: the transport, one timer per connection,
-a :class:`FlowControl`, and the awaits.
-
-Errors are :class:`UpstreamError` subclasses carrying our own words, never
-the upstream's bytes (a header value may hold a secret).
+This module is the driver only: the transport, one timer per connection, its
+:class:`~proxy._upload.FlowControl`, and the awaits. What the bytes mean, when an
+answer ends, whether a connection may be reused and when it must be woken is
+decided by :class:`proxy._http1.ClientConnection` (sans-I/O); which connection a
+request gets, who waits and what to close, by :class:`proxy._pool.PoolPolicy`
+(sans-I/O); how a connection is opened, by :class:`proxy._connect.Connector`.
+Errors are :mod:`proxy._upstream_errors`' (our words, never the upstream's bytes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 import typing
 from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
@@ -31,17 +27,7 @@ from typing import Any, Final
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ._connect import (
-    USER_AGENT,
-    ConnectFailed,
-    Connector,
-    ConnectTimeout,
-    RouteKey,
-    TunnelFailed,
-    UpstreamError,
-    UpstreamTarget,
-    status_words,
-)
+from ._connect import Connector, RouteKey, UpstreamTarget, status_words
 from ._http1 import (
     NEED_DATA,
     ClientConnection,
@@ -54,14 +40,26 @@ from ._http1 import (
     State,
 )
 from ._pool import OPEN, WAIT, Close, Fail, Park, PoolPolicy, Reuse, Wake
-from ._spool import FileSlice
+from ._upload import FlowControl, Piece, upload
+from ._upstream_errors import (
+    AnswerCut,
+    BadResponseHead,
+    ConnectFailed,
+    ConnectTimeout,
+    HeadTimeout,
+    IdleReadTimeout,
+    PoolBusy,
+    PoolClosed,
+    ServerDisconnected,
+    TunnelFailed,
+    UpstreamError,
+)
 
 __all__ = [
     "AnswerCut",
     "BadResponseHead",
     "ConnectFailed",
     "ConnectTimeout",
-    "FlowControl",
     "HeadTimeout",
     "IdleReadTimeout",
     "PoolBusy",
@@ -72,12 +70,8 @@ __all__ = [
     "UpstreamError",
     "UpstreamPool",
     "UpstreamTarget",
-    "request_head",
 ]
 
-#: One piece of an outbound body: bytes in memory, or a range of a spooled body's
-#: file (sent with ``sendfile`` on a plain TCP connection, see ``_Connection._upload``).
-_Piece: typing.TypeAlias = memoryview | FileSlice
 
 #: Body bytes buffered from an upstream before its socket is paused: the relay reads
 #: them as it writes to the client, so a slow client slows the upstream read.
@@ -86,90 +80,9 @@ READ_HIGH_WATER_BYTES: Final = 64 * 1024
 #: 408) counts as the upstream's idle close crossing it: it arrives within a round
 #: trip. Later, the upstream may have acted on the request: it is not sent again.
 RESEND_WINDOW_S: Final = 0.5
-#: What the proxy accepts from upstreams (it decodes answers itself, piece by piece).
-ACCEPT_ENCODING: Final = "gzip, deflate, br"
 
 _NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
-# A body of at most this many bytes leaves with the request head in one write.
-_COALESCE_BYTES: Final = 16 * 1024
 _CLOSING: Final = "proxy is shutting down"
-
-
-class ServerDisconnected(UpstreamError):
-    """The upstream closed the connection before a complete response head."""
-
-
-class BadResponseHead(UpstreamError):
-    """The response head could not be parsed, or is over a limit (our words say which)."""
-
-
-class AnswerCut(UpstreamError):
-    """The answer's body did not end as its framing says (closed early, bad chunking)."""
-
-
-class PoolClosed(UpstreamError):
-    """The pool was closed (the proxy shuts down): no request goes out any more."""
-
-
-class PoolBusy(UpstreamError):
-    """Every connection the pool may open (``max_connections``) stayed in use: the
-    proxy's own limit, not the upstream's fault."""
-
-
-class HeadTimeout(UpstreamError, TimeoutError):
-    """The answer's head did not come in time."""
-
-
-class IdleReadTimeout(UpstreamError, TimeoutError):
-    """No body bytes for ``idle_read`` seconds mid-answer."""
-
-
-class FlowControl:
-    """Why one connection's reading or writing is paused, and the upload's one waiter.
-
-    Reading pauses while the answer's unread body is over
-    :data:`READ_HIGH_WATER_BYTES` (the reader resumes it); writing pauses while
-    the transport's buffer is full (it says so). :meth:`wait_writable` returns
-    when writing may go on, or when :meth:`interrupt` says the upload should look
-    again (an answer came, the connection was lost).
-    """
-
-    __slots__ = ("_transport", "_waiter", "read_paused", "write_paused")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._waiter: asyncio.Future[None] | None = None
-        self.read_paused = False
-        self.write_paused = False
-
-    def pause_reading(self) -> None:
-        if not self.read_paused:
-            self.read_paused = True
-            self._transport.pause_reading()
-
-    def resume_reading(self) -> None:
-        if self.read_paused:
-            self.read_paused = False
-            self._transport.resume_reading()
-
-    def pause_writing(self) -> None:
-        self.write_paused = True
-
-    def resume_writing(self) -> None:
-        self.write_paused = False
-        self.interrupt()
-
-    def interrupt(self) -> None:
-        """Wake the upload's wait, whatever the reason."""
-        _wake(self._waiter)
-
-    async def wait_writable(self) -> None:
-        """Wait once: until writing resumes or :meth:`interrupt` (the caller looks again)."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
 
 
 class UpstreamAnswer:
@@ -387,7 +300,7 @@ class _Connection(asyncio.Protocol):
     async def send(
         self,
         head: RequestHead,
-        body: AsyncIterable[_Piece] | None,
+        body: AsyncIterable[Piece] | None,
         body_bytes: int,
         bound: asyncio.Timeout | None = None,
     ) -> UpstreamAnswer:
@@ -408,7 +321,9 @@ class _Connection(asyncio.Protocol):
         else:
             # Bound whole, even after a 2xx head (an upstream that answers, then stops
             # reading the body, would hold it forever).
-            await self._upload(transport, data, body, body_bytes)
+            await upload(
+                transport, self.flow, self.machine, data, body, body_bytes, self._upload_over
+            )
         self._bound = bound
         try:
             while self._final is None:
@@ -432,93 +347,6 @@ class _Connection(asyncio.Protocol):
         final.fields = []
         return answer
 
-    async def _upload(
-        self,
-        transport: asyncio.Transport,
-        head: bytes,
-        body: AsyncIterable[_Piece],
-        body_bytes: int,
-    ) -> None:
-        """Write the head and the body's slices, waiting while the socket is full.
-
-        A final answer that is not a success (a 413, a 401, a redirect) before
-        the body is sent ends the upload, and the connection is not reused (the
-        upstream did not read it all): RFC 9112 section 9.3 lets a client stop
-        sending on a response that says the body is not wanted. A 2xx head
-        (a server streaming before it reads) does not: the upload goes on. A
-        lost connection ends it too (no write goes to a closed transport).
-
-        On a plain TCP connection whose transport has nothing buffered, a slice
-        goes straight to the socket: a :class:`~proxy._spool.FileSlice` (a range
-        of a spooled body) with ``os.sendfile`` (page cache to socket), a heap
-        slice with ``os.write``; what the socket cannot take now goes to the
-        transport as a copy, never as a view of the body, since some transports
-        (uvloop's; asyncio's from Python 3.12) keep what they cannot send as the
-        object given, which would keep the whole body past the release boundary.
-        On TLS a heap slice is written as it is (encrypted into the TLS buffer at
-        once), a spooled one as a copy.
-        """
-        machine = self.machine
-        flow = self.flow
-        assert flow is not None
-        pieces = aiter(body)
-        native = transport.get_extra_info("sslcontext") is None
-        sock = transport.get_extra_info("socket") if native else None
-        try:
-            if body_bytes <= _COALESCE_BYTES:
-                # A small body leaves with its head in one write (one syscall).
-                parts = [head]
-                async for piece in pieces:
-                    parts.append(bytes(piece.view if isinstance(piece, FileSlice) else piece))
-                    machine.send_body(len(parts[-1]))
-                    del piece
-                transport.write(b"".join(parts))
-                if machine.our_state is State.SEND_BODY:
-                    machine.send_end()
-                return
-            transport.write(head)
-            async for piece in pieces:
-                while flow.write_paused and not self._upload_over(transport):
-                    await flow.wait_writable()
-                if self._upload_over(transport):
-                    machine.abandon()
-                    return
-                machine.send_body(len(piece))
-                sent = 0
-                if sock is not None and not transport.get_write_buffer_size():
-                    # Straight to the socket only behind an empty transport buffer,
-                    # so bytes keep their order; the transport writes the rest.
-                    try:
-                        if isinstance(piece, FileSlice):
-                            sent = os.sendfile(sock.fileno(), piece.fd, piece.offset, len(piece))
-                        else:
-                            sent = os.write(sock.fileno(), piece)
-                    except BlockingIOError:
-                        sent = 0
-                    except OSError:
-                        # A broken socket: the transport sees it on its next read.
-                        machine.abandon()
-                        return
-                view = piece.view if isinstance(piece, FileSlice) else piece
-                if sent < len(view):
-                    # A copy of the rest (at most one slice): uvloop and asyncio's
-                    # selector transports from Python 3.12 on keep what they cannot
-                    # send now as the object given, and a view there would keep the
-                    # whole body (its buffer, or the spool's mapping) past the
-                    # release boundary. TLS encrypts a heap slice at once: it gets
-                    # the view (a spooled one is copied all the same).
-                    rest = view[sent:]
-                    copy = sock is not None or isinstance(piece, FileSlice)
-                    transport.write(bytes(rest) if copy else rest)
-                    del rest
-                del view
-                del piece  # the transport copied what it could not send
-            machine.send_end()
-        finally:
-            close = getattr(pieces, "aclose", None)
-            if close is not None:
-                await close()
-
     def raced(self) -> bool:
         """Whether what ended this request (a close, a 408) came within
         :data:`RESEND_WINDOW_S` of its first byte: the upstream's idle close crossing
@@ -526,7 +354,7 @@ class _Connection(asyncio.Protocol):
         return asyncio.get_running_loop().time() - self._sent_at <= RESEND_WINDOW_S
 
     def _upload_over(self, transport: asyncio.Transport) -> bool:
-        """Whether the rest of the body must not be sent (see :meth:`_upload`)."""
+        """Whether the rest of the body must not be sent (:func:`proxy._upload.upload`)."""
         return (
             self.lost
             or transport.is_closing()
@@ -693,7 +521,7 @@ class UpstreamPool:
         method: str,
         path: str,
         fields: Mapping[str, str],
-        body: Callable[[], AsyncIterable[_Piece]] | None = None,
+        body: Callable[[], AsyncIterable[Piece]] | None = None,
         body_bytes: int = 0,
         *,
         head_timeout: float | None = None,
@@ -731,7 +559,7 @@ class UpstreamPool:
             TunnelFailed: an http upstream through a forward proxy, and the proxy
                 answered 407 (its credentials are missing or wrong).
         """
-        head = request_head(target, method, path, fields)
+        head = target.request_head(method, path, fields)
         waiting = [True]  # whether the bound ran out in the wait for a free connection
         try:
             async with asyncio.timeout(head_timeout) as bound:
@@ -763,7 +591,7 @@ class UpstreamPool:
         self,
         target: UpstreamTarget,
         head: RequestHead,
-        body: Callable[[], AsyncIterable[_Piece]] | None,
+        body: Callable[[], AsyncIterable[Piece]] | None,
         body_bytes: int,
         waiting: list[bool],
         bound: asyncio.Timeout,
@@ -870,29 +698,3 @@ class UpstreamPool:
         self._apply(self._policy.shut())
         # Let the transports run their connection_lost callbacks.
         await asyncio.sleep(0)
-
-
-def request_head(
-    target: UpstreamTarget, method: str, path: str, fields: Mapping[str, str]
-) -> RequestHead:
-    """The request head for ``target``: ``Host``, the route's fields, ``fields`` as given,
-    ``Accept`` and ``User-Agent`` when absent, and ``Accept-Encoding`` (what the proxy
-    decodes).
-
-    Raises:
-        ValueError: a field name or value holds CR or LF (it would split the head).
-    """
-    lines = [("Host", target.host_field), *target.proxy_fields, *fields.items()]
-    if not _has_field(fields, "accept"):
-        lines.append(("Accept", "*/*"))
-    if not _has_field(fields, "user-agent"):
-        lines.append(("User-Agent", USER_AGENT))
-    lines.append(("Accept-Encoding", ACCEPT_ENCODING))
-    return RequestHead(method, path, lines)
-
-
-def _has_field(fields: Mapping[str, str], lowered: str) -> bool:
-    """Whether ``fields`` has a field named ``lowered`` (lower case), in any case."""
-    if isinstance(fields, (CIMultiDict, CIMultiDictProxy)):
-        return lowered in fields  # the relay's own: a lookup, case-insensitive
-    return any(name.lower() == lowered for name in fields)
