@@ -27,7 +27,7 @@ import cachetools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ._egress import ForwardProxy
-from ._http1 import RequestHead
+from ._http1 import Request
 from ._upstream_errors import ConnectFailed, ConnectTimeout, TunnelFailed
 
 __all__ = [
@@ -115,7 +115,7 @@ class UpstreamTarget:
         target = f"{self.origin}{self.prefix}{path}"
         return f"{target}?{query}" if query else target
 
-    def request_head(self, method: str, path: str, fields: Mapping[str, str]) -> RequestHead:
+    def request_head(self, method: str, path: str, fields: Mapping[str, str]) -> Request:
         """The request head for this upstream: ``Host``, the route's fields, ``fields`` as
         given, ``Accept`` and ``User-Agent`` when absent, and ``Accept-Encoding`` (what
         the proxy decodes); ``path`` is the request target (:meth:`request_target`).
@@ -129,7 +129,7 @@ class UpstreamTarget:
         if not _has_field(fields, "user-agent"):
             lines.append(("User-Agent", USER_AGENT))
         lines.append(("Accept-Encoding", ACCEPT_ENCODING))
-        return RequestHead(method, path, lines)
+        return Request(method, path, lines)
 
 
 #: One address to connect to: family, socket type, protocol, socket address.

@@ -6,9 +6,9 @@ seconds of any monotonic clock, where a deadline depends on it): the drivers
 and ask the machine what the bytes mean, what to write, whether the connection
 may carry another message and when it must be woken.
 
-Each side's progress is a :class:`State` per direction (ours: what we send,
+Each side's progress is a :class:`ClientState` per direction (ours: what we send,
 theirs: what the peer sends), moved only through one transition table; a move
-the table does not have raises :class:`IllegalMove` (a bug in the driver, as
+the table does not have raises :class:`StateError` (a bug in the driver, as
 h11's ``LocalProtocolError``). The bytes themselves are parsed by llhttp
 (``httptools``): status line, fields, chunked and length framing. The limits
 llhttp lacks (field line length, field count, head size) are ours.
@@ -26,21 +26,21 @@ from typing import Final
 import httptools
 
 __all__ = [
-    "KEEPALIVE_SECONDS",
+    "CLIENT_KEEPALIVE_TIMEOUT",
     "MAX_FIELDS",
-    "MAX_FIELD_LINE_BYTES",
+    "MAX_LINE_BYTES",
     "MAX_RESPONSE_HEAD_BYTES",
     "NEED_DATA",
     "ClientConnection",
+    "ClientEvent",
+    "ClientState",
     "Data",
     "EndOfMessage",
-    "Event",
     "Expiry",
     "Fault",
-    "IllegalMove",
-    "RequestHead",
-    "Response",
-    "State",
+    "Request",
+    "ResponseHead",
+    "StateError",
     "encode_head",
     "keep_alive_timeout",
 ]
@@ -49,18 +49,18 @@ __all__ = [
 
 #: Longest header field line accepted (name, ``": "``, value), bytes. The same bound as
 #: aiohttp's and nginx's default (8 KiB less the line end).
-MAX_FIELD_LINE_BYTES: Final = 8190
+MAX_LINE_BYTES: Final = 8190
 #: Most header fields accepted in one head (and, apart, in one trailer section).
 MAX_FIELDS: Final = 128
 #: Bytes a response head may take in all, however it is split.
-MAX_RESPONSE_HEAD_BYTES: Final = MAX_FIELDS * (MAX_FIELD_LINE_BYTES + 2)
+MAX_RESPONSE_HEAD_BYTES: Final = MAX_FIELDS * (MAX_LINE_BYTES + 2)
 
 
-class IllegalMove(Exception):
+class StateError(Exception):
     """The caller asked for a move the state it is in does not allow (a driver bug)."""
 
 
-class State(enum.Enum):
+class ClientState(enum.Enum):
     """Where one direction of a connection is (h11's states, with the client's wait)."""
 
     #: Ours: no request under way, one may start. Theirs: nothing was asked.
@@ -97,37 +97,39 @@ class _Move(enum.Enum):
     NEXT = "next"  # both done and kept alive: both start over
 
 
-_S = State
+_C = ClientState
 _M = _Move
 
 #: Our (the request's) transitions: (state, move) -> next state.
-_OURS: Final[dict[tuple[State, _Move], State]] = {
-    (_S.IDLE, _M.HEAD_WITH_BODY): _S.SEND_BODY,
-    (_S.IDLE, _M.HEAD_ALONE): _S.DONE,
-    (_S.SEND_BODY, _M.BODY): _S.SEND_BODY,
-    (_S.SEND_BODY, _M.END): _S.DONE,
-    (_S.SEND_BODY, _M.ABANDON): _S.MUST_CLOSE,
-    (_S.DONE, _M.NEXT): _S.IDLE,
+_OURS: Final[dict[tuple[ClientState, _Move], ClientState]] = {
+    (_C.IDLE, _M.HEAD_WITH_BODY): _C.SEND_BODY,
+    (_C.IDLE, _M.HEAD_ALONE): _C.DONE,
+    (_C.SEND_BODY, _M.BODY): _C.SEND_BODY,
+    (_C.SEND_BODY, _M.END): _C.DONE,
+    (_C.SEND_BODY, _M.ABANDON): _C.MUST_CLOSE,
+    (_C.DONE, _M.NEXT): _C.IDLE,
 }
 
 #: Their (the response's) transitions. A close or a fault may come in any state but
 #: the last two (an answer may come before the request has been sent in full).
-_THEIRS: Final[dict[tuple[State, _Move], State]] = {
-    (_S.IDLE, _M.ASKED): _S.AWAIT_HEAD,
-    (_S.AWAIT_HEAD, _M.INTERIM): _S.AWAIT_HEAD,
-    (_S.AWAIT_HEAD, _M.FINAL): _S.BODY,
-    (_S.BODY, _M.END): _S.DONE,
-    (_S.DONE, _M.NEXT): _S.IDLE,
-    **{(state, _M.PEER_CLOSED): _S.CLOSED for state in (_S.IDLE, _S.AWAIT_HEAD, _S.BODY, _S.DONE)},
-    **{(state, _M.FAULT): _S.ERROR for state in (_S.IDLE, _S.AWAIT_HEAD, _S.BODY, _S.DONE)},
+_THEIRS: Final[dict[tuple[ClientState, _Move], ClientState]] = {
+    (_C.IDLE, _M.ASKED): _C.AWAIT_HEAD,
+    (_C.AWAIT_HEAD, _M.INTERIM): _C.AWAIT_HEAD,
+    (_C.AWAIT_HEAD, _M.FINAL): _C.BODY,
+    (_C.BODY, _M.END): _C.DONE,
+    (_C.DONE, _M.NEXT): _C.IDLE,
+    **{(state, _M.PEER_CLOSED): _C.CLOSED for state in (_C.IDLE, _C.AWAIT_HEAD, _C.BODY, _C.DONE)},
+    **{(state, _M.FAULT): _C.ERROR for state in (_C.IDLE, _C.AWAIT_HEAD, _C.BODY, _C.DONE)},
 }
 
 
-def _moved(table: dict[tuple[State, _Move], State], state: State, move: _Move) -> State:
+def _moved(
+    table: dict[tuple[ClientState, _Move], ClientState], state: ClientState, move: _Move
+) -> ClientState:
     try:
         return table[state, move]
     except KeyError:
-        raise IllegalMove(f"cannot {move.value} in state {state.value}") from None
+        raise StateError(f"cannot {move.value} in state {state.value}") from None
 
 
 def encode_head(start_line: str, fields: Iterable[tuple[str, str]]) -> bytes:
@@ -156,10 +158,10 @@ def encode_head(start_line: str, fields: Iterable[tuple[str, str]]) -> bytes:
 
 #: Seconds an idle kept connection is kept for the next request (aiohttp's default),
 #: unless the upstream's ``Keep-Alive: timeout=N`` says less.
-KEEPALIVE_SECONDS: Final = 15.0
+CLIENT_KEEPALIVE_TIMEOUT: Final = 15.0
 
 
-class RequestHead:
+class Request:
     """A request head to send: ``method``, its bytes (``data``, encoded once, so a resend
     costs nothing) and whether it asks to ``close`` the connection after the answer.
 
@@ -178,7 +180,7 @@ class RequestHead:
         )
 
 
-class Response:
+class ResponseHead:
     """A response head: ``status``, ``fields`` (name, value pairs, as sent, decoded), and
     whether it is ``interim`` (1xx: the final one follows; 101 is a :class:`Fault`)."""
 
@@ -190,7 +192,7 @@ class Response:
         self.interim = interim
 
     def __repr__(self) -> str:
-        return f"Response({self.status}, {len(self.fields)} fields, interim={self.interim})"
+        return f"ResponseHead({self.status}, {len(self.fields)} fields, interim={self.interim})"
 
 
 class Data:
@@ -239,7 +241,7 @@ class _NeedData:
 #: :meth:`ClientConnection.next_event`'s answer when nothing more can be said yet.
 NEED_DATA: Final = _NeedData()
 
-Event = Response | Data | EndOfMessage | Fault
+ClientEvent = ResponseHead | Data | EndOfMessage | Fault
 
 
 class Expiry(enum.Enum):
@@ -251,10 +253,10 @@ class Expiry(enum.Enum):
     READ = "read"
 
 
-_AFTER_ANSWER: Final = "upstream sent bytes after its answer"
+_BYTES_AFTER: Final = "upstream sent bytes after its answer"
 _HEAD_UNPARSED: Final = "upstream sent a response head that could not be parsed"
 _LINE_LIMIT: Final = (
-    f"upstream response headers over the parser's limit ({MAX_FIELD_LINE_BYTES} bytes a line)"
+    f"upstream response headers over the parser's limit ({MAX_LINE_BYTES} bytes a line)"
 )
 _HEAD_LIMIT: Final = (
     f"upstream response headers over the parser's limit ({MAX_RESPONSE_HEAD_BYTES} bytes in all)"
@@ -268,7 +270,7 @@ class _Stop(Exception):
 class ClientConnection:
     """The client side of one HTTP/1.1 connection, one request at a time (no pipelining).
 
-    Sending: :meth:`send_head` (a :class:`RequestHead`'s bytes; ``body_bytes`` is the
+    Sending: :meth:`send_head` (a :class:`Request`'s bytes; ``body_bytes`` is the
     length its ``Content-Length`` field declares), :meth:`send_body` for each
     piece the caller writes itself (the bytes go out as they are: the body is
     length-framed), :meth:`send_end`; :meth:`abandon` when the upload stops
@@ -276,7 +278,7 @@ class ClientConnection:
 
     Receiving: :meth:`receive_data` with the bytes read (``b""``: the peer
     closed), then :meth:`next_event` until :data:`NEED_DATA`: a
-    :class:`Response` (1xx ones too), :class:`Data`, :class:`EndOfMessage`, or
+    :class:`ResponseHead` (1xx ones too), :class:`Data`, :class:`EndOfMessage`, or
     a :class:`Fault` after which nothing more comes. A response to ``HEAD`` ends
     at its head; 204, 304 and a length-framed body end at their framing's end; a
     response with neither length nor chunked coding ends when the peer closes
@@ -294,12 +296,12 @@ class ClientConnection:
     connection, or ``idle_read_s`` after a reader began to wait
     (:meth:`reader_waits`) for body bytes.
 
-    Limits: a field line over :data:`MAX_FIELD_LINE_BYTES`, more than
+    Limits: a field line over :data:`MAX_LINE_BYTES`, more than
     :data:`MAX_FIELDS` fields, or a head over :data:`MAX_RESPONSE_HEAD_BYTES` is a
     :class:`Fault`; trailer fields are held to the line and count limits.
 
     Raises (every method that moves a state):
-        IllegalMove: the move is not allowed in the current state.
+        StateError: the move is not allowed in the current state.
     """
 
     __slots__ = (
@@ -329,13 +331,13 @@ class ClientConnection:
         self._parser = httptools.HttpResponseParser(self)
         #: Seconds a reader may wait for body bytes (:meth:`reader_waits`).
         self.idle_read_s = idle_read_s
-        self.our_state = State.IDLE
-        self.their_state = State.IDLE
+        self.our_state = ClientState.IDLE
+        self.their_state = ClientState.IDLE
         self._idle_since: float | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._events: list[Event | list[bytes]] = []
+        self._events: list[ClientEvent | list[bytes]] = []
         self._pending = 0  # body bytes parsed, not yet taken as Data
         self._fields: list[tuple[str, str]] = []
         self._head_bytes = 0
@@ -350,8 +352,8 @@ class ClientConnection:
         #: Whether the response allows reuse (see :attr:`reusable`).
         self.keep_alive = False
         #: Seconds the connection may idle before its next request (the upstream's
-        #: ``Keep-Alive: timeout=N`` less a second, at most :data:`KEEPALIVE_SECONDS`).
-        self.keep_alive_s = KEEPALIVE_SECONDS
+        #: ``Keep-Alive: timeout=N`` less a second, at most :data:`CLIENT_KEEPALIVE_TIMEOUT`).
+        self.keep_alive_s = CLIENT_KEEPALIVE_TIMEOUT
         #: Whether the response's body ends only with the connection.
         self.until_close = False
         #: Whether the response's end was parsed (its event may not be taken yet).
@@ -359,11 +361,11 @@ class ClientConnection:
 
     # ---- sending
 
-    def send_head(self, head: RequestHead, body_bytes: int = 0) -> bytes:
+    def send_head(self, head: Request, body_bytes: int = 0) -> bytes:
         """The request head's bytes (``body_bytes``: the declared body length, bytes).
 
         Raises:
-            IllegalMove: a request is under way already.
+            StateError: a request is under way already.
         """
         self.our_state = _moved(
             _OURS, self.our_state, _M.HEAD_WITH_BODY if body_bytes else _M.HEAD_ALONE
@@ -379,27 +381,27 @@ class ClientConnection:
         """``nbytes`` more body bytes went out (written by the caller, unframed).
 
         Raises:
-            IllegalMove: no body is being sent, or this passes the declared length.
+            StateError: no body is being sent, or this passes the declared length.
         """
         self.our_state = _moved(_OURS, self.our_state, _M.BODY)
         self._body_bytes += nbytes
         if self._body_bytes > self._declared:
-            raise IllegalMove(f"body over its declared {self._declared} bytes")
+            raise StateError(f"body over its declared {self._declared} bytes")
 
     def send_end(self) -> bytes:
         """The request's end: ``b""`` (a length-framed body needs no more bytes).
 
         Raises:
-            IllegalMove: no body is being sent, or it is short of its declared length.
+            StateError: no body is being sent, or it is short of its declared length.
         """
         if self._body_bytes != self._declared:
-            raise IllegalMove(f"body of {self._body_bytes} bytes, {self._declared} declared")
+            raise StateError(f"body of {self._body_bytes} bytes, {self._declared} declared")
         self.our_state = _moved(_OURS, self.our_state, _M.END)
         return b""
 
     def abandon(self) -> None:
         """The upload stopped part-way: the connection must not carry another request."""
-        if self.our_state is State.SEND_BODY:
+        if self.our_state is ClientState.SEND_BODY:
             self.our_state = _moved(_OURS, self.our_state, _M.ABANDON)
 
     # ---- receiving
@@ -408,15 +410,15 @@ class ClientConnection:
         """Parse ``data``, the next bytes read (``b""``: the peer closed). Nothing is
         parsed after a fault or a close."""
         state = self.their_state
-        if state is State.ERROR or state is State.CLOSED:
+        if state is ClientState.ERROR or state is ClientState.CLOSED:
             return
         if not data:
             self._peer_closed()
             return
-        if state is State.DONE or state is State.IDLE:
-            self._fault(_AFTER_ANSWER, closed=False)
+        if state is ClientState.DONE or state is ClientState.IDLE:
+            self._fault(_BYTES_AFTER, closed=False)
             return
-        in_head = state is State.AWAIT_HEAD
+        in_head = state is ClientState.AWAIT_HEAD
         if in_head:
             self._head_bytes += len(data)
             self._since_field += len(data)
@@ -425,20 +427,20 @@ class ClientConnection:
         except httptools.HttpParserUpgrade:
             self._fault("upstream switched protocols", closed=False)
         except httptools.HttpParserCallbackError as exc:
-            if self.their_state is not State.ERROR:  # not a _Stop: a bug of ours
+            if self.their_state is not ClientState.ERROR:  # not a _Stop: a bug of ours
                 raise exc.__context__ or exc from None
         except httptools.HttpParserError:
             state = self.their_state
-            if state is State.DONE:
-                self._fault(_AFTER_ANSWER, closed=False)
-            elif state is State.BODY:
+            if state is ClientState.DONE:
+                self._fault(_BYTES_AFTER, closed=False)
+            elif state is ClientState.BODY:
                 self._fault("upstream body framing is broken", closed=False)
-            elif state is State.AWAIT_HEAD:
+            elif state is ClientState.AWAIT_HEAD:
                 self._fault(_HEAD_UNPARSED, closed=False)
-        if self.their_state is State.AWAIT_HEAD:
+        if self.their_state is ClientState.AWAIT_HEAD:
             # One line still growing (llhttp gathers it whole before calling back), or
             # a head growing past its size.
-            if self._since_field > 2 * MAX_FIELD_LINE_BYTES:
+            if self._since_field > 2 * MAX_LINE_BYTES:
                 self._fault(_LINE_LIMIT, closed=False)
             elif self._head_bytes > MAX_RESPONSE_HEAD_BYTES:
                 self._fault(_HEAD_LIMIT, closed=False)
@@ -447,18 +449,18 @@ class ClientConnection:
 
     def _peer_closed(self) -> None:
         state = self.their_state
-        if state is State.BODY and self.until_close:
+        if state is ClientState.BODY and self.until_close:
             self._end()
-        elif state is State.AWAIT_HEAD:
+        elif state is ClientState.AWAIT_HEAD:
             self._fault("upstream closed the connection before answering", closed=True)
             return
-        elif state is State.BODY:
+        elif state is ClientState.BODY:
             self._fault("upstream closed the connection mid-answer", closed=True)
             return
         self.their_state = _moved(_THEIRS, self.their_state, _M.PEER_CLOSED)
 
     def _fault(self, words: str, *, closed: bool) -> None:
-        if self.their_state is State.ERROR:
+        if self.their_state is ClientState.ERROR:
             return
         self.their_state = _moved(_THEIRS, self.their_state, _M.FAULT)
         self._events.append(Fault(words, closed=closed))
@@ -469,7 +471,7 @@ class ClientConnection:
         self._events.append(EndOfMessage(self._fields))
         self._fields = []
 
-    def next_event(self) -> Event | _NeedData:
+    def next_event(self) -> ClientEvent | _NeedData:
         """The next event parsed (body pieces parsed since the last one joined into one
         :class:`Data`), or :data:`NEED_DATA`."""
         events = self._events
@@ -504,8 +506,8 @@ class ClientConnection:
         """Whether the connection may carry the next request: both messages ended, every
         body byte was taken (the end itself need not be), and both sides allow it."""
         return (
-            self.our_state is State.DONE
-            and self.their_state is State.DONE
+            self.our_state is ClientState.DONE
+            and self.their_state is ClientState.DONE
             and self.keep_alive
             and not self._our_close
             and self.keep_alive_s > 0
@@ -516,10 +518,10 @@ class ClientConnection:
         """Start over for the next request; ``now`` starts the keep-alive time.
 
         Raises:
-            IllegalMove: the connection is not :attr:`reusable`.
+            StateError: the connection is not :attr:`reusable`.
         """
         if not self.reusable:
-            raise IllegalMove("the connection is not reusable")
+            raise StateError("the connection is not reusable")
         self.our_state = _moved(_OURS, self.our_state, _M.NEXT)
         self.their_state = _moved(_THEIRS, self.their_state, _M.NEXT)
         keep_alive_s = self.keep_alive_s
@@ -554,14 +556,14 @@ class ClientConnection:
     # ---- llhttp callbacks (called by feed_data; an exception stops the parse)
 
     def on_message_begin(self) -> None:
-        if self.their_state is not State.AWAIT_HEAD:
+        if self.their_state is not ClientState.AWAIT_HEAD:
             # A second answer (or a body after HEAD's head, or after a 204's): nothing
             # asked for it, and the connection cannot be framed any further.
-            self._fault(_AFTER_ANSWER, closed=False)
+            self._fault(_BYTES_AFTER, closed=False)
             raise _Stop
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) + 2 > MAX_FIELD_LINE_BYTES:
+        if len(name) + len(value) + 2 > MAX_LINE_BYTES:
             self._fault(_LINE_LIMIT, closed=False)
             raise _Stop
         self._since_field = 0
@@ -588,7 +590,7 @@ class ClientConnection:
             raise _Stop
         if 100 <= status < 200:
             self.their_state = _moved(_THEIRS, self.their_state, _M.INTERIM)
-            self._events.append(Response(status, fields, True))
+            self._events.append(ResponseHead(status, fields, True))
             return
         self.their_state = _moved(_THEIRS, self.their_state, _M.FINAL)
         self.status = status
@@ -603,7 +605,7 @@ class ClientConnection:
                 content_length = True
             elif lowered == "keep-alive":
                 self.keep_alive_s = keep_alive_timeout(value)
-        self._events.append(Response(status, fields, False))
+        self._events.append(ResponseHead(status, fields, False))
         if self._head_only:
             # No body follows, whatever Content-Length says; llhttp would wait for one,
             # so the connection is not reused.
@@ -615,9 +617,9 @@ class ClientConnection:
                 self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
-        if self.their_state is not State.BODY:
+        if self.their_state is not ClientState.BODY:
             # After a HEAD's head, which llhttp cannot be told has no body.
-            self._fault(_AFTER_ANSWER, closed=False)
+            self._fault(_BYTES_AFTER, closed=False)
             raise _Stop
         events = self._events
         last = events[-1] if events else None
@@ -628,7 +630,7 @@ class ClientConnection:
         self._pending += len(body)
 
     def on_message_complete(self) -> None:
-        if self.their_state is State.BODY:
+        if self.their_state is ClientState.BODY:
             self._end()
 
 
@@ -636,7 +638,7 @@ def keep_alive_timeout(value: str) -> float:
     """Seconds to keep an idle connection, from a ``Keep-Alive`` field's ``timeout=N``.
 
     One second less than the upstream says (its timer and ours start apart), within
-    [0, :data:`KEEPALIVE_SECONDS`]; :data:`KEEPALIVE_SECONDS` when it says nothing
+    [0, :data:`CLIENT_KEEPALIVE_TIMEOUT`]; :data:`CLIENT_KEEPALIVE_TIMEOUT` when it says nothing
     usable. RFC 2068 section 19.7.1.1 defines the field (Node sends ``timeout=5``).
     """
     for part in value.split(","):
@@ -645,6 +647,6 @@ def keep_alive_timeout(value: str) -> float:
             try:
                 seconds = float(number.strip().strip('"'))  # a quoted-string is allowed
             except ValueError:
-                return KEEPALIVE_SECONDS
-            return max(0.0, min(KEEPALIVE_SECONDS, seconds - 1.0))
-    return KEEPALIVE_SECONDS
+                return CLIENT_KEEPALIVE_TIMEOUT
+            return max(0.0, min(CLIENT_KEEPALIVE_TIMEOUT, seconds - 1.0))
+    return CLIENT_KEEPALIVE_TIMEOUT

@@ -15,7 +15,7 @@ import typing
 from collections.abc import AsyncIterable, Callable
 from typing import Final
 
-from ._http1 import ClientConnection, State
+from ._http1 import ClientConnection, ClientState
 from ._spool import FileSlice
 
 __all__ = ["FlowControl", "Piece", "upload"]
@@ -108,7 +108,7 @@ async def upload(
     once), a spooled one as a copy.
 
     Raises:
-        IllegalMove: the slices do not add up to ``body_bytes`` (a caller's bug).
+        StateError: the slices do not add up to ``body_bytes`` (a caller's bug).
     """
     assert flow is not None
     pieces = aiter(body)
@@ -123,7 +123,7 @@ async def upload(
                 machine.send_body(len(parts[-1]))
                 del piece
             transport.write(b"".join(parts))
-            if machine.our_state is State.SEND_BODY:
+            if machine.our_state is ClientState.SEND_BODY:
                 machine.send_end()
             return
         transport.write(head)

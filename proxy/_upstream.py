@@ -31,13 +31,13 @@ from ._connect import Connector, RouteKey, UpstreamTarget, status_words
 from ._http1 import (
     NEED_DATA,
     ClientConnection,
+    ClientState,
     Data,
     EndOfMessage,
     Expiry,
     Fault,
-    RequestHead,
-    Response,
-    State,
+    Request,
+    ResponseHead,
 )
 from ._pool import OPEN, WAIT, Close, Fail, Park, PoolPolicy, Reuse, Wake
 from ._upload import FlowControl, Piece, upload
@@ -204,7 +204,7 @@ class _Connection(asyncio.Protocol):
         #: Whether it carried an earlier request (an upstream may close such one any time).
         self.reused = False
         #: The answer's final head, once parsed (interim ones are dropped).
-        self._final: Response | None = None
+        self._final: ResponseHead | None = None
         #: The body's end was read / why the answer is unusable (our words), once known.
         self.ended = False
         self.cut: Fault | None = None
@@ -233,7 +233,7 @@ class _Connection(asyncio.Protocol):
         machine.receive_data(data)
         if self._final is None:
             self._take_head()
-        if machine.their_state is State.ERROR:
+        if machine.their_state is ClientState.ERROR:
             self._wake_all()
             if self.transport is not None:
                 self.transport.close()
@@ -276,7 +276,7 @@ class _Connection(asyncio.Protocol):
         machine = self.machine
         while self._final is None and self.cut is None:
             event = machine.next_event()
-            if isinstance(event, Response):
+            if isinstance(event, ResponseHead):
                 if event.interim:
                     continue  # 100 Continue, 103 Early Hints: the final one follows
                 self._final = event
@@ -299,7 +299,7 @@ class _Connection(asyncio.Protocol):
 
     async def send(
         self,
-        head: RequestHead,
+        head: Request,
         body: AsyncIterable[Piece] | None,
         body_bytes: int,
         bound: asyncio.Timeout | None = None,
@@ -359,7 +359,7 @@ class _Connection(asyncio.Protocol):
             self.lost
             or transport.is_closing()
             or self.cut is not None
-            or self.machine.their_state is State.ERROR
+            or self.machine.their_state is ClientState.ERROR
             or self.machine.status >= 300
         )
 
@@ -484,7 +484,7 @@ class UpstreamPool:
     and the handshake) and ``idle_read`` the silence between two body reads
     (seconds). There is no total timeout: it would cut a long stream. The wait
     for the head is the caller's to bound. A connection idle in the pool is
-    closed after :data:`proxy._http1.KEEPALIVE_SECONDS`. ``tls_context`` verifies
+    closed after :data:`proxy._http1.CLIENT_KEEPALIVE_TIMEOUT`. ``tls_context`` verifies
     https upstreams (default: the system's trust store, made on first use).
     """
 
@@ -590,7 +590,7 @@ class UpstreamPool:
     async def _exchange(
         self,
         target: UpstreamTarget,
-        head: RequestHead,
+        head: Request,
         body: Callable[[], AsyncIterable[Piece]] | None,
         body_bytes: int,
         waiting: list[bool],

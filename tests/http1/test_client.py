@@ -6,21 +6,21 @@ from __future__ import annotations
 import pytest
 
 from proxy._http1 import (
-    KEEPALIVE_SECONDS,
-    MAX_FIELD_LINE_BYTES,
+    CLIENT_KEEPALIVE_TIMEOUT,
     MAX_FIELDS,
+    MAX_LINE_BYTES,
     MAX_RESPONSE_HEAD_BYTES,
     NEED_DATA,
     ClientConnection,
+    ClientEvent,
+    ClientState,
     Data,
     EndOfMessage,
-    Event,
     Expiry,
     Fault,
-    IllegalMove,
-    RequestHead,
-    Response,
-    State,
+    Request,
+    ResponseHead,
+    StateError,
     encode_head,
     keep_alive_timeout,
 )
@@ -29,29 +29,29 @@ from proxy._http1 import (
 def asked(method: str = "GET", body_bytes: int = 0, **kwargs: float) -> ClientConnection:
     """A connection whose request head (and, without a body, end) is sent."""
     conn = ClientConnection(**kwargs)
-    conn.send_head(RequestHead(method, "/v1/x", [("Host", "up")]), body_bytes)
+    conn.send_head(Request(method, "/v1/x", [("Host", "up")]), body_bytes)
     return conn
 
 
-def events(conn: ClientConnection, *pieces: bytes) -> list[Event]:
+def events(conn: ClientConnection, *pieces: bytes) -> list[ClientEvent]:
     """Feed ``pieces`` one by one and take every event (bounded: one per parsed item)."""
-    found: list[Event] = []
+    found: list[ClientEvent] = []
     for piece in pieces:
         conn.receive_data(piece)
         for _ in range(len(piece) + 8):
             event = conn.next_event()
-            if isinstance(event, (Response, Data, EndOfMessage, Fault)):
+            if isinstance(event, (ResponseHead, Data, EndOfMessage, Fault)):
                 found.append(event)
             else:
                 break
     return found
 
 
-def body_of(found: list[Event]) -> bytes:
+def body_of(found: list[ClientEvent]) -> bytes:
     return b"".join(e.data for e in found if isinstance(e, Data))
 
 
-def kinds(found: list[Event]) -> list[str]:
+def kinds(found: list[ClientEvent]) -> list[str]:
     return [type(e).__name__ for e in found]
 
 
@@ -60,35 +60,35 @@ def kinds(found: list[Event]) -> list[str]:
 
 def test_a_second_request_head_before_the_first_ended_is_an_illegal_move() -> None:
     conn = asked("POST", 3)
-    with pytest.raises(IllegalMove):
-        conn.send_head(RequestHead("POST", "/", []))
+    with pytest.raises(StateError):
+        conn.send_head(Request("POST", "/", []))
 
 
 def test_body_without_a_head_or_past_its_length_and_a_short_end_are_illegal() -> None:
-    with pytest.raises(IllegalMove):
+    with pytest.raises(StateError):
         ClientConnection().send_body(1)
     conn = asked("POST", 3)
     conn.send_body(2)
-    with pytest.raises(IllegalMove):
+    with pytest.raises(StateError):
         conn.send_end()  # 2 of 3 bytes
-    with pytest.raises(IllegalMove):
+    with pytest.raises(StateError):
         conn.send_body(2)  # 4 of 3
     done = asked("GET")
-    assert done.our_state is State.DONE
-    with pytest.raises(IllegalMove):
+    assert done.our_state is ClientState.DONE
+    with pytest.raises(StateError):
         done.send_body(1)
 
 
 def test_start_next_is_illegal_until_the_answer_ended_and_allows_reuse() -> None:
     conn = asked()
-    with pytest.raises(IllegalMove):
+    with pytest.raises(StateError):
         conn.start_next(0.0)
     events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
     conn.start_next(0.0)
-    assert (conn.our_state, conn.their_state) == (State.IDLE, State.IDLE)
+    assert (conn.our_state, conn.their_state) == (ClientState.IDLE, ClientState.IDLE)
     closing = asked()
     events(closing, b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
-    with pytest.raises(IllegalMove):
+    with pytest.raises(StateError):
         closing.start_next(0.0)
 
 
@@ -96,24 +96,24 @@ def test_an_abandoned_upload_is_never_reused() -> None:
     conn = asked("POST", 10)
     conn.send_body(4)
     found = events(conn, b"HTTP/1.1 413 Too Large\r\nContent-Length: 0\r\n\r\n")
-    assert kinds(found) == ["Response", "EndOfMessage"]
+    assert kinds(found) == ["ResponseHead", "EndOfMessage"]
     conn.abandon()
-    assert conn.our_state is State.MUST_CLOSE and not conn.reusable
-    with pytest.raises(IllegalMove):
+    assert conn.our_state is ClientState.MUST_CLOSE and not conn.reusable
+    with pytest.raises(StateError):
         conn.start_next(0.0)
 
 
 def test_the_head_bytes_and_the_field_check() -> None:
     conn = ClientConnection()
-    head = RequestHead("GET", "/a?b", [("Host", "h"), ("X", "é")])
+    head = Request("GET", "/a?b", [("Host", "h"), ("X", "é")])
     assert conn.send_head(head) == "GET /a?b HTTP/1.1\r\nHost: h\r\nX: é\r\n\r\n".encode()
     for bad in [("X", "a\r\nInjected: 1"), ("X\n", "a"), ("X", "a\rb")]:
         with pytest.raises(ValueError, match="line break"):
             encode_head("GET / HTTP/1.1", [bad])
         with pytest.raises(ValueError, match="line break"):
-            RequestHead("GET", "/", [bad])
+            Request("GET", "/", [bad])
     with pytest.raises(ValueError, match="line break"):
-        RequestHead("GET", "/\r\nX: 1", [])
+        Request("GET", "/\r\nX: 1", [])
 
 
 # ------------------------------------------------------------------ framing
@@ -124,7 +124,7 @@ def test_a_length_framed_answer_fed_byte_by_byte() -> None:
     conn = asked()
     found = events(conn, *(wire[i : i + 1] for i in range(len(wire))))
     head = found[0]
-    assert isinstance(head, Response) and head.status == 200 and not head.interim
+    assert isinstance(head, ResponseHead) and head.status == 200 and not head.interim
     assert head.fields == [("Content-Length", "5"), ("X-Trace", "a b")]
     assert body_of(found) == b"hello" and kinds(found)[-1] == "EndOfMessage"
     assert conn.reusable
@@ -133,7 +133,7 @@ def test_a_length_framed_answer_fed_byte_by_byte() -> None:
 def test_body_pieces_parsed_between_two_takes_come_as_one_data_and_are_counted() -> None:
     conn = asked()
     conn.receive_data(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-    assert isinstance(conn.next_event(), Response)
+    assert isinstance(conn.next_event(), ResponseHead)
     conn.receive_data(b"3\r\nabc\r\n")
     conn.receive_data(b"2\r\nde\r\n")
     assert conn.buffered_bytes == 5
@@ -161,7 +161,7 @@ def test_interim_answers_come_before_the_final_one() -> None:
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
         b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 3\r\nContent-Length: 2\r\n\r\n{}",
     )
-    heads = [(e.status, e.interim) for e in found if isinstance(e, Response)]
+    heads = [(e.status, e.interim) for e in found if isinstance(e, ResponseHead)]
     assert heads == [(100, True), (103, True), (429, False)]
     assert conn.status == 429 and body_of(found) == b"{}"
 
@@ -169,9 +169,9 @@ def test_interim_answers_come_before_the_final_one() -> None:
 def test_an_answer_without_framing_ends_when_the_upstream_closes() -> None:
     conn = asked()
     found = events(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
-    assert kinds(found) == ["Response", "Data"] and conn.until_close
+    assert kinds(found) == ["ResponseHead", "Data"] and conn.until_close
     found = events(conn, b"")
-    assert kinds(found) == ["EndOfMessage"] and conn.their_state is State.CLOSED
+    assert kinds(found) == ["EndOfMessage"] and conn.their_state is ClientState.CLOSED
     assert not conn.reusable
 
 
@@ -179,21 +179,21 @@ def test_an_answer_without_framing_ends_when_the_upstream_closes() -> None:
 def test_bodiless_statuses_end_at_their_head_whatever_the_length_says(status: int) -> None:
     conn = asked()
     found = events(conn, b"HTTP/1.1 %d X\r\nContent-Length: 5\r\n\r\n" % status)
-    assert kinds(found) == ["Response", "EndOfMessage"] and conn.reusable
+    assert kinds(found) == ["ResponseHead", "EndOfMessage"] and conn.reusable
 
 
 def test_a_head_answer_ends_at_its_head_and_is_not_reused() -> None:
     conn = asked("HEAD")
     found = events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
-    assert kinds(found) == ["Response", "EndOfMessage"]
+    assert kinds(found) == ["ResponseHead", "EndOfMessage"]
     assert not conn.reusable
 
 
 def test_stray_bytes_after_a_204_leave_the_answer_whole_but_the_connection_unusable() -> None:
     conn = asked()
     found = events(conn, b"HTTP/1.1 204 No Content\r\n\r\nstray")
-    assert kinds(found) == ["Response", "EndOfMessage", "Fault"]
-    assert not conn.reusable and conn.their_state is State.ERROR
+    assert kinds(found) == ["ResponseHead", "EndOfMessage", "Fault"]
+    assert not conn.reusable and conn.their_state is ClientState.ERROR
 
 
 @pytest.mark.parametrize(
@@ -204,7 +204,7 @@ def test_stray_bytes_after_a_204_leave_the_answer_whole_but_the_connection_unusa
 def test_bytes_after_a_complete_answer_are_a_fault(after: bytes) -> None:
     conn = asked()
     found = events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na", after)
-    assert kinds(found) == ["Response", "Data", "EndOfMessage", "Fault"]
+    assert kinds(found) == ["ResponseHead", "Data", "EndOfMessage", "Fault"]
     fault = found[-1]
     assert isinstance(fault, Fault) and fault.words == "upstream sent bytes after its answer"
 
@@ -231,7 +231,7 @@ def test_a_close_before_the_framing_ends_is_a_fault(wire: bytes, words: str) -> 
     [
         (
             b"HTTP/1.1 200 OK\r\nX-Big: " + b"t" * 20_000 + b"\r\n\r\n",
-            f"limit ({MAX_FIELD_LINE_BYTES} bytes a line)",
+            f"limit ({MAX_LINE_BYTES} bytes a line)",
         ),
         (
             b"HTTP/1.1 200 OK\r\n"
@@ -267,7 +267,7 @@ def test_a_header_line_that_never_ends_is_refused_within_a_few_lines_worth() -> 
         fed += 1024
     fault = conn.next_event()
     assert isinstance(fault, Fault) and "bytes a line" in fault.words
-    assert fed <= 2 * MAX_FIELD_LINE_BYTES + 1024
+    assert fed <= 2 * MAX_LINE_BYTES + 1024
 
 
 def test_a_head_of_many_short_lines_is_refused_at_the_head_limit() -> None:
@@ -299,12 +299,12 @@ def test_a_head_of_many_short_lines_is_refused_at_the_head_limit() -> None:
 def test_reuse_follows_the_answer_s_version_and_fields(wire: bytes, reusable: bool) -> None:
     conn = asked()
     events(conn, wire)
-    assert conn.their_state is State.DONE and conn.reusable is reusable
+    assert conn.their_state is ClientState.DONE and conn.reusable is reusable
 
 
 def test_our_own_connection_close_rules_out_reuse() -> None:
     conn = ClientConnection()
-    conn.send_head(RequestHead("GET", "/", [("Connection", "close")]))
+    conn.send_head(Request("GET", "/", [("Connection", "close")]))
     events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
     assert not conn.reusable
 
@@ -313,7 +313,7 @@ def test_body_bytes_not_taken_rule_out_reuse_an_end_not_taken_does_not() -> None
     conn = asked()
     conn.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na")
     assert conn.ended and not conn.reusable  # the byte is still queued
-    assert isinstance(conn.next_event(), Response)
+    assert isinstance(conn.next_event(), ResponseHead)
     assert isinstance(conn.next_event(), Data)
     assert conn.reusable  # the end is queued, not taken: nothing unread is lost
     conn.start_next(0.0)
@@ -326,10 +326,10 @@ def test_body_bytes_not_taken_rule_out_reuse_an_end_not_taken_does_not() -> None
         ("timeout=5", 4.0),
         ('timeout="5"', 4.0),
         ('timeout="5", max=100', 4.0),
-        ("max=3, timeout=60", KEEPALIVE_SECONDS),
+        ("max=3, timeout=60", CLIENT_KEEPALIVE_TIMEOUT),
         ("timeout=0", 0.0),
-        ("timeout=abc", KEEPALIVE_SECONDS),
-        ("max=3", KEEPALIVE_SECONDS),
+        ("timeout=abc", CLIENT_KEEPALIVE_TIMEOUT),
+        ("max=3", CLIENT_KEEPALIVE_TIMEOUT),
     ],
 )
 def test_the_keep_alive_timeout_is_a_second_less_than_the_upstream_s(
@@ -353,7 +353,7 @@ def test_an_idle_kept_connection_expires_after_its_keep_alive_time() -> None:
     assert conn.expired(103.9) is None
     assert conn.expired(104.0) is Expiry.IDLE
     # The keep-alive time holds for the next request too, and a request clears the clock.
-    conn.send_head(RequestHead("GET", "/", []))
+    conn.send_head(Request("GET", "/", []))
     assert conn.next_deadline() is None and conn.keep_alive_s == 4.0
 
 

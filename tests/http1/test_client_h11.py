@@ -32,8 +32,8 @@ from proxy._http1 import (
     Data,
     EndOfMessage,
     Fault,
-    RequestHead,
-    Response,
+    Request,
+    ResponseHead,
 )
 
 Outline = list[Any]
@@ -46,7 +46,7 @@ BETWEEN = re.compile(rb"\r\n\r\n[\r\n]+HTTP/")
 
 def ours(pieces: list[bytes], method: str) -> Outline:
     conn = ClientConnection()
-    conn.send_head(RequestHead(method, "/", [("Host", "up")]))
+    conn.send_head(Request(method, "/", [("Host", "up")]))
     out: Outline = []
     body = b""
     for piece in [*pieces, b""]:
@@ -55,7 +55,7 @@ def ours(pieces: list[bytes], method: str) -> Outline:
             event = conn.next_event()
             if event is NEED_DATA:
                 break
-            if isinstance(event, Response):
+            if isinstance(event, ResponseHead):
                 out.append(("head", event.status, _fields(event.fields)))
             elif isinstance(event, Data):
                 body += event.data

@@ -24,13 +24,13 @@ from multidict import CIMultiDict, MultiDict
 
 from proxy import _connect, _http1
 from proxy._http1 import (
-    MAX_FIELD_LINE_BYTES,
+    MAX_LINE_BYTES,
     ClientConnection,
     Data,
     EndOfMessage,
     Fault,
-    RequestHead,
-    Response,
+    Request,
+    ResponseHead,
 )
 from proxy._http1 import MAX_RESPONSE_HEAD_BYTES as MAX_HEAD_BYTES
 from proxy._upstream import (
@@ -54,7 +54,7 @@ class _Fed:
 
     def __init__(self, *, head_only: bool = False) -> None:
         self.conn = ClientConnection()
-        self.conn.send_head(RequestHead("HEAD" if head_only else "GET", "/", []))
+        self.conn.send_head(Request("HEAD" if head_only else "GET", "/", []))
         self.status = 0
         self.fields: list[tuple[str, str]] = []
         self.body = b""
@@ -66,7 +66,7 @@ class _Fed:
         self.conn.receive_data(data)
         for _ in range(len(data) + 8):  # bounded: at most one event per byte, and the end
             event = self.conn.next_event()
-            if isinstance(event, Response):
+            if isinstance(event, ResponseHead):
                 if not event.interim:
                     self.status, self.fields = event.status, event.fields
             elif isinstance(event, Data):
@@ -150,7 +150,7 @@ def test_a_close_before_the_framing_ends_is_an_error(wire: bytes, words: str) ->
     [
         (
             b"HTTP/1.1 200 OK\r\nX-Big: " + b"t" * 20_000 + b"\r\n\r\n",
-            f"limit ({MAX_FIELD_LINE_BYTES} bytes a line)",
+            f"limit ({MAX_LINE_BYTES} bytes a line)",
         ),
         (
             b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
@@ -184,8 +184,8 @@ def test_a_header_line_that_never_ends_is_refused_soon() -> None:
     while framing.error is None and fed <= 2 * MAX_HEAD_BYTES:  # bounded
         framing.feed(b"a" * 4096)
         fed += 4096
-    assert framing.error is not None and f"({MAX_FIELD_LINE_BYTES} bytes a line)" in framing.error
-    assert fed <= 2 * MAX_FIELD_LINE_BYTES + 4096
+    assert framing.error is not None and f"({MAX_LINE_BYTES} bytes a line)" in framing.error
+    assert fed <= 2 * MAX_LINE_BYTES + 4096
 
 
 def test_a_head_answer_has_no_body_and_its_connection_is_not_reused() -> None:
@@ -197,7 +197,7 @@ def test_the_next_request_starts_a_clean_answer() -> None:
     framing = _fed(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na")
     framing.take()
     framing.conn.start_next(0.0)
-    framing.conn.send_head(RequestHead("GET", "/", []))
+    framing.conn.send_head(Request("GET", "/", []))
     framing.complete = False
     framing.feed(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
     assert (framing.status, framing.complete, framing.fields) == (
@@ -313,7 +313,7 @@ async def test_connections_are_kept_and_reused_between_requests() -> None:
 async def test_an_idle_connection_is_closed_after_the_keep_alive_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_http1, "KEEPALIVE_SECONDS", 0.05)
+    monkeypatch.setattr(_http1, "CLIENT_KEEPALIVE_TIMEOUT", 0.05)
     async with Upstream(_keep_alive_ok) as upstream, _pool() as pool:
         await _post(pool, upstream.port, b"{}")
         for _ in range(1000):  # bounded: ~10 s (a loaded machine)
@@ -523,7 +523,7 @@ def test_the_request_head_of_any_mapping_is_the_head_of_the_relay_s_own_fields(
     # The relay's fields (a case-insensitive multidict) are looked up by name; any other
     # mapping is scanned. Same head, or the same refusal of a line break.
     target = UpstreamTarget("http://127.0.0.1:8000")
-    outcomes = []
+    outcomes: list[bytes | str] = []
     for fields in (CIMultiDict(pairs), MultiDict(pairs)):
         try:
             outcomes.append(target.request_head("POST", "/v1/x", fields).data)

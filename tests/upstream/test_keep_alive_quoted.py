@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from proxy._http1 import ClientConnection, RequestHead
+from proxy._http1 import ClientConnection, Request
 
 
 @pytest.mark.parametrize("value", ['timeout="5"', 'timeout="5", max=100'])
 def test_a_quoted_keep_alive_timeout_bounds_the_idle_time(value: str) -> None:
     conn = ClientConnection()
-    conn.send_head(RequestHead("GET", "/", []))
+    conn.send_head(Request("GET", "/", []))
     conn.receive_data(
         b"HTTP/1.1 200 OK\r\nKeep-Alive: %s\r\nContent-Length: 0\r\n\r\n" % value.encode()
     )
