@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Final
+from typing import Final, NoReturn
 
 import httptools
 
@@ -34,7 +34,6 @@ __all__ = [
     "ClientConnection",
     "ClientEvent",
     "ClientState",
-    "Data",
     "EndOfMessage",
     "Expiry",
     "Fault",
@@ -80,6 +79,10 @@ class ClientState(enum.Enum):
     #: Theirs: the peer's bytes broke the protocol (a :class:`Fault` said why).
     ERROR = "error"
 
+    # The table is looked up several times a request: hash by identity (in C), not
+    # by name (Enum's own __hash__ is Python code); members are singletons anyway.
+    __hash__ = object.__hash__
+
 
 class _Move(enum.Enum):
     """What moves a state (the table's columns)."""
@@ -95,6 +98,8 @@ class _Move(enum.Enum):
     PEER_CLOSED = "peer closed"
     FAULT = "fault"
     NEXT = "next"  # both done and kept alive: both start over
+
+    __hash__ = object.__hash__  # as ClientState's
 
 
 _C = ClientState
@@ -123,13 +128,11 @@ _THEIRS: Final[dict[tuple[ClientState, _Move], ClientState]] = {
 }
 
 
-def _moved(
-    table: dict[tuple[ClientState, _Move], ClientState], state: ClientState, move: _Move
-) -> ClientState:
-    try:
-        return table[state, move]
-    except KeyError:
-        raise StateError(f"cannot {move.value} in state {state.value}") from None
+def _illegal(state: ClientState, move: _Move) -> NoReturn:
+    """A move the table has no entry for. (Moves are written ``TABLE.get((state, move))
+    or _illegal(state, move)``: a lookup, no call, on the per-request path; states are
+    truthy.)"""
+    raise StateError(f"cannot {move.value} in state {state.value}")
 
 
 def encode_head(start_line: str, fields: Iterable[tuple[str, str]]) -> bytes:
@@ -163,7 +166,8 @@ CLIENT_KEEPALIVE_TIMEOUT: Final = 15.0
 
 class Request:
     """A request head to send: ``method``, its bytes (``data``, encoded once, so a resend
-    costs nothing) and whether it asks to ``close`` the connection after the answer.
+    costs nothing) and whether it asks to ``close`` the connection after the answer
+    (the caller says so, as it wrote the ``Connection`` field; RFC 9112 section 9.6).
 
     Raises:
         ValueError: a field holds a line break (:func:`encode_head`).
@@ -171,13 +175,12 @@ class Request:
 
     __slots__ = ("close", "data", "method")
 
-    def __init__(self, method: str, target: str, fields: Iterable[tuple[str, str]]) -> None:
-        fields = list(fields)
+    def __init__(
+        self, method: str, target: str, fields: Iterable[tuple[str, str]], *, close: bool = False
+    ) -> None:
         self.data = encode_head(f"{method} {target} HTTP/1.1", fields)
         self.method = method
-        self.close = any(
-            name.lower() == "connection" and "close" in value.lower() for name, value in fields
-        )
+        self.close = close
 
 
 class ResponseHead:
@@ -195,18 +198,6 @@ class ResponseHead:
         return f"ResponseHead({self.status}, {len(self.fields)} fields, interim={self.interim})"
 
 
-class Data:
-    """Body bytes (every piece parsed since the last event, joined)."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def __repr__(self) -> str:
-        return f"Data({len(self.data)} bytes)"
-
-
 class EndOfMessage:
     """The response's body ended; ``trailers`` are a chunked body's trailer fields."""
 
@@ -217,6 +208,10 @@ class EndOfMessage:
 
     def __repr__(self) -> str:
         return f"EndOfMessage({len(self.trailers)} trailers)"
+
+
+#: The end of a body without trailers (one object for all: it holds nothing).
+_END: Final = EndOfMessage([])
 
 
 class Fault:
@@ -241,7 +236,7 @@ class _NeedData:
 #: :meth:`ClientConnection.next_event`'s answer when nothing more can be said yet.
 NEED_DATA: Final = _NeedData()
 
-ClientEvent = ResponseHead | Data | EndOfMessage | Fault
+ClientEvent = ResponseHead | bytes | EndOfMessage | Fault
 
 
 class Expiry(enum.Enum):
@@ -278,7 +273,7 @@ class ClientConnection:
 
     Receiving: :meth:`receive_data` with the bytes read (``b""``: the peer
     closed), then :meth:`next_event` until :data:`NEED_DATA`: a
-    :class:`ResponseHead` (1xx ones too), :class:`Data`, :class:`EndOfMessage`, or
+    :class:`ResponseHead` (1xx ones too), body bytes (``bytes``), :class:`EndOfMessage`, or
     a :class:`Fault` after which nothing more comes. A response to ``HEAD`` ends
     at its head; 204, 304 and a length-framed body end at their framing's end; a
     response with neither length nor chunked coding ends when the peer closes
@@ -314,9 +309,9 @@ class ClientConnection:
         "_idle_since",
         "_our_close",
         "_parser",
-        "_pending",
         "_since_field",
         "_waiting_since",
+        "buffered_bytes",
         "ended",
         "idle_read_s",
         "keep_alive",
@@ -338,7 +333,9 @@ class ClientConnection:
 
     def _reset(self) -> None:
         self._events: list[ClientEvent | list[bytes]] = []
-        self._pending = 0  # body bytes parsed, not yet taken as Data
+        #: Body bytes parsed and not yet taken (a reader's backlog: pause reading above
+        #: a bound).
+        self.buffered_bytes = 0
         self._fields: list[tuple[str, str]] = []
         self._head_bytes = 0
         self._since_field = 0
@@ -367,14 +364,19 @@ class ClientConnection:
         Raises:
             StateError: a request is under way already.
         """
-        self.our_state = _moved(
-            _OURS, self.our_state, _M.HEAD_WITH_BODY if body_bytes else _M.HEAD_ALONE
+        self.our_state = _OURS.get(
+            (self.our_state, _M.HEAD_WITH_BODY if body_bytes else _M.HEAD_ALONE)
+        ) or _illegal(self.our_state, _M.HEAD_WITH_BODY if body_bytes else _M.HEAD_ALONE)
+        self.their_state = _THEIRS.get((self.their_state, _M.ASKED)) or _illegal(
+            self.their_state, _M.ASKED
         )
-        self.their_state = _moved(_THEIRS, self.their_state, _M.ASKED)
         self._idle_since = None
         self._head_only = head.method == "HEAD"
         self._declared = body_bytes
         self._our_close = head.close
+        # The last answer's Keep-Alive timeout bounded the idle time just ended; this
+        # answer says its own (or nothing: the default).
+        self.keep_alive_s = CLIENT_KEEPALIVE_TIMEOUT
         return head.data
 
     def send_body(self, nbytes: int) -> None:
@@ -383,7 +385,7 @@ class ClientConnection:
         Raises:
             StateError: no body is being sent, or this passes the declared length.
         """
-        self.our_state = _moved(_OURS, self.our_state, _M.BODY)
+        self.our_state = _OURS.get((self.our_state, _M.BODY)) or _illegal(self.our_state, _M.BODY)
         self._body_bytes += nbytes
         if self._body_bytes > self._declared:
             raise StateError(f"body over its declared {self._declared} bytes")
@@ -396,13 +398,15 @@ class ClientConnection:
         """
         if self._body_bytes != self._declared:
             raise StateError(f"body of {self._body_bytes} bytes, {self._declared} declared")
-        self.our_state = _moved(_OURS, self.our_state, _M.END)
+        self.our_state = _OURS.get((self.our_state, _M.END)) or _illegal(self.our_state, _M.END)
         return b""
 
     def abandon(self) -> None:
         """The upload stopped part-way: the connection must not carry another request."""
         if self.our_state is ClientState.SEND_BODY:
-            self.our_state = _moved(_OURS, self.our_state, _M.ABANDON)
+            self.our_state = _OURS.get((self.our_state, _M.ABANDON)) or _illegal(
+                self.our_state, _M.ABANDON
+            )
 
     # ---- receiving
 
@@ -457,42 +461,46 @@ class ClientConnection:
         elif state is ClientState.BODY:
             self._fault("upstream closed the connection mid-answer", closed=True)
             return
-        self.their_state = _moved(_THEIRS, self.their_state, _M.PEER_CLOSED)
+        self.their_state = _THEIRS.get((self.their_state, _M.PEER_CLOSED)) or _illegal(
+            self.their_state, _M.PEER_CLOSED
+        )
 
     def _fault(self, words: str, *, closed: bool) -> None:
         if self.their_state is ClientState.ERROR:
             return
-        self.their_state = _moved(_THEIRS, self.their_state, _M.FAULT)
+        self.their_state = _THEIRS.get((self.their_state, _M.FAULT)) or _illegal(
+            self.their_state, _M.FAULT
+        )
         self._events.append(Fault(words, closed=closed))
 
     def _end(self) -> None:
-        self.their_state = _moved(_THEIRS, self.their_state, _M.END)
+        self.their_state = _THEIRS.get((self.their_state, _M.END)) or _illegal(
+            self.their_state, _M.END
+        )
         self.ended = True
-        self._events.append(EndOfMessage(self._fields))
-        self._fields = []
+        fields = self._fields
+        if fields:
+            self._events.append(EndOfMessage(fields))
+            self._fields = []
+        else:
+            self._events.append(_END)
 
     def next_event(self) -> ClientEvent | _NeedData:
         """The next event parsed (body pieces parsed since the last one joined into one
-        :class:`Data`), or :data:`NEED_DATA`."""
+        ``bytes``), or :data:`NEED_DATA`."""
         events = self._events
         if not events:
             return NEED_DATA
         event = events.pop(0)
         if isinstance(event, list):
-            self._pending = 0
-            return Data(event[0] if len(event) == 1 else b"".join(event))
+            self.buffered_bytes = 0
+            return event[0] if len(event) == 1 else b"".join(event)
         return event
 
     @property
     def has_events(self) -> bool:
         """Whether :meth:`next_event` has something other than :data:`NEED_DATA`."""
         return bool(self._events)
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Body bytes parsed and not yet taken (a reader's backlog; pause reading above
-        a bound)."""
-        return self._pending
 
     @property
     def received_nothing(self) -> bool:
@@ -511,7 +519,7 @@ class ClientConnection:
             and self.keep_alive
             and not self._our_close
             and self.keep_alive_s > 0
-            and not self._pending
+            and not self.buffered_bytes
         )
 
     def start_next(self, now: float) -> None:
@@ -522,8 +530,10 @@ class ClientConnection:
         """
         if not self.reusable:
             raise StateError("the connection is not reusable")
-        self.our_state = _moved(_OURS, self.our_state, _M.NEXT)
-        self.their_state = _moved(_THEIRS, self.their_state, _M.NEXT)
+        self.our_state = _OURS.get((self.our_state, _M.NEXT)) or _illegal(self.our_state, _M.NEXT)
+        self.their_state = _THEIRS.get((self.their_state, _M.NEXT)) or _illegal(
+            self.their_state, _M.NEXT
+        )
         keep_alive_s = self.keep_alive_s
         self._reset()
         self.keep_alive_s = keep_alive_s
@@ -589,10 +599,14 @@ class ClientConnection:
             self._fault("upstream switched protocols", closed=False)
             raise _Stop
         if 100 <= status < 200:
-            self.their_state = _moved(_THEIRS, self.their_state, _M.INTERIM)
+            self.their_state = _THEIRS.get((self.their_state, _M.INTERIM)) or _illegal(
+                self.their_state, _M.INTERIM
+            )
             self._events.append(ResponseHead(status, fields, True))
             return
-        self.their_state = _moved(_THEIRS, self.their_state, _M.FINAL)
+        self.their_state = _THEIRS.get((self.their_state, _M.FINAL)) or _illegal(
+            self.their_state, _M.FINAL
+        )
         self.status = status
         self.keep_alive = parser.should_keep_alive()
         chunked = content_length = False
@@ -627,7 +641,7 @@ class ClientConnection:
             last.append(body)
         else:
             events.append([body])
-        self._pending += len(body)
+        self.buffered_bytes += len(body)
 
     def on_message_complete(self) -> None:
         if self.their_state is ClientState.BODY:

@@ -170,7 +170,7 @@ class PoolPolicy(Generic[K, C, W]):
         if not reusable or self.closed:
             return [Close(conn), *self._hand_on()]
         self._idle.setdefault(key, []).append(conn)
-        return [Park(conn), *self._hand_on()]
+        return [Park(conn), *self._hand_on()] if self._waiters else [Park(conn)]
 
     def dropped(self, conn: C) -> list[Wake[W]]:
         """``conn`` closed while in use (or its connect failed): its place is free."""

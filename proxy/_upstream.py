@@ -32,7 +32,6 @@ from ._http1 import (
     NEED_DATA,
     ClientConnection,
     ClientState,
-    Data,
     EndOfMessage,
     Expiry,
     Fault,
@@ -370,11 +369,11 @@ class _Connection(asyncio.Protocol):
                 # Ended; bytes after the end (a fault) only make the connection unusable.
                 return b""
             event = machine.next_event()
-            if isinstance(event, Data):
+            if isinstance(event, bytes):
                 flow = self.flow
                 if flow is not None and flow.read_paused and not self.lost:
                     flow.resume_reading()
-                return event.data
+                return event
             if isinstance(event, EndOfMessage):
                 self.ended = True
                 return b""
@@ -683,10 +682,10 @@ class UpstreamPool:
     ) -> None:
         """Do what the policy said."""
         for action in actions:
-            if isinstance(action, Wake):
-                _wake(action.waiter)
-            elif isinstance(action, Park):
+            if isinstance(action, Park):  # the common one first: an answer ended cleanly
                 action.conn.park()
+            elif isinstance(action, Wake):
+                _wake(action.waiter)
             elif isinstance(action, Close):
                 action.conn.abort()
             elif not action.waiter.done():

@@ -14,7 +14,6 @@ from proxy._http1 import (
     ClientConnection,
     ClientEvent,
     ClientState,
-    Data,
     EndOfMessage,
     Expiry,
     Fault,
@@ -40,7 +39,7 @@ def events(conn: ClientConnection, *pieces: bytes) -> list[ClientEvent]:
         conn.receive_data(piece)
         for _ in range(len(piece) + 8):
             event = conn.next_event()
-            if isinstance(event, (ResponseHead, Data, EndOfMessage, Fault)):
+            if isinstance(event, (ResponseHead, bytes, EndOfMessage, Fault)):
                 found.append(event)
             else:
                 break
@@ -48,7 +47,7 @@ def events(conn: ClientConnection, *pieces: bytes) -> list[ClientEvent]:
 
 
 def body_of(found: list[ClientEvent]) -> bytes:
-    return b"".join(e.data for e in found if isinstance(e, Data))
+    return b"".join(e for e in found if isinstance(e, bytes))
 
 
 def kinds(found: list[ClientEvent]) -> list[str]:
@@ -138,7 +137,7 @@ def test_body_pieces_parsed_between_two_takes_come_as_one_data_and_are_counted()
     conn.receive_data(b"2\r\nde\r\n")
     assert conn.buffered_bytes == 5
     event = conn.next_event()
-    assert isinstance(event, Data) and event.data == b"abcde"
+    assert event == b"abcde"
     assert conn.buffered_bytes == 0 and conn.next_event() is NEED_DATA
 
 
@@ -169,7 +168,7 @@ def test_interim_answers_come_before_the_final_one() -> None:
 def test_an_answer_without_framing_ends_when_the_upstream_closes() -> None:
     conn = asked()
     found = events(conn, b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
-    assert kinds(found) == ["ResponseHead", "Data"] and conn.until_close
+    assert kinds(found) == ["ResponseHead", "bytes"] and conn.until_close
     found = events(conn, b"")
     assert kinds(found) == ["EndOfMessage"] and conn.their_state is ClientState.CLOSED
     assert not conn.reusable
@@ -204,7 +203,7 @@ def test_stray_bytes_after_a_204_leave_the_answer_whole_but_the_connection_unusa
 def test_bytes_after_a_complete_answer_are_a_fault(after: bytes) -> None:
     conn = asked()
     found = events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na", after)
-    assert kinds(found) == ["ResponseHead", "Data", "EndOfMessage", "Fault"]
+    assert kinds(found) == ["ResponseHead", "bytes", "EndOfMessage", "Fault"]
     fault = found[-1]
     assert isinstance(fault, Fault) and fault.words == "upstream sent bytes after its answer"
 
@@ -304,7 +303,7 @@ def test_reuse_follows_the_answer_s_version_and_fields(wire: bytes, reusable: bo
 
 def test_our_own_connection_close_rules_out_reuse() -> None:
     conn = ClientConnection()
-    conn.send_head(Request("GET", "/", [("Connection", "close")]))
+    conn.send_head(Request("GET", "/", [("Connection", "close")], close=True))
     events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
     assert not conn.reusable
 
@@ -314,7 +313,7 @@ def test_body_bytes_not_taken_rule_out_reuse_an_end_not_taken_does_not() -> None
     conn.receive_data(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na")
     assert conn.ended and not conn.reusable  # the byte is still queued
     assert isinstance(conn.next_event(), ResponseHead)
-    assert isinstance(conn.next_event(), Data)
+    assert conn.next_event() == b"a"
     assert conn.reusable  # the end is queued, not taken: nothing unread is lost
     conn.start_next(0.0)
     assert conn.next_event() is NEED_DATA and not conn.ended
@@ -352,9 +351,9 @@ def test_an_idle_kept_connection_expires_after_its_keep_alive_time() -> None:
     assert conn.next_deadline() == 104.0
     assert conn.expired(103.9) is None
     assert conn.expired(104.0) is Expiry.IDLE
-    # The keep-alive time holds for the next request too, and a request clears the clock.
+    # A request clears the clock, and its answer says its own keep-alive time.
     conn.send_head(Request("GET", "/", []))
-    assert conn.next_deadline() is None and conn.keep_alive_s == 4.0
+    assert conn.next_deadline() is None and conn.keep_alive_s == CLIENT_KEEPALIVE_TIMEOUT
 
 
 def test_a_waiting_reader_expires_after_idle_read_unless_bytes_came() -> None:

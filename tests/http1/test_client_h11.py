@@ -29,7 +29,6 @@ from hypothesis import strategies as st
 from proxy._http1 import (
     NEED_DATA,
     ClientConnection,
-    Data,
     EndOfMessage,
     Fault,
     Request,
@@ -57,8 +56,8 @@ def ours(pieces: list[bytes], method: str) -> Outline:
                 break
             if isinstance(event, ResponseHead):
                 out.append(("head", event.status, _fields(event.fields)))
-            elif isinstance(event, Data):
-                body += event.data
+            elif isinstance(event, bytes):
+                body += event
             elif isinstance(event, EndOfMessage):
                 out += [("body", body), ("end", _fields(event.trailers))]
             elif isinstance(event, Fault):

@@ -26,7 +26,6 @@ from proxy import _connect, _http1
 from proxy._http1 import (
     MAX_LINE_BYTES,
     ClientConnection,
-    Data,
     EndOfMessage,
     Fault,
     Request,
@@ -69,8 +68,8 @@ class _Fed:
             if isinstance(event, ResponseHead):
                 if not event.interim:
                     self.status, self.fields = event.status, event.fields
-            elif isinstance(event, Data):
-                self.body += event.data
+            elif isinstance(event, bytes):
+                self.body += event
             elif isinstance(event, EndOfMessage):
                 self.complete = True
             elif isinstance(event, Fault):
