@@ -37,10 +37,11 @@ from ._body import (
 )
 from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
-from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
+from ._exchange import Exchange, Outcome, Phase
 from ._front import Answer, FrontServer, Request, StreamAnswer
 from ._headers import forward_headers
 from ._plugins import PluginHost, load_plugins
+from ._prepare import Preparer, null_lock, prepare
 from ._protocols import Protocol
 from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
@@ -543,7 +544,7 @@ async def _run_exchange(
                     sid,
                 )
             )
-            await ex.prepare()
+            await prepare(ex)
         response = await relay(
             request,
             ex,

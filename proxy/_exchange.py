@@ -7,10 +7,11 @@ buffer      held from                                       dropped by
 ==========  ==============================================  ==========================
 raw         :meth:`Exchange.attach_body` (the wire bytes)   :meth:`_drop_raw` (via
                                                             prepare, release, close)
-draft       :meth:`Exchange._prepare_at` (the body as       the end of
-            plugins see it during one prepare run: the      :meth:`_prepare_at`
-            structural view, or the parsed object)
-parsed      :meth:`Exchange._prepare_at` (only when a       :meth:`release`, :meth:`close`
+draft       :meth:`Exchange.open_draft` (the body as        :meth:`close_draft`, at the
+            plugins see it during one prepare run of        end of that run
+            :mod:`proxy._prepare`: the structural view,
+            or the parsed object)
+parsed      :meth:`Exchange.adopt_object` (only when a      :meth:`release`, :meth:`close`
             plugin took the whole object and changed it)
 outbound    raw itself; a :class:`~proxy._structure.Splice` :meth:`release` unless a
             (slices of raw plus replacement pieces: raw     resend is still possible;
@@ -51,7 +52,6 @@ named methods in the "bookkeeping" section below, never assigned from outside.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import itertools
@@ -59,14 +59,13 @@ import logging
 import time
 import typing
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
-from contextlib import AbstractAsyncContextManager
 from typing import Final
 
 import xxhash
 
 from . import _wire as wire
 from ._coding import io_piece_bytes
-from ._plugins import ExchangeRecord, PluginHost, PrepareContext
+from ._plugins import ExchangeRecord
 from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
 from ._protocols import Protocol, UsageReport
 from ._spool import FileSlice, SpoolFile
@@ -83,16 +82,14 @@ __all__ = [
     "IllegalTransition",
     "Observer",
     "Outcome",
+    "Overflow",
     "ParsedHolder",
     "Phase",
-    "Preparer",
+    "Preparing",
     "send_slice_bytes",
 ]
 
 log = logging.getLogger("context_proxy.exchange")
-
-# What wire.encode_body raises for an object JSON cannot carry (UnicodeEncodeError is a ValueError).
-_UNENCODABLE: Final = (TypeError, ValueError, RecursionError, OverflowError)
 
 _ids = itertools.count(1)
 
@@ -216,25 +213,24 @@ class HeldBytes:
         return self.raw + self.parsed + self.outbound + self.response
 
 
-class Preparer:
-    """The prepare closure: what an exchange needs to run ``prepare`` hooks again.
+#: ``(refused body bytes, prompt tokens, window tokens)`` a refold's hooks see
+#: (``None`` for a figure the upstream's error did not state).
+Overflow = tuple[int, int | None, int | None]
 
-    ``lock`` returns the session's lock context (or a null context when the
-    request has no session); prepare hooks run inside it (docs/design.md §6,
-    rule 2). Dropped at release so nothing it reaches outlives the boundary.
+
+class Preparing(typing.Protocol):
+    """The prepare closure an exchange keeps until release (``proxy._prepare.Preparer``).
+
+    The exchange only holds and drops it: running the hooks is the preparer's job,
+    and this module does not import it.
     """
 
-    __slots__ = ("host", "lock", "session_id")
+    @property
+    def session_id(self) -> str | None:
+        """The session the hooks run for (``None``: none)."""
 
-    def __init__(
-        self,
-        host: PluginHost,
-        lock: Callable[[], AbstractAsyncContextManager[object]],
-        session_id: str | None,
-    ) -> None:
-        self.host = host
-        self.lock = lock
-        self.session_id = session_id
+    async def run(self, ex: Exchange, level: int, overflow: Overflow | None) -> bool:
+        """One prepare run at fold ``level``; whether the outbound body changed."""
 
 
 class Exchange:
@@ -338,7 +334,7 @@ class Exchange:
         self._draft: Draft | None = None
         self._outbound: BodyHolder | Splice | None = None
         self._headers: MutableMapping[str, str] | None = None
-        self._preparer: Preparer | None = None
+        self._preparer: Preparing | None = None
         self._spool: SpoolFile | None = None
         self.meta: WireMetadata | None = None
         self.session_id: str | None = None
@@ -451,7 +447,7 @@ class Exchange:
         self.meta = meta
         self._move(Phase.PARSED)
 
-    def bind_preparer(self, preparer: Preparer) -> None:
+    def bind_preparer(self, preparer: Preparing) -> None:
         """Set the prepare closure used at fold level 0 and by every refold."""
         self._preparer = preparer
         self.session_id = preparer.session_id
@@ -494,98 +490,56 @@ class Exchange:
 
     # ---------------------------------------------------------------- preparing
 
-    async def prepare(self) -> None:
-        """Run the prepare hooks at fold level 0.
+    @property
+    def preparer(self) -> Preparing | None:
+        """The prepare closure (``proxy._prepare.Preparer``), ``None`` once released."""
+        return self._preparer
+
+    def begin_prepare(self, level: int) -> WireMetadata:
+        """A prepare run at fold ``level`` starts (``proxy._prepare``); returns the metadata.
 
         Raises:
-            RuntimeError: called without a body or after release.
-            wire.WireError: a plugin wanted the body and it is not a JSON object.
+            RuntimeError: no body was read, or it was released.
+            IllegalTransition: the phase cannot move to ``prepared``.
         """
-        await self._prepare_at(0)
-
-    async def refold(
-        self, *, prompt_tokens: int | None = None, window_tokens: int | None = None
-    ) -> bool:
-        """Re-run prepare at the next fold level after a context overflow.
-
-        ``prompt_tokens`` and ``window_tokens`` are what the upstream's error
-        stated (``None`` where it states nothing); the hooks see them, and the
-        size of the body just rejected (bytes), on their :class:`PrepareContext`.
-
-        Returns ``True`` when the outbound body changed and is smaller than
-        before, i.e. a resend may succeed; ``False`` when nothing shrank (the
-        caller then relays the upstream's error unchanged). ``refolds`` counts
-        only the refolds that shrank the body, so upstream requests = 1 +
-        ``refolds`` + ``retries``; ``fold_level`` counts every prepare run.
-        """
-        before = self.outbound_size
-        overflow = (before, prompt_tokens, window_tokens)
-        changed = await self._prepare_at(self.fold_level + 1, overflow)
-        shrank = changed and self.outbound_size < before
-        if shrank:
-            self.refolds += 1
-        return shrank
-
-    async def _prepare_at(
-        self, level: int, overflow: tuple[int, int | None, int | None] | None = None
-    ) -> bool:
-        preparer, meta = self._preparer, self.meta
-        if preparer is None or meta is None or self._outbound is None:
+        meta = self.meta
+        if self._preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
         self._check(Phase.PREPARED)
+        if self._raw is None and self._parsed is None:
+            raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
         self.fold_level = level
-        host = preparer.host
-        wants = host.wants_body(meta, level)
-        if all(granted is None for granted in wants):
-            # Every plugin declined this run (or none prepares): nothing can change the
-            # body, so no lock, no draft and no hook call; the body goes on as it is.
-            if self._raw is None and self._parsed is None:
-                raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
-            self._move(Phase.PREPARED)
-            return False
-        async with preparer.lock():
-            # Each run starts from the body as received (raw), or from the object a
-            # whole-object plugin changed at an earlier level (raw is gone then).
-            if self._raw is not None:
-                draft = Draft(meta.protocol, base=self._raw.data)
-            elif self._parsed is not None:
-                draft = Draft(meta.protocol, obj=self._parsed)
-            else:
-                raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
-            self._draft = draft
-            ctx = PrepareContext(
-                meta=meta,
-                fold_level=level,
-                session_id=preparer.session_id,
-                path=self.path,
-                draft=draft,
-                overflow=overflow,
-            )
-            try:
-                reported = await host.run_prepare(ctx, wants)
-                result = draft.result(reported)
-            finally:
-                ctx._close()
-                self._draft = None
-                draft.release()
-                del draft
-        if isinstance(result, Splice):
-            self._adopt_splice(result)
-        elif result is not None:
-            try:
-                self._reserialize(result)
-            except _UNENCODABLE as exc:
-                # A plugin put something JSON cannot carry into ctx.body (a lone
-                # surrogate, a set, a cycle). The object was changed in place, so
-                # there is no "before that plugin" to return to: the edits of
-                # this run are dropped and the body goes on as it was before it.
-                host.whole_body_edit_failed(wants, exc)
-                self._discard_object(result)
-                result = None
-        self._move(Phase.PREPARED)
-        return result is not None
+        return meta
 
-    def _adopt_splice(self, splice: Splice) -> None:
+    def open_draft(self) -> Draft:
+        """The body as plugins see it during one run (close it with :meth:`close_draft`).
+
+        Each run starts from the body as received (raw), or from the object a
+        whole-object plugin changed at an earlier level (raw is gone then).
+        """
+        if self._raw is not None:
+            draft = Draft(self.protocol, base=self._raw.data)
+        else:
+            assert self._parsed is not None  # begin_prepare checked one of them is there
+            draft = Draft(self.protocol, obj=self._parsed)
+        self._draft = draft
+        return draft
+
+    def close_draft(self) -> None:
+        """The run's hooks are done: the draft and what it decoded go."""
+        draft, self._draft = self._draft, None
+        if draft is not None:
+            draft.release()
+
+    def end_prepare(self) -> None:
+        """The prepare run is over: the phase becomes ``prepared``."""
+        self._move(Phase.PREPARED)
+
+    def count_refold(self) -> None:
+        """One more refold that shrank the outbound body."""
+        self.refolds += 1
+
+    def adopt_splice(self, splice: Splice) -> None:
         """Edits made through the view: the splice over raw becomes the outbound body.
 
         Raw stays (the splice's slices are views of it; a refold builds a new
@@ -598,7 +552,7 @@ class Exchange:
         self._freed(before)
         self._settle_spool()
 
-    def _reserialize(self, parsed: ParsedHolder) -> None:
+    def adopt_object(self, parsed: ParsedHolder) -> None:
         """A plugin changed the whole parsed object: it becomes the outbound body.
 
         When :func:`wire.encodes_plainly` vouches for the object, the raw buffer
@@ -625,7 +579,7 @@ class Exchange:
         self.outbound_size = len(data)
         self.outbound_digest = xxhash.xxh3_128_hexdigest(data)
 
-    def _discard_object(self, parsed: ParsedHolder) -> None:
+    def discard_object(self, parsed: ParsedHolder) -> None:
         """Forget a whole-object edit that could not be serialized.
 
         The outbound body stays as before the run. When ``parsed`` is the object
@@ -991,11 +945,3 @@ class Exchange:
 
     def __repr__(self) -> str:
         return f"<Exchange {self.id} {self.protocol} {self._phase.value} held={self.held_bytes()}>"
-
-
-_NULL_LOCK: Final = contextlib.nullcontext()  # stateless: one serves every exchange
-
-
-def null_lock() -> AbstractAsyncContextManager[object]:
-    """The lock context for a request without a session."""
-    return _NULL_LOCK

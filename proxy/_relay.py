@@ -33,6 +33,7 @@ from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
 from ._front import Answer, Request, StreamAnswer
 from ._headers import response_headers
 from ._logs import LogLimiter
+from ._prepare import refold
 from ._protocols import Protocol
 from ._stream import (
     Accept,
@@ -739,7 +740,7 @@ class _Relay:
         ex = self.ex
         if self.request.client_gone():
             raise ClientGone
-        if await ex.refold(prompt_tokens=action.prompt_tokens, window_tokens=action.window_tokens):
+        if await refold(ex, prompt_tokens=action.prompt_tokens, window_tokens=action.window_tokens):
             log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
             return "refold"
         assert self.gate is not None
