@@ -848,11 +848,6 @@ class Exchange:
         """
         self._complete = True
 
-    @property
-    def answered(self) -> bool:
-        """Whether :meth:`response_complete` was called."""
-        return self._complete
-
     def client_gone(self) -> None:
         """The client hung up: the outcome becomes ``client_gone`` unless the answer was
         already complete, or the outcome already names a failure of the proxy's own side
