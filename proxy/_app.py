@@ -36,7 +36,7 @@ from ._headers import forward_headers
 from ._plugins import PluginHost, load_plugins
 from ._prepare import Preparer, null_lock, prepare
 from ._protocols import Protocol
-from ._refusals import COMMIT_BACKLOG, Effect, resolve
+from ._refusals import COMMIT_BACKLOG, Effect, Refusal, Shed, resolve
 from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
 from ._spool import SpoolFile
@@ -227,14 +227,19 @@ def _refuse(request: Request, state: AppState, ex: Exchange, exc: Exception) -> 
     del exc  # its traceback holds the handler's frames (and the body they reach)
     if rule.cut and ex.phase is Phase.STREAMING:
         return _cut(request, refusal.status)
+    return _refusal_answer(ex.protocol, state, refusal)
+
+
+def _refusal_answer(protocol: Protocol, state: AppState, refusal: Refusal) -> SmallAnswer:
+    """``refusal`` as JSON in ``protocol``'s shape (a 503 with ``Retry-After``)."""
     return _reject(
-        ex.protocol,
+        protocol,
         refusal.status,
         refusal.message,
         state,
         code=refusal.code,
         retry_after=refusal.retry_after,
-        close=rule.close,
+        close=refusal.rule.close,
     )
 
 
@@ -280,14 +285,31 @@ def _client_gone(state: AppState, ex: Exchange) -> None:
     state.metrics.disconnects.labels(ex.phase.value).inc()
 
 
-#: What each :class:`~proxy._refusals.Effect` does: ``effect(state, exchange, error)``.
-_EFFECTS: Final[Mapping[Effect, Callable[[AppState, Exchange, BaseException], None]]] = {
-    Effect.NONE: lambda state, ex, exc: None,
-    Effect.GONE_MID_BODY: lambda state, ex, exc: _gone_mid_body(state, ex),
+def _effect(state: AppState, ex: Exchange | None, exc: BaseException | None) -> None:
+    """Nothing beside the answer (:attr:`Effect.NONE`)."""
+
+
+def _gone_effect(state: AppState, ex: Exchange | None, exc: BaseException | None) -> None:
+    assert ex is not None  # only an exchange's body is read
+    _gone_mid_body(state, ex)
+
+
+def _internal_effect(state: AppState, ex: Exchange | None, exc: BaseException | None) -> None:
+    assert ex is not None and exc is not None  # a bug is raised inside an exchange
+    _internal_error(state, ex, exc)
+
+
+#: What each :class:`~proxy._refusals.Effect` does: ``effect(state, exchange, error)``
+#: (``None``, ``None`` for a refusal outside an exchange: the descriptor reserve's).
+_EFFECTS: Final[
+    Mapping[Effect, Callable[[AppState, Exchange | None, BaseException | None], None]]
+] = {
+    Effect.NONE: _effect,
+    Effect.GONE_MID_BODY: _gone_effect,
     Effect.MEMORY: lambda state, ex, exc: _memory_refused(state),
     Effect.SPOOL_FULL: lambda state, ex, exc: state.metrics.spool_full.inc(),
     Effect.FD_EXHAUSTED: lambda state, ex, exc: state.metrics.fd_exhausted.inc(),
-    Effect.INTERNAL: _internal_error,
+    Effect.INTERNAL: _internal_effect,
 }
 
 
@@ -561,11 +583,10 @@ class ProxyApp:
             return self.dispatch(request)
         if request.path.startswith("/v1/"):
             return handle_exchange(request, state, shed=True)  # booked, as every exchange
-        state.metrics.fd_exhausted.inc()
-        protocol = _path_protocol(request.path)
-        return _answer(
-            _reject(protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve", close=True)
-        )
+        # No exchange to book: the Shed row's answer and counter, as for a /v1/ request.
+        refusal = resolve(Shed(), "")
+        _EFFECTS[refusal.rule.effect](state, None, None)
+        return _answer(_refusal_answer(_path_protocol(request.path), state, refusal))
 
     def upstream_sockets(self) -> int:
         """Upstream sockets the pool holds (in use or idle): descriptors already spent."""
