@@ -44,30 +44,32 @@ once per exchange), and :meth:`Exchange.close`, which the handler calls in
 holders (``bytes``, ``bytearray`` and ``dict`` cannot be weak-referenced) so
 tests can put a finalizer on them.
 
-The phase is a state machine: :data:`TRANSITIONS` lists every legal move and
-any other raises :class:`IllegalTransition`. The bookkeeping scalars (status,
-outcome, error, byte counts, usage, retries) are written only through the
-named methods in the "bookkeeping" section below, never assigned from outside.
+The phase is a state machine: :data:`~proxy._phases.TRANSITIONS` lists every
+legal move and any other raises :class:`~proxy._phases.IllegalTransition`. The
+bookkeeping scalars (status, outcome, error, byte counts, usage, retries) and
+the commit record are the exchange's base, :class:`proxy._books.Books`, written
+only through its named methods. Running the ``prepare`` hooks is
+:mod:`proxy._prepare`'s job and slicing the outbound body :mod:`proxy._slices`'s;
+both hand every buffer they make to the methods here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import itertools
 import logging
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
-from typing import Final
+from collections.abc import AsyncIterator, Callable, MutableMapping
 
 import xxhash
 
 from . import _wire as wire
-from ._coding import io_piece_bytes
+from ._books import Books
+from ._holders import BodyHolder, HeadHolder, HeldBytes
+from ._phases import TRANSITIONS, IllegalTransition, Phase
 from ._plugins import ExchangeRecord
 from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
-from ._protocols import Protocol, UsageReport
+from ._protocols import Protocol
+from ._slices import SEND_SLICE_MAX_BYTES, body_slices, send_slice_bytes
 from ._spool import FileSlice, SpoolFile
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
@@ -91,126 +93,8 @@ __all__ = [
 
 log = logging.getLogger("context_proxy.exchange")
 
-_ids = itertools.count(1)
-
-#: Largest slice of the outbound body sent upstream at once. Python 3.11's socket
-#: transport copies whatever it cannot send at once into its own buffer, so one
-#: large ``bytes`` would be copied whole; slices bound that copy to one slice, and
-#: a smaller body gets smaller slices (:func:`send_slice_bytes`).
-SEND_SLICE_MAX_BYTES: Final = 256 * 1024
-
-
-def send_slice_bytes(body_bytes: int) -> int:
-    """Bytes per slice when sending a ``body_bytes``-byte outbound body upstream.
-
-    1/64 of the body within [16 KiB, :data:`SEND_SLICE_MAX_BYTES`]
-    (:func:`proxy._coding.io_piece_bytes`): the transport's copy of an unsent
-    slice then costs at most 1/64 of the body.
-    """
-    return io_piece_bytes(body_bytes, SEND_SLICE_MAX_BYTES)
-
-
-class Phase(enum.Enum):
-    """Where an exchange is in its life.
-
-    Phases move forward in the order listed, with two loops back: a refold
-    goes from ``sent`` to ``prepared`` again, and a fake-completion resend
-    from ``accepted`` to ``sent``.
-    """
-
-    READING = "reading"
-    PARSED = "parsed"
-    PREPARED = "prepared"
-    SENT = "sent"
-    ACCEPTED = "accepted"
-    STREAMING = "streaming"
-    COMMITTED = "committed"
-    CLOSED = "closed"
-
-    # Members are singletons compared by identity: object's hash (C) instead of
-    # Enum's (a Python call), as every phase move looks the table up.
-    __hash__ = object.__hash__
-
-
-_EARLY_END: Final = frozenset({Phase.COMMITTED, Phase.CLOSED})
-
-#: Every legal phase move: ``TRANSITIONS[old]`` is the set of phases ``old`` may go to.
-#: Forward along the list, plus the loops: ``sent → prepared`` (a refold re-runs
-#: prepare after an overflow), ``accepted → sent`` (a fake-completion resend of an
-#: accepted stream) and ``sent → sent`` (a resend of a Responses stream held before
-#: acceptance). A request without a body goes from ``reading`` straight to ``sent``,
-#: a passthrough body from ``parsed``. A refold that shrank nothing goes from
-#: ``prepared`` to ``accepted``: the upstream's answer to the last send stands
-#: (its error goes to the client). Any phase before ``committed`` may end early
-#: (an error answer, a client gone) in ``committed`` or ``closed``.
-TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = {
-    Phase.READING: frozenset({Phase.PARSED, Phase.SENT}) | _EARLY_END,
-    Phase.PARSED: frozenset({Phase.PREPARED, Phase.SENT}) | _EARLY_END,
-    Phase.PREPARED: frozenset({Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
-    Phase.SENT: frozenset({Phase.PREPARED, Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
-    Phase.ACCEPTED: frozenset({Phase.SENT, Phase.STREAMING}) | _EARLY_END,
-    Phase.STREAMING: _EARLY_END,
-    Phase.COMMITTED: frozenset({Phase.CLOSED}),
-    Phase.CLOSED: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    """A phase move that :data:`TRANSITIONS` does not allow (a bug in the caller)."""
-
-    def __init__(self, exchange_id: str, old: Phase, new: Phase) -> None:
-        super().__init__(f"{exchange_id}: illegal phase move {old.value} -> {new.value}")
-        self.old = old
-        self.new = new
-
-
-class HeadHolder(typing.Protocol):
-    """What holds the upstream answer's head (``proxy._upstream.UpstreamAnswer``)."""
-
-    def drop_head(self) -> None:
-        """Forget the header fields (idempotent)."""
-
-
 #: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
 Observer = Callable[["Exchange", Phase, Phase], object]
-
-
-class BodyHolder:
-    """Weak-referenceable owner of one body buffer (``bytes``, ``bytearray``, or the
-    read-only ``memoryview`` of a spooled body's mapping)."""
-
-    __slots__ = ("__weakref__", "data")
-
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HeldBytes:
-    """Bytes an exchange holds right now, by kind. ``parsed`` is an estimate.
-
-    ``response`` is what the response side holds (the stream head held while a
-    refold or resend is possible, the JSON head kept for usage, the partial-event
-    tail), as last reported through :meth:`Exchange.hold_response`.
-
-    ``spooled`` is the body bytes in the exchange's spool file (docs/design.md
-    §2, "the spool"): file-backed, not process memory, so not in ``total``; a
-    spooled raw body counts there and not in ``raw``.
-    """
-
-    raw: int
-    parsed: int
-    outbound: int
-    response: int = 0
-    spooled: int = 0
-
-    @property
-    def total(self) -> int:
-        """``raw + parsed + outbound + response`` in bytes (memory; ``spooled`` apart)."""
-        return self.raw + self.parsed + self.outbound + self.response
 
 
 #: ``(refused body bytes, prompt tokens, window tokens)`` a refold's hooks see
@@ -233,7 +117,7 @@ class Preparing(typing.Protocol):
         """One prepare run at fold ``level``; whether the outbound body changed."""
 
 
-class Exchange:
+class Exchange(Books):
     """One request's buffers, phase and bookkeeping scalars.
 
     Built by the app when a request arrives; driven by the relay; closed in the
@@ -259,7 +143,6 @@ class Exchange:
     """
 
     __slots__ = (
-        "_complete",
         "_draft",
         "_headers",
         "_outbound",
@@ -269,35 +152,12 @@ class Exchange:
         "_raw",
         "_spool",
         "declared_bytes",
-        "error",
-        "fold_level",
-        "id",
         "keep_for_resend",
-        "meta",
-        "method",
         "observer",
         "on_release",
-        "outbound_digest",
-        "outbound_size",
-        "outcome",
-        "path",
-        "protocol",
-        "query",
         "reading_bytes",
-        "received_bytes",
-        "refolds",
         "releases",
-        "response_bytes",
         "response_held",
-        "retries",
-        "session_id",
-        "started",
-        "started_wall",
-        "status",
-        "ttfb",
-        "upstream_s",
-        "upstream_status",
-        "usage",
     )
 
     def __init__(
@@ -311,11 +171,7 @@ class Exchange:
         on_release: Callable[[int], object] | None = None,
         observer: Observer | None = None,
     ) -> None:
-        self.id: Final = f"ex-{next(_ids)}"
-        self.protocol: Final = protocol
-        self.method: Final = method
-        self.path: Final = path
-        self.query: Final = query
+        super().__init__(protocol, method, path, query)
         self.keep_for_resend = keep_for_resend
         self.on_release = on_release
         self.observer = observer
@@ -323,12 +179,7 @@ class Exchange:
         #: bytes received so far, which :meth:`held_bytes` counts as ``raw``.
         self.declared_bytes = 0
         self.reading_bytes = 0
-        #: Once the read settled: the decoded body bytes received (0: no body), whether
-        #: or not they made a request (invalid JSON, a body cut short are booked too).
-        self.received_bytes = 0
         self._phase = Phase.READING
-        self.started: Final = time.monotonic()
-        self.started_wall: Final = time.time()
         self._raw: BodyHolder | None = None
         self._parsed: ParsedHolder | None = None
         self._draft: Draft | None = None
@@ -336,27 +187,9 @@ class Exchange:
         self._headers: MutableMapping[str, str] | None = None
         self._preparer: Preparing | None = None
         self._spool: SpoolFile | None = None
-        self.meta: WireMetadata | None = None
-        self.session_id: str | None = None
-        self.fold_level = 0
-        self.refolds = 0
-        self.retries = 0
         self.releases = 0
-        self.outbound_size = 0
-        self.outbound_digest: str | None = None
-        self.status = 0
-        self.outcome = Outcome.OK
-        self.error: str | None = None
-        self._complete = False
-        self.response_bytes = 0
         #: Bytes the response side holds now (see :meth:`hold_response`).
         self.response_held = 0
-        self.ttfb: float | None = None
-        #: The last upstream attempt's HTTP status and seconds from send to its
-        #: response head; ``None`` while nothing came back from upstream.
-        self.upstream_status: int | None = None
-        self.upstream_s: float | None = None
-        self.usage = UsageReport()
 
     # -------------------------------------------------------------------- phase
 
@@ -535,10 +368,6 @@ class Exchange:
         """The prepare run is over: the phase becomes ``prepared``."""
         self._move(Phase.PREPARED)
 
-    def count_refold(self) -> None:
-        """One more refold that shrank the outbound body."""
-        self.refolds += 1
-
     def adopt_splice(self, splice: Splice) -> None:
         """Edits made through the view: the splice over raw becomes the outbound body.
 
@@ -637,11 +466,10 @@ class Exchange:
     # ------------------------------------------------------------------ sending
 
     async def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
-        """The outbound body as ``memoryview`` slices of :func:`send_slice_bytes`, no copy.
+        """The outbound body as slices of :func:`~proxy._slices.send_slice_bytes`, no copy.
 
-        Each call starts a fresh pass (a resend sends the same bytes again). The
-        parts that are a spooled body's bytes come as :class:`~proxy._spool.FileSlice`
-        ranges of its file (sent with ``sendfile`` where the connection allows).
+        Each call starts a fresh pass (a resend sends the same bytes again); see
+        :func:`proxy._slices.body_slices`.
 
         Raises:
             RuntimeError: the outbound body was already released.
@@ -649,39 +477,14 @@ class Exchange:
         holder = self._outbound
         if holder is None:
             raise RuntimeError(f"{self.id}: outbound body already released")
-        piece = send_slice_bytes(self.outbound_size)
-        spool = self._spool
-        if spool is not None and self._on_spool(holder):
-            del holder
-            for chunk in self._spool_chunks(spool, piece):
-                yield chunk
-            return
-        if isinstance(holder, Splice):
-            # Segment by segment, never joined; the slices are views of raw.
-            for chunk in holder.chunks(piece):
-                yield chunk
-            return
-        view = memoryview(holder.data)
-        del holder
+        spool = self._spool if self._on_spool(holder) else None
+        slices = body_slices(holder, spool, send_slice_bytes(self.outbound_size))
+        del holder, spool
         try:
-            for start in range(0, len(view), piece):
-                yield view[start : start + piece]
+            for chunk in slices:
+                yield chunk
         finally:
-            view.release()
-
-    def _spool_chunks(self, spool: SpoolFile, piece: int) -> Iterator[memoryview | FileSlice]:
-        """The outbound body that is (or is spliced from) the spool file, in order."""
-        out = self._outbound
-        if not isinstance(out, Splice):
-            yield from spool.slices(0, spool.size, piece)
-            return
-        for segment, offset in zip(out.segments, out.offsets, strict=True):
-            if offset is None:
-                view = memoryview(segment)
-                for start in range(0, len(view), piece):
-                    yield view[start : start + piece]
-            else:
-                yield from spool.slices(offset, offset + len(segment), piece)
+            slices.close()
 
     def mark_sent(self) -> None:
         """The request went upstream (again, after a refold or retry)."""
@@ -817,57 +620,6 @@ class Exchange:
 
     # ------------------------------------------------------------- bookkeeping
 
-    def set_session(self, session_id: str | None) -> None:
-        """The session this exchange belongs to (``None``: none), known once its body is read."""
-        self.session_id = session_id
-
-    def upstream_answered(self, status: int, wait_s: float | None = None) -> None:
-        """The upstream's HTTP status for the current attempt (a refold or resend answers anew).
-
-        ``wait_s``: seconds from send to the response head, for the access log.
-        """
-        self.status = status
-        self.upstream_status = status
-        self.upstream_s = wait_s
-
-    def conclude(self, status: int, outcome: Outcome, error: str | None = None) -> None:
-        """The final status, outcome and error when the proxy answers itself (a 4xx/5xx of ours)."""
-        self.status = status
-        self.outcome = outcome
-        self.error = error
-
-    def set_outcome(self, outcome: Outcome, error: str | None = None) -> None:
-        """The outcome (and error message) without touching the status."""
-        self.outcome = outcome
-        self.error = error
-
-    def response_complete(self) -> None:
-        """Every byte of the answer was handed to the client's connection.
-
-        After this a hang-up is no longer a failure of this exchange (see :meth:`client_gone`).
-        """
-        self._complete = True
-
-    def client_gone(self) -> None:
-        """The client hung up: the outcome becomes ``client_gone`` unless the answer was
-        already complete, or the outcome already names a failure of the proxy's own side
-        (an upstream that failed, a cancel, a rejection) that says more."""
-        if not self._complete and self.outcome in (Outcome.OK, Outcome.UPSTREAM_ERROR):
-            self.outcome = Outcome.CLIENT_GONE
-
-    def count_retry(self) -> None:
-        """One more fake-completion resend."""
-        self.retries += 1
-
-    def count_response_bytes(self, nbytes: int) -> None:
-        """``nbytes`` more response bytes went to the client."""
-        self.response_bytes += nbytes
-
-    def set_usage(self, tokens: UsageReport) -> None:
-        """Token usage the upstream reported (``None`` for a count it did not report),
-        as :meth:`protocols.UsageMeter.totals` gives it."""
-        self.usage = tokens
-
     def hold_response(self, nbytes: int) -> None:
         """The response side holds ``nbytes`` bytes now (stream head, JSON head,
         partial-event tail together); shown as ``held_bytes().response``."""
@@ -889,54 +641,6 @@ class Exchange:
             IllegalTransition: already committed or closed (a commit runs once).
         """
         self._move(Phase.COMMITTED)
-
-    def commit_record(self) -> ExchangeRecord:
-        """The scalars-only record for ``commit`` hooks as of now (no phase change).
-
-        Only an exchange route's parsed body has a digest (docs/plugins.md,
-        "ExchangeRecord fields"): a request refused before its body was parsed,
-        and a passthrough route (whose body is opaque to the proxy), get
-        ``wire_digest`` ``""`` and ``outbound_digest`` ``None``, so no ledger gate
-        compares them with a conversation's history. ``request_bytes`` is then the
-        decoded body bytes received before the exchange ended (0 when none were).
-        """
-        meta = self.meta
-        tokens = self.usage
-        digest = meta.digest if meta is not None and self.protocol.is_exchange else ""
-        return ExchangeRecord(
-            exchange_id=self.id,
-            session_id=self.session_id,
-            protocol=self.protocol,
-            path=self.path,
-            model=meta.model if meta else None,
-            stream=meta.stream if meta else False,
-            wire_digest=digest,
-            comparable=meta.comparable if meta else False,
-            message_count=meta.message_count if meta else 0,
-            request_bytes=meta.byte_length if meta else self.received_bytes,
-            outbound_bytes=self.outbound_size,
-            outbound_digest=self.outbound_digest if digest else None,
-            status=self.status,
-            outcome=self.outcome,
-            fold_level=self.fold_level,
-            refolds=self.refolds,
-            retries=self.retries,
-            input_tokens=tokens.input_tokens,
-            output_tokens=tokens.output_tokens,
-            cache_read_tokens=tokens.cache_read_tokens,
-            cache_write_tokens=tokens.cache_write_tokens,
-            cache_write_5m_tokens=tokens.cache_write_5m_tokens,
-            cache_write_1h_tokens=tokens.cache_write_1h_tokens,
-            response_bytes=self.response_bytes,
-            started_at=self.started_wall,
-            ttfb_s=self.ttfb,
-            duration_s=time.monotonic() - self.started,
-            error=self.error,
-        )
-
-    def age(self) -> float:
-        """Seconds since the request arrived."""
-        return time.monotonic() - self.started
 
     def __repr__(self) -> str:
         return f"<Exchange {self.id} {self.protocol} {self._phase.value} held={self.held_bytes()}>"

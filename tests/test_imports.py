@@ -29,6 +29,8 @@ PURE = frozenset(
         "proxy._emulator_frames",
         "proxy._emulator_script",
         "proxy._headers",
+        "proxy._holders",
+        "proxy._phases",
         "proxy._protocols",
         "proxy._session_ids",
         "proxy._shared",
