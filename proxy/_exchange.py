@@ -64,7 +64,7 @@ import xxhash
 
 from . import _wire as wire
 from ._books import Books
-from ._holders import BodyHolder, HeadHolder, HeldBytes
+from ._holders import BodyHolder, HeadHolder, HeldBytes, heap_parts, on_view
 from ._phases import TRANSITIONS, IllegalTransition, Phase
 from ._plugins import ExchangeRecord
 from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
@@ -432,11 +432,7 @@ class Exchange(Books):
 
     def _on_spool(self, holder: BodyHolder | Splice | None) -> bool:
         """Whether ``holder`` is (or is spliced from) the spool file's mapping."""
-        if holder is None or self._raw_view is None:
-            return False
-        if isinstance(holder, Splice):
-            return holder.base is self._raw_view
-        return holder.data is self._raw_view
+        return on_view(holder, self._raw_view)
 
     @property
     def _raw_view(self) -> memoryview | None:
@@ -571,38 +567,25 @@ class Exchange(Books):
         self._settle_spool(closing=True)
         self._move(Phase.CLOSED)
 
+    def _heap(self) -> tuple[int, int, int]:
+        """Heap bytes held: ``(raw, parsed, outbound beyond raw)``, see ``heap_parts``."""
+        return heap_parts(
+            self._raw,
+            self.parsed_holder,
+            self._outbound,
+            self._raw_view,
+            spooled=self._spool is not None,
+            reading=self.reading_bytes,
+        )
+
     def _held_total(self) -> int:
-        return self._held_sum() if self.on_release is not None else 0
-
-    def _held_sum(self) -> int:
-        """``held_bytes().total`` without building the record (several calls per exchange)."""
-        return self._raw_heap() + self._parsed_estimate() + self._outbound_extra()
-
-    def _raw_heap(self) -> int:
-        """Heap bytes of the raw body: its buffer, or what is being read (0 when spooled)."""
-        if self._spool is not None:
-            return 0
-        return len(self._raw) if self._raw is not None else self.reading_bytes
-
-    def _parsed_estimate(self) -> int:
-        """The parsed object's estimate: the kept one, or the one a plugin took in prepare."""
-        parsed = self.parsed_holder
-        return parsed.estimate if parsed is not None else 0
-
-    def _outbound_extra(self) -> int:
-        """Bytes the outbound body holds beyond the raw buffer (which counts once)."""
-        out, raw = self._outbound, self._raw
-        if out is None or out is raw:
-            return 0
-        if isinstance(out, Splice):
-            on_raw = (raw is not None and out.base is raw.data) or self._on_spool(out)
-            return out.owned_bytes + (0 if on_raw else out.base_bytes)
-        return 0 if self._on_spool(out) else len(out)
+        """``held_bytes().total`` when drops are reported (else 0: nothing compares it)."""
+        return sum(self._heap()) if self.on_release is not None else 0
 
     def _freed(self, before: int) -> None:
         """Tell ``on_release`` how many bytes the last drop let go (if any)."""
         if self.on_release is not None:
-            freed = before - self._held_sum()
+            freed = before - sum(self._heap())
             if freed > 0:
                 self.on_release(freed)
 
@@ -610,13 +593,7 @@ class Exchange(Books):
         """What this exchange holds now, by kind (the raw buffer counts once even
         when it is also the outbound body)."""
         spooled = self._spool.size if self._spool is not None else 0
-        return HeldBytes(
-            self._raw_heap(),
-            self._parsed_estimate(),
-            self._outbound_extra(),
-            self.response_held,
-            spooled,
-        )
+        return HeldBytes(*self._heap(), self.response_held, spooled)
 
     # ------------------------------------------------------------- bookkeeping
 

@@ -3,9 +3,10 @@
 Plain data types of :mod:`proxy._exchange`: the weak-referenceable
 :class:`BodyHolder` (``bytes``, ``bytearray`` and ``memoryview`` cannot be
 weak-referenced, and tests put finalizers on buffers), the :class:`HeldBytes`
-record of ``held_bytes()``, and the :class:`HeadHolder` interface of the
-upstream answer whose header fields the exchange makes it forget. Nothing here
-drops a buffer: the exchange does (its release contract).
+record of ``held_bytes()`` and how it is counted (:func:`heap_parts`), and the
+:class:`HeadHolder` interface of the upstream answer whose header fields the
+exchange makes it forget. Nothing here drops a buffer: the exchange does (its
+release contract).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-__all__ = ["BodyHolder", "HeadHolder", "HeldBytes"]
+from ._structure import ParsedHolder, Splice
+
+__all__ = ["BodyHolder", "HeadHolder", "HeldBytes", "heap_parts", "on_view"]
 
 
 class HeadHolder(typing.Protocol):
@@ -59,3 +62,41 @@ class HeldBytes:
     def total(self) -> int:
         """``raw + parsed + outbound + response`` in bytes (memory; ``spooled`` apart)."""
         return self.raw + self.parsed + self.outbound + self.response
+
+
+def on_view(holder: BodyHolder | Splice | None, view: memoryview | None) -> bool:
+    """Whether ``holder`` is ``view`` (a spool file's mapping) or a splice over it."""
+    if holder is None or view is None:
+        return False
+    if isinstance(holder, Splice):
+        return holder.base is view
+    return holder.data is view
+
+
+def heap_parts(
+    raw: BodyHolder | None,
+    parsed: ParsedHolder | None,
+    outbound: BodyHolder | Splice | None,
+    spool_view: memoryview | None,
+    *,
+    spooled: bool,
+    reading: int,
+) -> tuple[int, int, int]:
+    """Heap bytes an exchange holds, as ``(raw, parsed, outbound)`` of :class:`HeldBytes`.
+
+    ``raw``: the raw buffer, or while reading the ``reading`` bytes received so
+    far; 0 when the body is ``spooled`` (file-backed). ``parsed``: the parsed
+    object's estimate. ``outbound``: what the outbound body holds beyond the raw
+    buffer, which counts once (a splice's own pieces, plus its base when that is
+    neither raw nor the spool's ``spool_view``).
+    """
+    raw_heap = 0 if spooled else (len(raw) if raw is not None else reading)
+    parsed_bytes = parsed.estimate if parsed is not None else 0
+    if outbound is None or outbound is raw:
+        extra = 0
+    elif isinstance(outbound, Splice):
+        on_raw = (raw is not None and outbound.base is raw.data) or on_view(outbound, spool_view)
+        extra = outbound.owned_bytes + (0 if on_raw else outbound.base_bytes)
+    else:
+        extra = 0 if on_view(outbound, spool_view) else len(outbound)
+    return raw_heap, parsed_bytes, extra
