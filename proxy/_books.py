@@ -54,6 +54,7 @@ class Books:
 
     __slots__ = (
         "_complete",
+        "declared_bytes",
         "error",
         "fold_level",
         "id",
@@ -65,9 +66,11 @@ class Books:
         "path",
         "protocol",
         "query",
+        "reading_bytes",
         "received_bytes",
         "refolds",
         "response_bytes",
+        "response_held",
         "retries",
         "session_id",
         "started",
@@ -86,7 +89,13 @@ class Books:
         self.path: Final = path
         self.query: Final = query
         self.meta: WireMetadata | None = None
+        #: While reading: the body's declared Content-Length (0: none), and the
+        #: bytes received so far, which ``held_bytes()`` counts as ``raw``.
+        self.declared_bytes = 0
+        self.reading_bytes = 0
         self.received_bytes = 0
+        #: Bytes the response side holds now (see :meth:`hold_response`).
+        self.response_held = 0
         self.fold_level = 0
         self.outbound_size = 0
         self.outbound_digest: str | None = None
@@ -104,6 +113,23 @@ class Books:
         self.upstream_status: int | None = None
         self.upstream_s: float | None = None
         self.usage = UsageReport()
+
+    def count_received(self, nbytes: int) -> None:
+        """The body buffer grew by ``nbytes`` bytes; they count as ``raw`` while reading."""
+        self.reading_bytes += nbytes
+
+    def end_reading(self) -> None:
+        """The read settled (body, error or cancel): the bytes being read no longer count.
+
+        They are kept as :attr:`received_bytes` (the access line's ``request_bytes``).
+        """
+        self.received_bytes = self.reading_bytes
+        self.reading_bytes = 0
+
+    def hold_response(self, nbytes: int) -> None:
+        """The response side holds ``nbytes`` bytes now (stream head, JSON head,
+        partial-event tail together); shown as ``held_bytes().response``."""
+        self.response_held = nbytes
 
     def set_session(self, session_id: str | None) -> None:
         """The session this exchange belongs to (``None``: none), known once its body is read."""

@@ -55,7 +55,6 @@ both hand every buffer they make to the methods here.
 
 from __future__ import annotations
 
-import logging
 import time
 import typing
 from collections.abc import AsyncIterator, Callable, MutableMapping
@@ -91,8 +90,6 @@ __all__ = [
     "send_slice_bytes",
 ]
 
-log = logging.getLogger("context_proxy.exchange")
-
 #: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
 Observer = Callable[["Exchange", Phase, Phase], object]
 
@@ -118,17 +115,13 @@ class Preparing(typing.Protocol):
 
 
 class Exchange(Books):
-    """One request's buffers, phase and bookkeeping scalars.
+    """One request's buffers and phase, over its bookkeeping scalars (:class:`Books`).
 
     Built by the app when a request arrives; driven by the relay; closed in the
-    handler's ``finally``. All sizes are bytes, times seconds (monotonic unless
-    named ``*_wall``).
+    handler's ``finally``. All sizes are bytes.
 
     Args:
-        protocol: the request's protocol.
-        method: HTTP method.
-        path: request path (no query string).
-        query: the raw query string ('' when none), forwarded unchanged.
+        protocol, method, path, query: the request's (see :class:`Books`).
         keep_for_resend: keep the outbound body after release while a
             fake-completion retry may still resend it.
         on_release: called with the number of bytes each drop let go (the
@@ -151,13 +144,10 @@ class Exchange(Books):
         "_preparer",
         "_raw",
         "_spool",
-        "declared_bytes",
         "keep_for_resend",
         "observer",
         "on_release",
-        "reading_bytes",
         "releases",
-        "response_held",
     )
 
     def __init__(
@@ -175,10 +165,6 @@ class Exchange(Books):
         self.keep_for_resend = keep_for_resend
         self.on_release = on_release
         self.observer = observer
-        #: While reading: the body's declared Content-Length (0: none), and the
-        #: bytes received so far, which :meth:`held_bytes` counts as ``raw``.
-        self.declared_bytes = 0
-        self.reading_bytes = 0
         self._phase = Phase.READING
         self._raw: BodyHolder | None = None
         self._parsed: ParsedHolder | None = None
@@ -188,8 +174,6 @@ class Exchange(Books):
         self._preparer: Preparing | None = None
         self._spool: SpoolFile | None = None
         self.releases = 0
-        #: Bytes the response side holds now (see :meth:`hold_response`).
-        self.response_held = 0
 
     # -------------------------------------------------------------------- phase
 
@@ -199,11 +183,7 @@ class Exchange(Books):
         return self._phase
 
     def _move(self, new: Phase) -> None:
-        """Go to ``new`` if :data:`TRANSITIONS` allows it, then tell the observer.
-
-        Raises:
-            IllegalTransition: the move is not in the table.
-        """
+        """Go to ``new`` (:meth:`_check` first), then tell the observer."""
         old = self._phase
         self._check(new)
         self._phase = new
@@ -211,11 +191,7 @@ class Exchange(Books):
             self.observer(self, old, new)
 
     def _check(self, new: Phase) -> None:
-        """Raise before any work when the move to ``new`` is not in the table.
-
-        Raises:
-            IllegalTransition: the move is not in the table.
-        """
+        """Raise :class:`IllegalTransition`, before any work, if ``new`` is no legal move."""
         if new not in TRANSITIONS[self._phase]:
             raise IllegalTransition(self.id, self._phase, new)
 
@@ -233,18 +209,6 @@ class Exchange(Books):
         if self._phase is not Phase.READING:
             raise IllegalTransition(self.id, self._phase, Phase.READING)
         self.declared_bytes = declared_bytes
-        self.reading_bytes = 0
-
-    def count_received(self, nbytes: int) -> None:
-        """The body buffer grew by ``nbytes`` bytes; they count as ``raw`` while reading."""
-        self.reading_bytes += nbytes
-
-    def end_reading(self) -> None:
-        """The read settled (body, error or cancel): the bytes being read no longer count.
-
-        They are kept as :attr:`received_bytes` (the access line's ``request_bytes``).
-        """
-        self.received_bytes = self.reading_bytes
         self.reading_bytes = 0
 
     def adopt_spool(self, spool: SpoolFile) -> SpoolFile:
@@ -462,10 +426,8 @@ class Exchange(Books):
     # ------------------------------------------------------------------ sending
 
     async def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
-        """The outbound body as slices of :func:`~proxy._slices.send_slice_bytes`, no copy.
-
-        Each call starts a fresh pass (a resend sends the same bytes again); see
-        :func:`proxy._slices.body_slices`.
+        """The outbound body in slices (:func:`proxy._slices.body_slices`), no copy; each
+        call starts a fresh pass (a resend sends the same bytes again).
 
         Raises:
             RuntimeError: the outbound body was already released.
@@ -569,14 +531,8 @@ class Exchange(Books):
 
     def _heap(self) -> tuple[int, int, int]:
         """Heap bytes held: ``(raw, parsed, outbound beyond raw)``, see ``heap_parts``."""
-        return heap_parts(
-            self._raw,
-            self.parsed_holder,
-            self._outbound,
-            self._raw_view,
-            spooled=self._spool is not None,
-            reading=self.reading_bytes,
-        )
+        raw, parsed, out, view = self._raw, self.parsed_holder, self._outbound, self._raw_view
+        return heap_parts(raw, parsed, out, view, self._spool is not None, self.reading_bytes)
 
     def _held_total(self) -> int:
         """``held_bytes().total`` when drops are reported (else 0: nothing compares it)."""
@@ -595,28 +551,15 @@ class Exchange(Books):
         spooled = self._spool.size if self._spool is not None else 0
         return HeldBytes(*self._heap(), self.response_held, spooled)
 
-    # ------------------------------------------------------------- bookkeeping
-
-    def hold_response(self, nbytes: int) -> None:
-        """The response side holds ``nbytes`` bytes now (stream head, JSON head,
-        partial-event tail together); shown as ``held_bytes().response``."""
-        self.response_held = nbytes
-
     def begin_commit(self) -> ExchangeRecord:
-        """Enter the committed phase and return the record for the ``commit`` hooks.
-
-        Raises:
-            IllegalTransition: already committed or closed (a commit runs once).
-        """
+        """Enter the committed phase; the record for the ``commit`` hooks. Raises
+        :class:`IllegalTransition` when already committed or closed (a commit runs once)."""
         self._move(Phase.COMMITTED)
         return self.commit_record()
 
     def skip_commit(self) -> None:
-        """Enter the committed phase without a record (no plugin has a ``commit`` hook).
-
-        Raises:
-            IllegalTransition: already committed or closed (a commit runs once).
-        """
+        """Enter the committed phase without a record (no plugin has a ``commit`` hook);
+        raises as :meth:`begin_commit`."""
         self._move(Phase.COMMITTED)
 
     def __repr__(self) -> str:

@@ -78,7 +78,6 @@ def heap_parts(
     parsed: ParsedHolder | None,
     outbound: BodyHolder | Splice | None,
     spool_view: memoryview | None,
-    *,
     spooled: bool,
     reading: int,
 ) -> tuple[int, int, int]:
