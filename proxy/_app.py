@@ -30,10 +30,11 @@ from ._answer import SmallAnswer
 from ._body import BodyIncomplete, read_body
 from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
-from ._exchange import Exchange, Outcome, Phase
+from ._exchange import Exchange
 from ._front import Answer, FrontServer, Request, StreamAnswer
 from ._headers import forward_headers
-from ._plugins import PluginHost, load_plugins
+from ._phases import Phase
+from ._plugins import Outcome, PluginHost, load_plugins
 from ._prepare import Preparer, null_lock, prepare
 from ._protocols import Protocol
 from ._refusals import COMMIT_BACKLOG, Effect, Refusal, Shed, resolve

@@ -1,56 +1,15 @@
 """The exchange: the one owner of every buffer of one request (docs/design.md §1 and §2).
 
-Every buffer an exchange holds is dropped in this file, and only here:
-
-==========  ==============================================  ==========================
-buffer      held from                                       dropped by
-==========  ==============================================  ==========================
-raw         :meth:`Exchange.attach_body` (the wire bytes)   :meth:`_drop_raw` (via
-                                                            prepare, release, close)
-draft       :meth:`Exchange.open_draft` (the body as        :meth:`close_draft`, at the
-            plugins see it during one prepare run of        end of that run
-            :mod:`proxy._prepare`: the structural view,
-            or the parsed object)
-parsed      :meth:`Exchange.adopt_object` (only when a      :meth:`release`, :meth:`close`
-            plugin took the whole object and changed it)
-outbound    raw itself; a :class:`~proxy._structure.Splice` :meth:`release` unless a
-            (slices of raw plus replacement pieces: raw     resend is still possible;
-            lives while it does); or the re-serialized      :meth:`drop_outbound`,
-            body (whole-object path)                        :meth:`close`
-preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :meth:`close`
-headers     :meth:`Exchange.attach_headers` (the header     with the outbound body:
-            fields to send upstream, a copy built from      :meth:`release` unless a
-            the client's; a resend sends them again)        resend is still possible;
-                                                            :meth:`drop_outbound`,
-                                                            :meth:`close`
-head        the upstream answer's header fields (in the     :meth:`mark_streaming`,
-            client's ``UpstreamAnswer``): read to build     through the answer's
-            the client's response head, never again         ``drop_head()``
-response    the relay's held stream head, JSON head and     the relay; accounted here
-            partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
-spool       :meth:`Exchange.adopt_spool` (a body over       :meth:`_settle_spool`, once
-            ``spool_above_bytes``: its anonymous file from  neither raw nor the outbound
-            the first byte; raw is then a view of its       body is a view of it (release,
-            read-only mapping)                              drop_outbound, close)
-==========  ==============================================  ==========================
-
-``release()`` is the boundary: as soon as no refold can follow (the upstream
-accepted the request: 2xx headers and, for Responses, output started; or it
-answered an error that no refold can cure; or the fold levels are used up,
-before the last send) the raw buffer, the parsed body
-and the preparer go. It is idempotent, counts whether it really ran (exactly
-once per exchange), and :meth:`Exchange.close`, which the handler calls in
-``finally``, runs it on every early exit. Buffers live in small weak-referenceable
-holders (``bytes``, ``bytearray`` and ``dict`` cannot be weak-referenced) so
-tests can put a finalizer on them.
-
-The phase is a state machine: :data:`~proxy._phases.TRANSITIONS` lists every
-legal move and any other raises :class:`~proxy._phases.IllegalTransition`. The
-bookkeeping scalars (status, outcome, error, byte counts, usage, retries) and
-the commit record are the exchange's base, :class:`proxy._books.Books`, written
-only through its named methods. Running the ``prepare`` hooks is
-:mod:`proxy._prepare`'s job and slicing the outbound body :mod:`proxy._slices`'s;
-both hand every buffer they make to the methods here.
+Every buffer an exchange holds is dropped in this file, and only here (docs/design.md
+§2, "Who drops what"). ``release()`` is the boundary: once no refold can follow (the
+upstream accepted the request, or answered an error no refold can cure, or the fold
+levels are used up before the last send) the raw buffer, the parsed body and the
+preparer go; it runs exactly once, and :meth:`Exchange.close` (the handler's
+``finally``) runs it on every early exit. The phases move along
+:data:`proxy._phases.TRANSITIONS`; the scalars and the commit record are the
+exchange's base (:class:`proxy._books.Books`). Running the ``prepare`` hooks
+(:mod:`proxy._prepare`) and slicing the outbound body (:mod:`proxy._slices`) happen
+elsewhere, and hand every buffer they make to the methods here.
 """
 
 from __future__ import annotations
@@ -66,59 +25,30 @@ from ._books import Books
 from ._holders import BodyHolder, HeadHolder, HeldBytes, heap_parts, on_view
 from ._phases import TRANSITIONS, IllegalTransition, Phase
 from ._plugins import ExchangeRecord
-from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
 from ._protocols import Protocol
-from ._slices import SEND_SLICE_MAX_BYTES, body_slices, send_slice_bytes
+from ._slices import body_slices, send_slice_bytes
 from ._spool import FileSlice, SpoolFile
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
 
-__all__ = [
-    "SEND_SLICE_MAX_BYTES",
-    "TRANSITIONS",
-    "BodyHolder",
-    "Exchange",
-    "HeadHolder",
-    "HeldBytes",
-    "IllegalTransition",
-    "Observer",
-    "Outcome",
-    "Overflow",
-    "ParsedHolder",
-    "Phase",
-    "Preparing",
-    "send_slice_bytes",
-]
+__all__ = ["Exchange", "Observer", "Preparing"]
 
 #: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
 Observer = Callable[["Exchange", Phase, Phase], object]
 
 
-#: ``(refused body bytes, prompt tokens, window tokens)`` a refold's hooks see
-#: (``None`` for a figure the upstream's error did not state).
-Overflow = tuple[int, int | None, int | None]
-
-
 class Preparing(typing.Protocol):
-    """The prepare closure an exchange keeps until release (``proxy._prepare.Preparer``).
+    """The prepare closure kept until release (``proxy._prepare.Preparer``, not imported)."""
 
-    The exchange only holds and drops it: running the hooks is the preparer's job,
-    and this module does not import it.
-    """
-
-    @property
-    def session_id(self) -> str | None:
-        """The session the hooks run for (``None``: none)."""
-
-    async def run(self, ex: Exchange, level: int, overflow: Overflow | None) -> bool:
-        """One prepare run at fold ``level``; whether the outbound body changed."""
+    session_id: str | None
 
 
 class Exchange(Books):
     """One request's buffers and phase, over its bookkeeping scalars (:class:`Books`).
 
-    Built by the app when a request arrives; driven by the relay; closed in the
-    handler's ``finally``. All sizes are bytes.
+    Built by the app, driven by the relay, closed in the handler's ``finally``.
+    Sizes are bytes. A phase move :data:`TRANSITIONS` does not allow raises
+    :class:`IllegalTransition` from any method.
 
     Args:
         protocol, method, path, query: the request's (see :class:`Books`).
@@ -129,10 +59,6 @@ class Exchange(Books):
             go back to the OS).
         observer: called as ``observer(exchange, old_phase, new_phase)`` after
             every phase move (tests watch an exchange through it).
-
-    Raises:
-        IllegalTransition: from any method whose phase move
-            :data:`TRANSITIONS` does not allow.
     """
 
     __slots__ = (
@@ -175,8 +101,6 @@ class Exchange(Books):
         self._spool: SpoolFile | None = None
         self.releases = 0
 
-    # -------------------------------------------------------------------- phase
-
     @property
     def phase(self) -> Phase:
         """The current phase; it changes only through the methods below."""
@@ -195,16 +119,11 @@ class Exchange(Books):
         if new not in TRANSITIONS[self._phase]:
             raise IllegalTransition(self.id, self._phase, new)
 
-    # ------------------------------------------------------------------ reading
-
     def start_reading(self, declared_bytes: int) -> None:
         """The body is being read; ``declared_bytes`` is its Content-Length (0: none).
 
-        A declaration reserves no memory (docs/design.md §2, "reading"), so it does
-        not count as held: only bytes received (:meth:`count_received`) count as ``raw``.
-
-        Raises:
-            IllegalTransition: not in the ``reading`` phase.
+        A declaration reserves no memory (docs/design.md §2): only bytes received
+        (``count_received``) count as ``raw``. Raises ``IllegalTransition`` past ``reading``.
         """
         if self._phase is not Phase.READING:
             raise IllegalTransition(self.id, self._phase, Phase.READING)
@@ -214,10 +133,8 @@ class Exchange(Books):
     def adopt_spool(self, spool: SpoolFile) -> SpoolFile:
         """Own the spool file of the body being read, from its first byte; returns it.
 
-        From here on the exchange closes it, whatever happens: at the release
-        boundary (or when the outbound body that is a view of it goes), or in
-        :meth:`close`.
-        """
+        The exchange closes it whatever happens: when neither raw nor the outbound
+        body is a view of it any more, or in :meth:`close`."""
         self._spool = spool
         return spool
 
@@ -227,15 +144,9 @@ class Exchange(Books):
         return self._spool
 
     def attach_body(self, buffer: bytearray | memoryview, meta: WireMetadata) -> None:
-        """Take ownership of the body read from the wire and its metadata.
-
-        The raw buffer is the outbound body until a plugin changes the body. A
-        spooled body is the read-only view of its spool file's mapping
-        (:meth:`adopt_spool` came first).
-
-        Raises:
-            IllegalTransition: not in the ``reading`` phase.
-        """
+        """Take the body read from the wire (for a spooled body, the read-only view of
+        its file's mapping) and its metadata; raw is the outbound body until a plugin
+        changes the body. Raises ``IllegalTransition`` past ``reading``."""
         self._check(Phase.PARSED)
         self._raw = BodyHolder(buffer)
         self._outbound = self._raw
@@ -268,10 +179,8 @@ class Exchange(Books):
         return self._preparer is not None and self.meta is not None
 
     def attach_headers(self, headers: MutableMapping[str, str]) -> None:
-        """Take the header fields to send upstream (every send uses them, a resend too).
-
-        They go with the outbound body: an idle open stream keeps neither.
-        """
+        """Take the header fields to send upstream (every send, a resend too); they go
+        with the outbound body, so an idle open stream keeps neither."""
         self._headers = headers
 
     @property
@@ -284,8 +193,6 @@ class Exchange(Books):
         """The body to send upstream (raw's holder, a splice over raw, or the
         re-serialized body's holder), or ``None`` once dropped."""
         return self._outbound
-
-    # ---------------------------------------------------------------- preparing
 
     @property
     def preparer(self) -> Preparing | None:
@@ -309,11 +216,8 @@ class Exchange(Books):
         return meta
 
     def open_draft(self) -> Draft:
-        """The body as plugins see it during one run (close it with :meth:`close_draft`).
-
-        Each run starts from the body as received (raw), or from the object a
-        whole-object plugin changed at an earlier level (raw is gone then).
-        """
+        """The body as plugins see it during one run, until :meth:`close_draft`: the body
+        as received (raw), or the object a whole-object edit of an earlier level made."""
         if self._raw is not None:
             draft = Draft(self.protocol, base=self._raw.data)
         else:
@@ -335,9 +239,8 @@ class Exchange(Books):
     def adopt_splice(self, splice: Splice) -> None:
         """Edits made through the view: the splice over raw becomes the outbound body.
 
-        Raw stays (the splice's slices are views of it; a refold builds a new
-        splice from it); only the previous outbound body goes.
-        """
+        Raw stays (the splice is views of it; a refold splices it anew); the
+        previous outbound body goes."""
         before = self._held_total()
         self._outbound = splice
         self.outbound_size = splice.nbytes
@@ -373,13 +276,9 @@ class Exchange(Books):
         self.outbound_digest = xxhash.xxh3_128_hexdigest(data)
 
     def discard_object(self, parsed: ParsedHolder) -> None:
-        """Forget a whole-object edit that could not be serialized.
-
-        The outbound body stays as before the run. When ``parsed`` is the object
-        kept from an earlier level it was changed in place, so later refolds
-        start from the outbound body of that level instead (it is that object's
-        serialization, a :class:`BodyHolder`).
-        """
+        """Forget a whole-object edit that could not be serialized; the outbound body
+        stays as before the run. The object kept from an earlier level was changed in
+        place, so later refolds start from that level's serialization instead."""
         if parsed is not self._parsed:
             return  # a fresh decode of raw, held by nobody else
         before = self._held_total()
@@ -404,12 +303,8 @@ class Exchange(Books):
         return self._spool.view if self._spool is not None else None
 
     def _settle_spool(self, *, closing: bool = False) -> None:
-        """Close the spool file once neither raw nor the outbound body is a view of it.
-
-        The one place it closes (the release boundary for the spooled bytes):
-        the mapping and the descriptor go, and with them the disk space. While
-        the body is still being read only ``closing`` (:meth:`close`) closes it.
-        """
+        """Close the spool file (mapping, descriptor, disk space) once neither raw nor
+        the outbound body is a view of it; while it is being read, only ``closing``."""
         spool = self._spool
         if spool is None or self._on_spool(self._raw) or self._on_spool(self._outbound):
             return
@@ -422,8 +317,6 @@ class Exchange(Books):
             # heap in proportion to them (read pieces, parse transients): the same
             # trim a heap body's release brings (proxy/_alloc.py).
             self.on_release(spool.size)
-
-    # ------------------------------------------------------------------ sending
 
     async def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
         """The outbound body in slices (:func:`proxy._slices.body_slices`), no copy; each
@@ -450,9 +343,7 @@ class Exchange(Books):
 
     def accept(self) -> None:
         """The release boundary: the upstream accepted the request; no refold can follow.
-
-        Idempotent once accepted (a gated stream accepts again when its gate opens).
-        """
+        Idempotent once accepted (a gated stream accepts again when its gate opens)."""
         if self._phase is Phase.ACCEPTED:
             self.release()
             return
@@ -462,10 +353,7 @@ class Exchange(Books):
 
     def mark_streaming(self, *, upstream_head: HeadHolder | None = None) -> None:
         """The first response byte is going to the client; no resend can follow.
-
-        ``upstream_head``, the upstream's answer whose head the client's response
-        head was built from, forgets its header fields here.
-        """
+        ``upstream_head`` (the answer the client's head was built from) forgets its fields."""
         self._check(Phase.STREAMING)
         if self._outbound is not None or self._headers is not None:
             self.drop_outbound()
@@ -475,18 +363,13 @@ class Exchange(Books):
             self.ttfb = time.monotonic() - self.started
         self._move(Phase.STREAMING)
 
-    # ---------------------------------------------------------------- releasing
-
     def release(self, *, keep_outbound: bool = False) -> None:
         """Drop the raw buffer, the parsed body and the preparer; idempotent.
 
-        Called as soon as no refold can follow: before the last send when the
-        fold levels are used up (``keep_outbound=True``: that send still needs
-        the outbound body), else at :meth:`accept`. The outbound body and its
-        header fields survive only while ``keep_outbound`` or ``keep_for_resend`` is set (a
-        fake-completion retry may still resend it); a later call without them
-        drops it. Its digest and size stay as scalars either way. ``releases``
-        is 1 once the drop has run, and never more.
+        Called once no refold can follow: at :meth:`accept`, or before the last send
+        when the fold levels are used up (``keep_outbound``: that send needs the body).
+        The outbound body and its fields survive only while ``keep_outbound`` or
+        ``keep_for_resend`` is set; their size and digest stay. ``releases`` is 1 after.
         """
         before = self._held_total()
         if not (self.keep_for_resend or keep_outbound):
@@ -511,10 +394,7 @@ class Exchange(Books):
         self._settle_spool()
 
     def close(self) -> None:
-        """Final cleanup in the handler's ``finally``: nothing is held afterwards.
-
-        Idempotent: closing a closed exchange does nothing.
-        """
+        """Final cleanup in the handler's ``finally``: nothing is held afterwards (idempotent)."""
         if self._phase is Phase.CLOSED:
             return
         self.keep_for_resend = False

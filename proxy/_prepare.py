@@ -8,7 +8,7 @@ to the exchange (:meth:`~proxy._exchange.Exchange.open_draft`,
 :meth:`~proxy._exchange.Exchange.adopt_splice`,
 :meth:`~proxy._exchange.Exchange.adopt_object`), which keeps the release
 contract in one file. The exchange does not import this module: it keeps a
-:class:`Preparer` as its :class:`~proxy._exchange.Preparing` closure.
+:class:`Preparer` as its opaque :class:`~proxy._exchange.Preparing` closure.
 """
 
 from __future__ import annotations
@@ -18,11 +18,15 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Final
 
-from ._exchange import Exchange, Overflow, Preparing
+from ._exchange import Exchange
 from ._plugins import PluginHost, PrepareContext
 from ._structure import Splice
 
-__all__ = ["Preparer", "null_lock", "prepare", "refold"]
+__all__ = ["Overflow", "Preparer", "null_lock", "prepare", "refold"]
+
+#: ``(refused body bytes, prompt tokens, window tokens)`` a refold's hooks see
+#: (``None`` for a figure the upstream's error did not state).
+Overflow = tuple[int, int | None, int | None]
 
 # What wire.encode_body raises for an object JSON cannot carry (UnicodeEncodeError is a ValueError).
 _UNENCODABLE: Final = (TypeError, ValueError, RecursionError, OverflowError)
@@ -140,14 +144,14 @@ async def refold(
     return shrank
 
 
-def _preparer(ex: Exchange) -> Preparing:
-    """The prepare closure bound to ``ex``.
+def _preparer(ex: Exchange) -> Preparer:
+    """The :class:`Preparer` bound to ``ex`` (the exchange keeps it as an opaque closure).
 
     Raises:
         RuntimeError: none is bound (never bound, or dropped at release).
     """
     preparer = ex.preparer
-    if preparer is None:
+    if not isinstance(preparer, Preparer):
         raise RuntimeError(f"{ex.id}: prepare after release or before the body was read")
     return preparer
 

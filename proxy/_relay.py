@@ -29,11 +29,12 @@ from ._cancel import orderly_cancel_reason
 from ._coding import BodyError, ContentDecoder, parse_content_encoding
 from ._config import Settings
 from ._egress import EgressError, choose_proxy
-from ._exchange import Exchange, Outcome
+from ._exchange import Exchange
 from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
 from ._front import Answer, Request, StreamAnswer
 from ._headers import response_headers
 from ._logs import LogLimiter
+from ._plugins import Outcome
 from ._prepare import refold
 from ._protocols import Protocol
 from ._stream import (

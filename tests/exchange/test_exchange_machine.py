@@ -14,14 +14,9 @@ import itertools
 import pytest
 
 from proxy import _wire as wire
-from proxy._exchange import (
-    TRANSITIONS,
-    Exchange,
-    IllegalTransition,
-    Outcome,
-    Phase,
-)
-from proxy._plugins import PluginHost
+from proxy._exchange import Exchange
+from proxy._phases import TRANSITIONS, IllegalTransition, Phase
+from proxy._plugins import Outcome, PluginHost
 from proxy._prepare import Preparer, null_lock, prepare, refold
 from proxy._protocols import Protocol, UsageReport
 

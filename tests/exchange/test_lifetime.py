@@ -41,16 +41,13 @@ from proxy import _front as front_module
 from proxy import _loops as loops
 from proxy import _wire as wire
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
-from proxy._exchange import (
-    SEND_SLICE_MAX_BYTES,
-    Exchange,
-    HeldBytes,
-    Phase,
-    send_slice_bytes,
-)
+from proxy._exchange import Exchange
+from proxy._holders import HeldBytes
+from proxy._phases import Phase
 from proxy._plugins import BodyUnavailable, ExchangeRecord, Plugin, PluginHost, PrepareContext
 from proxy._prepare import Preparer, null_lock, prepare, refold
 from proxy._protocols import Protocol
+from proxy._slices import SEND_SLICE_MAX_BYTES, send_slice_bytes
 from proxy._structure import Splice
 from proxy._wire import WireMetadata
 from proxy.testing import proxy_with_emulator

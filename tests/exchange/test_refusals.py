@@ -16,9 +16,10 @@ from proxy._app import _refuse
 from proxy._body import BodyBusy, BodyError, BodyIncomplete, BodyMemory, BodyTimeout, BodyTooLarge
 from proxy._coding import BodyEncodingError
 from proxy._config import Settings
-from proxy._exchange import Exchange, Outcome, Phase
+from proxy._exchange import Exchange
 from proxy._front import Request, RequestHead
-from proxy._plugins import PluginHost
+from proxy._phases import Phase
+from proxy._plugins import Outcome, PluginHost
 from proxy._protocols import Protocol
 from proxy._refusals import (
     ANSWERS,

@@ -19,7 +19,8 @@ import xxhash
 
 from proxy import Plugin, PrepareContext, WireMetadata
 from proxy import _wire as wire
-from proxy._exchange import BodyHolder, Exchange
+from proxy._exchange import Exchange
+from proxy._holders import BodyHolder
 from proxy._plugins import PluginHost
 from proxy._prepare import Preparer, null_lock, prepare, refold
 from proxy._protocols import Protocol

@@ -42,7 +42,9 @@ from proxy import _app as app_module
 from proxy import _wire as wire
 from proxy._app import AppState, build_app, running
 from proxy._config import load_settings
-from proxy._exchange import Exchange, HeldBytes, Phase
+from proxy._exchange import Exchange
+from proxy._holders import HeldBytes
+from proxy._phases import Phase
 from proxy._plugins import ExchangeRecord, Plugin, PluginHost, PrepareContext
 from proxy._wire import WireMetadata
 
