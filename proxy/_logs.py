@@ -448,10 +448,11 @@ _CLIENT_DRIVEN_LOGGERS: Final = (
 
 
 def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
-    """Log every record (ours, the libraries', asyncio's) to stderr in ``fmt``, at ``level``.
+    """Log every record (ours, asyncio's, the libraries') to stderr in ``fmt``, at ``level``.
 
-    OpenTelemetry's propagators are kept at ERROR: their warnings are about a
-    client's ``traceparent`` / ``baggage`` fields, one per request.
+    :func:`log_access` writes the proxy's access lines. OpenTelemetry's
+    propagators are kept at ERROR: their warnings are about a client's
+    ``traceparent`` / ``baggage`` fields, one per request.
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ContextFilter())
