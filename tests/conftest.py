@@ -10,7 +10,7 @@ Hypothesis profiles (pick one with ``--hypothesis-profile NAME``):
 * ``ci`` (the default): few examples, no per-example deadline (2 shared cores
   make timings meaningless), so each property suite takes a few seconds;
 * ``long``: a local soak, thousands of examples per property, e.g.
-  ``python -m pytest tests/test_properties_*.py --hypothesis-profile long --timeout 0``
+  ``python -m pytest tests/*/test_properties_*.py --hypothesis-profile long --timeout 0``
   (minutes per property: the suite's 120 s per-test timeout must be lifted).
 """
 
