@@ -15,21 +15,21 @@ import asyncio
 
 import pytest
 import uvloop
-from aiohttp import web
 
+from proxy._answer import SmallAnswer
 from proxy._front import _BODY_HIGH_WATER, FrontServer, Request
 
 BODY = b"x" * (_BODY_HIGH_WATER + 100)  # over the high water in the read that ends it
 
 
 async def _unread_then_next() -> list[bytes]:
-    async def not_found(request: Request) -> web.Response:
+    async def not_found(request: Request) -> SmallAnswer:
         if request.method == "POST":
             for _ in range(1000):  # bounded (10 s): the body arrives, and is not read
                 if request.content.is_eof():
                     break
                 await asyncio.sleep(0.01)
-        return web.Response(status=404, body=b"none")
+        return SmallAnswer(status=404, body=b"none")
 
     server = FrontServer(not_found, header_timeout=5.0)
     port = await server.start("127.0.0.1", 0)

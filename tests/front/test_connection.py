@@ -9,9 +9,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy._answer import SmallAnswer
 from proxy._front import FrontServer, Handler, Request, StreamAnswer
 
 pytestmark = pytest.mark.asyncio
@@ -47,8 +47,8 @@ async def exchange(
         writer.close()
 
 
-async def small(request: Request) -> web.Response:
-    return web.Response(body=b"hello", content_type="text/plain")
+async def small(request: Request) -> SmallAnswer:
+    return SmallAnswer(body=b"hello", content_type="text/plain")
 
 
 async def test_a_small_answer_has_its_length_a_date_and_no_body_for_head() -> None:
@@ -118,13 +118,13 @@ async def test_an_unread_body_pauses_the_client_instead_of_piling_up() -> None:
     gate = asyncio.Event()
     seen: list[int] = []
 
-    async def slow_reader(request: Request) -> web.Response:
+    async def slow_reader(request: Request) -> SmallAnswer:
         await gate.wait()
         total = 0
         while chunk := await request.content.read(65536):
             total += len(chunk)
         seen.append(total)
-        return web.Response(body=b"done")
+        return SmallAnswer(body=b"done")
 
     size = 32 * 1024 * 1024
     async with serving(slow_reader) as (server, port):
@@ -157,14 +157,14 @@ async def test_a_client_that_hangs_up_cancels_its_handler() -> None:
     started = asyncio.Event()
     outcome: list[str] = []
 
-    async def waits(request: Request) -> web.Response:
+    async def waits(request: Request) -> SmallAnswer:
         started.set()
         try:
             await asyncio.sleep(30)
         except asyncio.CancelledError:
             outcome.append("cancelled")
             raise
-        return web.Response(body=b"late")
+        return SmallAnswer(body=b"late")
 
     done: list[int] = []
     server = FrontServer(waits, header_timeout=5.0, on_request_done=lambda: done.append(1))
@@ -189,9 +189,9 @@ async def test_a_client_that_hangs_up_cancels_its_handler() -> None:
 async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> None:
     release = asyncio.Event()
 
-    async def busy(request: Request) -> web.Response:
+    async def busy(request: Request) -> SmallAnswer:
         await release.wait()
-        return web.Response(body=b"finished")
+        return SmallAnswer(body=b"finished")
 
     server = FrontServer(busy, header_timeout=5.0)
     port = await server.start("127.0.0.1", 0)
@@ -215,7 +215,7 @@ async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> 
 async def test_a_handler_that_raises_gets_its_client_a_json_500_and_the_answer_is_done() -> None:
     done: list[int] = []
 
-    async def broken(request: Request) -> web.Response:
+    async def broken(request: Request) -> SmallAnswer:
         raise RuntimeError("a bug")
 
     server = FrontServer(broken, header_timeout=5.0, on_request_done=lambda: done.append(1))
@@ -234,8 +234,8 @@ async def test_a_handler_that_raises_gets_its_client_a_json_500_and_the_answer_i
     "field", [("X-Bad", "a\r\nInjected: yes"), ("X-Bad", "a\nb"), ("X\rY", "1")]
 )
 async def test_a_field_with_a_line_break_never_splits_the_answer(field: tuple[str, str]) -> None:
-    async def splitting(request: Request) -> web.Response:
-        return web.Response(body=b"x", headers={field[0]: field[1]})
+    async def splitting(request: Request) -> SmallAnswer:
+        return SmallAnswer(body=b"x", headers={field[0]: field[1]})
 
     async with serving(splitting) as (_, port):
         got = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", until_close=True)

@@ -14,8 +14,8 @@ import asyncio
 
 import pytest
 import uvloop
-from aiohttp import web
 
+from proxy._answer import SmallAnswer
 from proxy._front import (
     MAX_HEAD_BYTES,
     FrontServer,
@@ -61,8 +61,8 @@ def test_a_head_begun_behind_a_request_that_grows_past_the_limit_is_still_refuse
 async def _pipeline(count: int) -> bytes:
     """``count`` GETs written at once on one connection; what came back."""
 
-    async def ok(request: Request) -> web.Response:
-        return web.Response(body=b"ok")
+    async def ok(request: Request) -> SmallAnswer:
+        return SmallAnswer(body=b"ok")
 
     server = FrontServer(ok, header_timeout=5.0)
     port = await server.start("127.0.0.1", 0)

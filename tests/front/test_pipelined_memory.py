@@ -17,8 +17,8 @@ import tracemalloc
 
 import pytest
 import uvloop
-from aiohttp import web
 
+from proxy._answer import SmallAnswer
 from proxy._front import FrontServer, Request
 
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\nA: %d\r\n\r\n"
@@ -30,9 +30,9 @@ async def _flood() -> tuple[list[int], int]:
     """COUNT numbered GETs written as fast as the socket takes them; the numbers in
     the answers, in order, and the traced peak (bytes) while they are served."""
 
-    async def numbered(request: Request) -> web.Response:
+    async def numbered(request: Request) -> SmallAnswer:
         await asyncio.sleep(0)
-        return web.Response(body=b"<%s>" % request.headers["A"].encode())
+        return SmallAnswer(body=b"<%s>" % request.headers["A"].encode())
 
     server = FrontServer(numbered, header_timeout=5.0)
     port = await server.start("127.0.0.1", 0)

@@ -22,6 +22,7 @@ PACKAGES = ("proxy", "plugins")
 # They may import only each other within the project, and no I/O library.
 PURE = frozenset(
     {
+        "proxy._answer",
         "proxy._cluster.keys",
         "proxy._cluster.scripts",
         "proxy._coding",
