@@ -48,18 +48,6 @@ ANT_USER: list[MessageParam] = [{"role": "user", "content": "hi"}]
 BETA_USER: list[BetaMessageParam] = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
-    async with proxy_with_emulator() as h:
-        yield h
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
-
-
 def openai_client(base_url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key=SECRET, max_retries=0, timeout=20)
 

@@ -48,8 +48,6 @@ from tests.support.lifetime import (
     conversation,
     encode,
     fixed_upstream,
-    install_codec_counts,
-    install_spy,
     proxy_at,
 )
 
@@ -79,17 +77,6 @@ SHAPES = {
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
-
-
-@pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    return install_spy(monkeypatch)
-
-
-@pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts of full body parses and of body serializations (``parse``, ``encode``)."""
-    return install_codec_counts(monkeypatch)
 
 
 def script(shape: Shape, overflow_above: int) -> str:
