@@ -361,6 +361,19 @@ class Recorder(Plugin):
         return self.records
 
 
+class Tally(Plugin):
+    """Counts the commits it sees in ``booked``: a bookkeeping plugin that needs
+    nothing slow (no Redis, no disk)."""
+
+    name = "tally"
+
+    def __init__(self) -> None:
+        self.booked = 0
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        self.booked += 1
+
+
 class Reader(Plugin):
     """Reads the parsed body at every fold level and never changes it."""
 
