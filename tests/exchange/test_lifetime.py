@@ -68,6 +68,7 @@ from tests.support.lifetime import (
     Spy,
     SubprocessEmulator,
     big_chat_body,
+    chat_text,
     closed_port_url,
     conversation,
     encode,
@@ -110,16 +111,6 @@ def subprocess_emulator() -> Iterator[SubprocessEmulator]:
 def traced_now() -> int:
     """Bytes currently allocated and traced by tracemalloc."""
     return tracemalloc.get_traced_memory()[0]
-
-
-def chat_text(raw: bytes) -> str:
-    """The assistant text carried by an OpenAI chat SSE stream."""
-    text = []
-    for line in raw.decode().splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                text.append(choice["delta"].get("content") or "")
-    return "".join(text)
 
 
 # ------------------------------------------------------------------------------ unit: Exchange

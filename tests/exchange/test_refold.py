@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -45,6 +44,7 @@ from tests.support.lifetime import (
     Recorder,
     Spy,
     TracedExchange,
+    chat_text,
     conversation,
     encode,
     fixed_upstream,
@@ -343,16 +343,6 @@ async def test_an_overflow_inside_a_chat_stream_armed_for_resend_goes_to_the_cli
 
 
 # ------------------------------------------------------------------------------ fake completion
-
-
-def chat_text(raw: bytes) -> str:
-    """The assistant text carried by an OpenAI chat SSE stream."""
-    text = []
-    for line in raw.decode().splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                text.append(choice["delta"].get("content") or "")
-    return "".join(text)
 
 
 @pytest.mark.parametrize("change", [False, True], ids=["untouched-body", "changed-body"])

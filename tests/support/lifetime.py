@@ -165,6 +165,17 @@ def big_chat_body(total: int, *, message_bytes: int = 256 * 1024) -> bytes:
     return head + b",".join(messages) + b"]}"
 
 
+def chat_text(raw: bytes) -> str:
+    """The assistant text carried by an OpenAI chat SSE stream (the ``content`` of
+    every chunk's deltas, joined)."""
+    text = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text.append(choice["delta"].get("content") or "")
+    return "".join(text)
+
+
 async def slices(body: bytes, size: int = 256 * 1024) -> AsyncIterator[memoryview]:
     """``body`` as ``memoryview`` slices, for uploads that must not copy it.
 
