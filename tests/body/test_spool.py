@@ -54,10 +54,8 @@ from tests.support.lifetime import (
     Mutator,
     RawConn,
     Recorder,
-    Spy,
     conversation,
     encode,
-    install_spy,
     proxy_at,
     slices,
 )
@@ -75,11 +73,6 @@ PATHS = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
-
-
-@pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    return install_spy(monkeypatch)
 
 
 def open_fds() -> set[str]:
