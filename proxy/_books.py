@@ -2,9 +2,11 @@
 
 :class:`Books` is the part of :class:`proxy._exchange.Exchange` that holds no
 buffer: the figures its commit record (``Exchange.commit_record``), the access
-line, the metrics and the traces read. They are written only through the
-named methods here, never assigned from outside. Sizes are bytes, times
-seconds (monotonic unless named ``*_wall``).
+line, the metrics and the traces read. They are written through the named
+methods here, or by the exchange's own methods where they follow a buffer (the
+metadata, the outbound size and digest, the fold level, the bytes being read),
+never assigned from outside. Sizes are bytes, times seconds (monotonic unless
+named ``*_wall``).
 """
 
 from __future__ import annotations

@@ -535,7 +535,7 @@ class _Relay:
                     ex.count_retry()
                     attempt_reason = "resend"
                 else:
-                    # _Verdict.REFOLD: the exchange already re-prepared itself; send again.
+                    # _Verdict.REFOLD: the exchange was already re-prepared (_refold); send again.
                     attempt_reason = "refold"
         except asyncio.CancelledError as exc:
             reason = orderly_cancel_reason(exc)
