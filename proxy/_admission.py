@@ -15,6 +15,7 @@ body. :class:`ReadingAccount` then charges the bytes as they arrive.
 from __future__ import annotations
 
 import dataclasses
+from typing import Final
 
 from ._body import BodyBusy, check_content_length
 from ._exchange import Exchange
@@ -27,7 +28,7 @@ from ._state import AppState
 __all__ = ["BodyAdmission", "ReadingAccount", "admit", "admit_session", "over_reading_budget"]
 
 #: Methods whose request is read as a body even when the head frames none.
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
