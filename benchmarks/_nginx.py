@@ -50,7 +50,12 @@ def find_nginx() -> str | None:
 
 def nginx_argv(binary: str, prefix: Path, conf: Path) -> list[str]:
     """The command line of an nginx whose files live under ``prefix`` (``-p``), with its
-    start-up errors in ``prefix/nginx-error.log`` (``-e``) and its configuration ``conf``."""
+    start-up errors in ``prefix/nginx-error.log`` (``-e``) and its configuration ``conf``.
+
+    The paths are made absolute: nginx reads a relative ``-c`` or ``-e`` path from the
+    prefix, not from the working directory.
+    """
+    prefix, conf = prefix.resolve(), conf.resolve()
     return [binary, "-p", str(prefix), "-e", str(prefix / "nginx-error.log"), "-c", str(conf)]
 
 
@@ -125,14 +130,16 @@ def start_nginx(binary: str, upstream: str, log_dir: Path, *, name: str = "nginx
     conf = prefix / "nginx.conf"
     conf.write_text(spooling_config(port, upstream), encoding="utf-8")
     log_path = prefix / "nginx-error.log"
-    proc = subprocess.Popen(
-        nginx_argv(binary, prefix, conf),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        # Its own process group, as every server of a benchmark (see _harness._spawn).
-        start_new_session=True,
-    )
+    # What nginx says before its error log is open (a bad option) goes there too.
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            nginx_argv(binary, prefix, conf),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            # Its own process group, as every server of a benchmark (see _harness._spawn).
+            start_new_session=True,
+        )
     return Service(name, proc, f"http://{HOST}:{port}", log_path, "/")
 
 

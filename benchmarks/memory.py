@@ -43,7 +43,8 @@ body (what a naive proxy does to edit it), in CPU seconds.
 one process per proxy and shows RSS after each (the allocator's retention).
 Outputs in ``--out`` (default ``bench-results/``): ``memory.json`` (every
 figure), ``memory.md`` (the tables), ``memory.png`` (RSS over time); with
-``--publish`` also ``docs/bench-memory.{json,png,md}``.
+``--publish`` also ``docs/bench-memory.{json,png,md}`` (``--publish-name`` replaces
+``bench-memory``: the spool's run is published as ``docs/bench-spool.*``).
 """
 
 from __future__ import annotations
@@ -173,6 +174,9 @@ class Variant:
     #: ``None``: reported, no target (the heap path).
     anon_peak_limit: float | None = ANON_PEAK_LIMIT
     anon_mid_limit: float | None = ANON_MID_LIMIT
+    #: A shorter description for the plot's panel title, which must fit on one line
+    #: over its panel ("": the description).
+    short: str = ""
 
 
 VARIANTS: Final = {
@@ -188,6 +192,7 @@ VARIANTS: Final = {
         0.05,
         "plain with the spool off (spool_above_bytes=0): every body in the heap",
         env=((_SPOOL_ENV, "0"),),
+        short="plain with the spool off",
         anon_peak_limit=None,
         anon_mid_limit=None,
     ),
@@ -234,6 +239,7 @@ VARIANTS: Final = {
         "agent history refused with the context-overflow error, refolded by fold and resent",
         workload="agent",
         overflow=REFOLD_OVERFLOW,
+        short="context overflow, refolded by fold and resent",
     ),
 }
 
@@ -678,6 +684,11 @@ out_option: Final = click.option(
 )
 @click.option("--publish-dir", type=click.Path(path_type=Path), default=Path("docs"), help="[docs]")
 @click.option(
+    "--publish-name",
+    default="bench-memory",
+    help="file name the published copies get in --publish-dir, before the suffix [bench-memory]",
+)
+@click.option(
     "--replot",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
     metavar="JSON",
@@ -1103,7 +1114,7 @@ def write_outputs(args: SimpleNamespace, results: Results, reporter: rpt.Reporte
         docs: Path = args.publish_dir
         docs.mkdir(parents=True, exist_ok=True)
         for src in list(paths):
-            target = docs / f"bench-memory{src.suffix}"
+            target = docs / f"{args.publish_name}{src.suffix}"
             shutil.copyfile(src, target)
             paths.append(target)
     reporter.note(f"wall time {results.wall_s:.0f} s; wrote " + ", ".join(map(str, paths)))
@@ -1329,10 +1340,14 @@ def _median_text(samples: Sequence[Sample] | None, attr: str) -> str:
 
 
 def _ms(value: rpt.Stat) -> str:
-    """Seconds as ``median [min, max]`` in milliseconds, three significant digits."""
+    """Seconds as ``median [min, max]`` in milliseconds: three significant digits, whole
+    milliseconds from 100 ms."""
     if not value.n:
         return "n/a"
-    lo, mid, hi = (f"{v * 1000:.3g}" for v in (value.min, value.median, value.max))
+    lo, mid, hi = (
+        f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+        for ms in (v * 1000 for v in (value.min, value.median, value.max))
+    )
     return f"{mid} [{lo}, {hi}]"
 
 
@@ -1643,7 +1658,7 @@ def plot_memory(
         panels.append(
             rpt.Panel(
                 title=f"RSS over time, {size:.0f} MiB {timeline['protocol']}: "
-                f"{name} ({variant['description']})",
+                f"{name} ({variant.get('short') or variant['description']})",
                 xlabel="seconds since the first large request",
                 ylabel=ylabel,
                 series=series,
@@ -1745,7 +1760,7 @@ def _run(args: SimpleNamespace) -> int:
     if args.replot is not None:
         targets = [args.out / "memory.png"]
         if args.publish:
-            targets.append(args.publish_dir / "bench-memory.png")
+            targets.append(args.publish_dir / f"{args.publish_name}.png")
         for target in targets:
             replot(args.replot, target)
         print("wrote " + ", ".join(map(str, targets)))

@@ -31,8 +31,7 @@ def _widest_table(text: str) -> int:
     return max((len(line.strip()) for line in text.splitlines() if "──" in line), default=0)
 
 
-def _run(tmp_path: Path, *extra: str) -> tuple[str, dict[str, Any]]:
-    out = tmp_path / "results"
+def _run(out: Path, *extra: str) -> tuple[str, dict[str, Any]]:
     argv = [
         "--sizes", "1",
         "--protocols", "chat",
@@ -70,7 +69,10 @@ def test_a_run_shows_nginx_and_the_spool_cost_ratios_of_its_own_samples(
     if find_nginx() is None:
         pytest.skip("nginx is not installed (.ci/run installs it)")
     monkeypatch.setenv("COLUMNS", "200")
-    markdown, doc = _run(tmp_path, "--turns", "4", "--turn-kb", "40")
+    # A relative --out, as the README's commands give it: nginx reads relative paths
+    # from its prefix, not from the working directory.
+    monkeypatch.chdir(tmp_path)
+    markdown, doc = _run(Path("results"), "--turns", "4", "--turn-kb", "40")
     printed = capsys.readouterr().out
     assert 40 < _widest_table(printed) <= 80, printed
     assert "| variant | figure | ours | naive | nginx | target | verdict |" in markdown
@@ -126,9 +128,18 @@ def test_a_run_shows_nginx_and_the_spool_cost_ratios_of_its_own_samples(
 def test_without_nginx_the_run_says_so_and_has_no_nginx_figures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # About 10 s: the same run without nginx and without the small turns.
+    # About 10 s: the same run without nginx and without the small turns, published.
     monkeypatch.setattr(memory, "find_nginx", lambda: None)
-    markdown, doc = _run(tmp_path, "--turns", "0")
+    docs = tmp_path / "docs"
+    markdown, doc = _run(
+        tmp_path / "results", "--turns", "0", "--publish", "--publish-dir", str(docs),
+        "--publish-name", "bench-spool",
+    )  # fmt: skip
+    # Published under the name asked for (the spool's run is docs/bench-spool.*).
+    assert (docs / "bench-spool.md").read_text() == markdown
+    assert sorted(p.name for p in docs.iterdir()) == [
+        "bench-spool.json", "bench-spool.md", "bench-spool.png"
+    ]  # fmt: skip
     printed = capsys.readouterr().out
     assert "skipped: nginx is not installed" in printed
     assert "Skipped: nginx is not installed" in markdown
