@@ -1,8 +1,11 @@
 """``context-proxy bench memory``: request-memory lifetime of this proxy against a naive one.
 
 For every body size (MiB) and protocol, a fresh process of this proxy per
-*variant* and a fresh naive baseline process each take ``--repeats`` large
-streamed requests, one after the other, after a small warm-up request. Each
+*variant*, a fresh naive baseline process and a fresh nginx (a reverse proxy
+that spools request bodies to a temporary file, :mod:`benchmarks._nginx`; its
+master and worker sampled together; left out, with a line saying so, when no
+nginx binary is found) each take ``--repeats`` large streamed requests, one
+after the other, after a small warm-up request. Each
 answer is held open by the emulator (``x-emulator: hold=KEY``) until the
 benchmark has sampled it, then released. Growth figures are RSS minus the
 process's idle RSS before its first large request, divided by the body size B.
@@ -17,6 +20,10 @@ it is). The naive baseline gets the same wait.
   ``/proc/PID/clear_refs``);
 * **mid-stream**: median RSS over 100 ms while the answer is held open;
 * **after**: median RSS over 100 ms, 200 ms after the answer ended.
+
+Each figure also in its anonymous (``RssAnon``) and file-backed (``RssFile``)
+parts, and per request the time to first byte and the CPU seconds the process
+spent (:attr:`Sample.ttfb_s`, :attr:`Sample.cpu_s`).
 
 Variants of this proxy (the naive baseline is the same in all):
 
@@ -33,6 +40,14 @@ Variants of this proxy (the naive baseline is the same in all):
   error while it is over 0.75 B; ``fold`` refolds it at level 1 and resends;
   held after the first text delta of the refolded answer. Peak is over the
   whole exchange (both sends).
+
+With ``plain`` and ``heap`` selected, every case whose body is spooled gets
+their time to first byte and CPU per request side by side, as ratios
+(:func:`spool_costs`). ``--turns N`` (default 50; 0: skip) runs two more
+processes, the defaults and ``spool_above_bytes = 0``, side by side through
+``--repeats`` rounds of N streamed ~``--turn-kb`` KB Anthropic Messages turns
+(under the threshold: nothing should change) and reports their CPU per request
+(:func:`measure_turn_cpu`).
 
 With ``refold`` selected, the run also times one refold of each protocol's
 largest agent history in the benchmark process (``fold`` through the view,
@@ -104,6 +119,8 @@ __all__ = [
     "ProcessRun",
     "Results",
     "Sample",
+    "SpoolCost",
+    "TurnCpu",
     "Variant",
     "build_tables",
     "collect",
@@ -111,12 +128,17 @@ __all__ = [
     "converted",
     "main",
     "measure_batch",
+    "measure_turn_cpu",
+    "no_worse",
     "open_bench",
     "out_option",
     "plot_document",
     "plot_memory",
     "run_json",
     "run_process",
+    "spool_cost_table",
+    "spool_costs",
+    "turn_cpu_table",
     "write_outputs",
 ]
 
