@@ -28,6 +28,7 @@ import pytest
 
 from benchmarks._cluster import nginx_config
 from benchmarks._nginx import nginx_argv
+from tests.support.ports import free_port
 
 __all__ = [
     "Cluster",
@@ -35,7 +36,6 @@ __all__ = [
     "NginxServer",
     "ProxyNode",
     "RedisServer",
-    "free_port",
     "need_binary",
 ]
 
@@ -51,13 +51,6 @@ def need_binary(name: str) -> str:
     if found is None:
         pytest.skip(f"{name} is not installed (.ci/run installs it)")
     return found
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (bind, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], within: float) -> bool:
