@@ -1624,7 +1624,7 @@ def plot_memory(
     path: Path,
     doc: Mapping[str, Any],
     *,
-    title: str = "context-proxy vs a naive proxy: request memory over time",
+    title: str = "context-proxy vs a naive proxy and nginx: request memory over time",
 ) -> None:
     """Save the PNG from a result document (``memory.json``, see :func:`_document`):
     RSS over time of the largest case per variant against the naive proxy, held-open
