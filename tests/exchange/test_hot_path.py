@@ -28,6 +28,7 @@ from proxy.testing import proxy_with_emulator
 from tests.body.test_body import fed_reader
 from tests.support.e2e import CHAT_PATH, stream_body
 from tests.support.lifetime import proxy_at
+from tests.support.ports import serve_app
 from tests.support.upstream import SSE_HEAD, RawUpstream, chat_sse_events, chunked, proxy_for
 
 IO_TIMEOUT = 20.0  # seconds; bounds every wait
@@ -271,15 +272,11 @@ async def stalling_upstream() -> AsyncIterator[tuple[str, asyncio.Event]]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", go
-    finally:
-        go.set()
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        try:
+            yield url, go
+        finally:
+            go.set()
 
 
 @pytest.mark.parametrize("path", ["/v1/files", "/v1/models"])

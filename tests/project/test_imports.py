@@ -29,7 +29,9 @@ PURE = frozenset(
         "proxy._emulator_frames",
         "proxy._emulator_script",
         "proxy._headers",
+        "proxy._holders",
         "proxy._http1",
+        "proxy._phases",
         "proxy._pool",
         "proxy._protocols",
         "proxy._session_ids",
@@ -231,6 +233,24 @@ def test_the_state_machines_import_nothing_of_ours_but_the_limits() -> None:
     for name in ("proxy._http1", "proxy._pool"):
         assert graph[name] <= {"proxy._limits"}, f"{name} imports {sorted(graph[name])}"
     assert "proxy._http1" in graph["proxy._upstream"] and "proxy._pool" in graph["proxy._upstream"]
+
+
+# Rooms kept apart (docs/design.md §8): ``(module, what it must not reach)``. The exchange
+# holds and drops the buffers; running plugins on them is the preparer's job, and a
+# preparer reachable from the exchange would let plugin code creep back in.
+APART = frozenset({("proxy._exchange", "proxy._prepare")})
+
+
+def test_rooms_kept_apart_do_not_reach_each_other() -> None:
+    files = module_files()
+    graph = import_graph(files)
+    assert {name for pair in APART for name in pair} <= files.keys()
+    reached = {
+        (name, banned, reachable(graph, name).get(banned))
+        for name, banned in sorted(APART)
+        if banned in reachable(graph, name)
+    }
+    assert reached == set(), "(module, banned module, imported by)"
 
 
 # The checks above are only as good as the graph: prove they see what they must.
