@@ -104,6 +104,27 @@ class _Move(enum.Enum):
 
 _C = ClientState
 _M = _Move
+# The members as plain globals for the per-request code: an Enum member read through
+# its class costs a metaclass lookup (about 60 ns in CPython 3.11), a global ~5 ns.
+_S_IDLE = ClientState.IDLE
+_S_SEND_BODY = ClientState.SEND_BODY
+_S_AWAIT_HEAD = ClientState.AWAIT_HEAD
+_S_BODY = ClientState.BODY
+_S_DONE = ClientState.DONE
+_S_MUST_CLOSE = ClientState.MUST_CLOSE
+_S_CLOSED = ClientState.CLOSED
+_S_ERROR = ClientState.ERROR
+_M_HEAD_WITH_BODY = _Move.HEAD_WITH_BODY
+_M_HEAD_ALONE = _Move.HEAD_ALONE
+_M_BODY = _Move.BODY
+_M_END = _Move.END
+_M_ABANDON = _Move.ABANDON
+_M_ASKED = _Move.ASKED
+_M_INTERIM = _Move.INTERIM
+_M_FINAL = _Move.FINAL
+_M_PEER_CLOSED = _Move.PEER_CLOSED
+_M_FAULT = _Move.FAULT
+_M_NEXT = _Move.NEXT
 
 #: Our (the request's) transitions: (state, move) -> next state.
 _OURS: Final[dict[tuple[ClientState, _Move], ClientState]] = {
@@ -326,8 +347,8 @@ class ClientConnection:
         self._parser = httptools.HttpResponseParser(self)
         #: Seconds a reader may wait for body bytes (:meth:`reader_waits`).
         self.idle_read_s = idle_read_s
-        self.our_state = ClientState.IDLE
-        self.their_state = ClientState.IDLE
+        self.our_state = _S_IDLE
+        self.their_state = _S_IDLE
         self._idle_since: float | None = None
         self._reset()
 
@@ -365,10 +386,10 @@ class ClientConnection:
             StateError: a request is under way already.
         """
         self.our_state = _OURS.get(
-            (self.our_state, _M.HEAD_WITH_BODY if body_bytes else _M.HEAD_ALONE)
-        ) or _illegal(self.our_state, _M.HEAD_WITH_BODY if body_bytes else _M.HEAD_ALONE)
-        self.their_state = _THEIRS.get((self.their_state, _M.ASKED)) or _illegal(
-            self.their_state, _M.ASKED
+            (self.our_state, _M_HEAD_WITH_BODY if body_bytes else _M_HEAD_ALONE)
+        ) or _illegal(self.our_state, _M_HEAD_WITH_BODY if body_bytes else _M_HEAD_ALONE)
+        self.their_state = _THEIRS.get((self.their_state, _M_ASKED)) or _illegal(
+            self.their_state, _M_ASKED
         )
         self._idle_since = None
         self._head_only = head.method == "HEAD"
@@ -385,7 +406,7 @@ class ClientConnection:
         Raises:
             StateError: no body is being sent, or this passes the declared length.
         """
-        self.our_state = _OURS.get((self.our_state, _M.BODY)) or _illegal(self.our_state, _M.BODY)
+        self.our_state = _OURS.get((self.our_state, _M_BODY)) or _illegal(self.our_state, _M_BODY)
         self._body_bytes += nbytes
         if self._body_bytes > self._declared:
             raise StateError(f"body over its declared {self._declared} bytes")
@@ -398,14 +419,14 @@ class ClientConnection:
         """
         if self._body_bytes != self._declared:
             raise StateError(f"body of {self._body_bytes} bytes, {self._declared} declared")
-        self.our_state = _OURS.get((self.our_state, _M.END)) or _illegal(self.our_state, _M.END)
+        self.our_state = _OURS.get((self.our_state, _M_END)) or _illegal(self.our_state, _M_END)
         return b""
 
     def abandon(self) -> None:
         """The upload stopped part-way: the connection must not carry another request."""
-        if self.our_state is ClientState.SEND_BODY:
-            self.our_state = _OURS.get((self.our_state, _M.ABANDON)) or _illegal(
-                self.our_state, _M.ABANDON
+        if self.our_state is _S_SEND_BODY:
+            self.our_state = _OURS.get((self.our_state, _M_ABANDON)) or _illegal(
+                self.our_state, _M_ABANDON
             )
 
     # ---- receiving
@@ -414,15 +435,15 @@ class ClientConnection:
         """Parse ``data``, the next bytes read (``b""``: the peer closed). Nothing is
         parsed after a fault or a close."""
         state = self.their_state
-        if state is ClientState.ERROR or state is ClientState.CLOSED:
+        if state is _S_ERROR or state is _S_CLOSED:
             return
         if not data:
             self._peer_closed()
             return
-        if state is ClientState.DONE or state is ClientState.IDLE:
+        if state is _S_DONE or state is _S_IDLE:
             self._fault(_BYTES_AFTER, closed=False)
             return
-        in_head = state is ClientState.AWAIT_HEAD
+        in_head = state is _S_AWAIT_HEAD
         if in_head:
             self._head_bytes += len(data)
             self._since_field += len(data)
@@ -431,17 +452,17 @@ class ClientConnection:
         except httptools.HttpParserUpgrade:
             self._fault("upstream switched protocols", closed=False)
         except httptools.HttpParserCallbackError as exc:
-            if self.their_state is not ClientState.ERROR:  # not a _Stop: a bug of ours
+            if self.their_state is not _S_ERROR:  # not a _Stop: a bug of ours
                 raise exc.__context__ or exc from None
         except httptools.HttpParserError:
             state = self.their_state
-            if state is ClientState.DONE:
+            if state is _S_DONE:
                 self._fault(_BYTES_AFTER, closed=False)
-            elif state is ClientState.BODY:
+            elif state is _S_BODY:
                 self._fault("upstream body framing is broken", closed=False)
-            elif state is ClientState.AWAIT_HEAD:
+            elif state is _S_AWAIT_HEAD:
                 self._fault(_HEAD_UNPARSED, closed=False)
-        if self.their_state is ClientState.AWAIT_HEAD:
+        if self.their_state is _S_AWAIT_HEAD:
             # One line still growing (llhttp gathers it whole before calling back), or
             # a head growing past its size.
             if self._since_field > 2 * MAX_LINE_BYTES:
@@ -453,29 +474,29 @@ class ClientConnection:
 
     def _peer_closed(self) -> None:
         state = self.their_state
-        if state is ClientState.BODY and self.until_close:
+        if state is _S_BODY and self.until_close:
             self._end()
-        elif state is ClientState.AWAIT_HEAD:
+        elif state is _S_AWAIT_HEAD:
             self._fault("upstream closed the connection before answering", closed=True)
             return
-        elif state is ClientState.BODY:
+        elif state is _S_BODY:
             self._fault("upstream closed the connection mid-answer", closed=True)
             return
-        self.their_state = _THEIRS.get((self.their_state, _M.PEER_CLOSED)) or _illegal(
-            self.their_state, _M.PEER_CLOSED
+        self.their_state = _THEIRS.get((self.their_state, _M_PEER_CLOSED)) or _illegal(
+            self.their_state, _M_PEER_CLOSED
         )
 
     def _fault(self, words: str, *, closed: bool) -> None:
-        if self.their_state is ClientState.ERROR:
+        if self.their_state is _S_ERROR:
             return
-        self.their_state = _THEIRS.get((self.their_state, _M.FAULT)) or _illegal(
-            self.their_state, _M.FAULT
+        self.their_state = _THEIRS.get((self.their_state, _M_FAULT)) or _illegal(
+            self.their_state, _M_FAULT
         )
         self._events.append(Fault(words, closed=closed))
 
     def _end(self) -> None:
-        self.their_state = _THEIRS.get((self.their_state, _M.END)) or _illegal(
-            self.their_state, _M.END
+        self.their_state = _THEIRS.get((self.their_state, _M_END)) or _illegal(
+            self.their_state, _M_END
         )
         self.ended = True
         fields = self._fields
@@ -514,8 +535,8 @@ class ClientConnection:
         """Whether the connection may carry the next request: both messages ended, every
         body byte was taken (the end itself need not be), and both sides allow it."""
         return (
-            self.our_state is ClientState.DONE
-            and self.their_state is ClientState.DONE
+            self.our_state is _S_DONE
+            and self.their_state is _S_DONE
             and self.keep_alive
             and not self._our_close
             and self.keep_alive_s > 0
@@ -530,9 +551,9 @@ class ClientConnection:
         """
         if not self.reusable:
             raise StateError("the connection is not reusable")
-        self.our_state = _OURS.get((self.our_state, _M.NEXT)) or _illegal(self.our_state, _M.NEXT)
-        self.their_state = _THEIRS.get((self.their_state, _M.NEXT)) or _illegal(
-            self.their_state, _M.NEXT
+        self.our_state = _OURS.get((self.our_state, _M_NEXT)) or _illegal(self.our_state, _M_NEXT)
+        self.their_state = _THEIRS.get((self.their_state, _M_NEXT)) or _illegal(
+            self.their_state, _M_NEXT
         )
         keep_alive_s = self.keep_alive_s
         self._reset()
@@ -566,7 +587,7 @@ class ClientConnection:
     # ---- llhttp callbacks (called by feed_data; an exception stops the parse)
 
     def on_message_begin(self) -> None:
-        if self.their_state is not ClientState.AWAIT_HEAD:
+        if self.their_state is not _S_AWAIT_HEAD:
             # A second answer (or a body after HEAD's head, or after a 204's): nothing
             # asked for it, and the connection cannot be framed any further.
             self._fault(_BYTES_AFTER, closed=False)
@@ -599,13 +620,13 @@ class ClientConnection:
             self._fault("upstream switched protocols", closed=False)
             raise _Stop
         if 100 <= status < 200:
-            self.their_state = _THEIRS.get((self.their_state, _M.INTERIM)) or _illegal(
-                self.their_state, _M.INTERIM
+            self.their_state = _THEIRS.get((self.their_state, _M_INTERIM)) or _illegal(
+                self.their_state, _M_INTERIM
             )
             self._events.append(ResponseHead(status, fields, True))
             return
-        self.their_state = _THEIRS.get((self.their_state, _M.FINAL)) or _illegal(
-            self.their_state, _M.FINAL
+        self.their_state = _THEIRS.get((self.their_state, _M_FINAL)) or _illegal(
+            self.their_state, _M_FINAL
         )
         self.status = status
         self.keep_alive = parser.should_keep_alive()
@@ -631,7 +652,7 @@ class ClientConnection:
                 self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
-        if self.their_state is not ClientState.BODY:
+        if self.their_state is not _S_BODY:
             # After a HEAD's head, which llhttp cannot be told has no body.
             self._fault(_BYTES_AFTER, closed=False)
             raise _Stop
@@ -644,7 +665,7 @@ class ClientConnection:
         self.buffered_bytes += len(body)
 
     def on_message_complete(self) -> None:
-        if self.their_state is ClientState.BODY:
+        if self.their_state is _S_BODY:
             self._end()
 
 

@@ -82,6 +82,7 @@ RESEND_WINDOW_S: Final = 0.5
 
 _NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
 _CLOSING: Final = "proxy is shutting down"
+_ERROR: Final = ClientState.ERROR  # (a global: read per received piece)
 
 
 class UpstreamAnswer:
@@ -232,7 +233,7 @@ class _Connection(asyncio.Protocol):
         machine.receive_data(data)
         if self._final is None:
             self._take_head()
-        if machine.their_state is ClientState.ERROR:
+        if machine.their_state is _ERROR:
             self._wake_all()
             if self.transport is not None:
                 self.transport.close()
@@ -358,7 +359,7 @@ class _Connection(asyncio.Protocol):
             self.lost
             or transport.is_closing()
             or self.cut is not None
-            or self.machine.their_state is ClientState.ERROR
+            or self.machine.their_state is _ERROR
             or self.machine.status >= 300
         )
 
