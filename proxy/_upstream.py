@@ -83,6 +83,7 @@ RESEND_WINDOW_S: Final = 0.5
 _NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
 _CLOSING: Final = "proxy is shutting down"
 _ERROR: Final = ClientState.ERROR  # (a global: read per received piece)
+_SEEN: Final = ResponseHead(0, [], False)  # the final head came and was handed on
 
 
 class UpstreamAnswer:
@@ -205,8 +206,7 @@ class _Connection(asyncio.Protocol):
         self.reused = False
         #: The answer's final head, once parsed (interim ones are dropped).
         self._final: ResponseHead | None = None
-        #: The body's end was read / why the answer is unusable (our words), once known.
-        self.ended = False
+        self.ended = False  # the body's end was read; cut: why the answer is unusable
         self.cut: Fault | None = None
         self._head: asyncio.Future[None] | None = None
         # The deadline on the answer's head while it is awaited (UpstreamPool.request).
@@ -343,8 +343,7 @@ class _Connection(asyncio.Protocol):
             self._bound = None  # it holds the request's task
         final = self._final
         answer = UpstreamAnswer(self, final.status, final.fields, loop.time() - self._sent_at)
-        # The answer's fields are the only copy: dropped with its head (drop_head).
-        final.fields = []
+        self._final = _SEEN  # not kept per stream: the answer has the fields' only copy
         return answer
 
     def raced(self) -> bool:
