@@ -12,7 +12,10 @@ dropped (closed) afterwards.
 from __future__ import annotations
 
 import asyncio
+import base64
+import gzip
 import json
+import random
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import Any, Final, cast
 
@@ -95,7 +98,8 @@ class FakeAnswer:
     """An upstream answer whose head is here; its body is a script of reads.
 
     Each item of ``reads`` is what one :meth:`read` returns (bytes) or raises (an
-    exception); after the last, ``b""`` (the end). ``released`` / ``closed`` say
+    exception); after the last, ``b""`` (the end). ``fields`` are header fields
+    besides its ``Content-Type``. ``released`` / ``closed`` say
     what the relay did with the connection afterwards.
     """
 
@@ -110,10 +114,16 @@ class FakeAnswer:
         "wait_s",
     )
 
-    def __init__(self, status: int, content_type: str, reads: Iterable[bytes | Exception]) -> None:
+    def __init__(
+        self,
+        status: int,
+        content_type: str,
+        reads: Iterable[bytes | Exception],
+        fields: Mapping[str, str] | None = None,
+    ) -> None:
         self.status = status
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(
-            CIMultiDict({"Content-Type": content_type})
+            CIMultiDict({"Content-Type": content_type, **(fields or {})})
         )
         self.content_type = content_type
         self.wait_s = 0.001
@@ -423,3 +433,49 @@ async def test_an_overflow_no_refold_shrinks_reaches_the_client_as_the_upstream_
     assert body == OVERFLOW and ended
     assert len(run.pool.sent) == 1
     assert run.ex.outcome is Outcome.UPSTREAM_ERROR
+
+
+_TEXT: Final = base64.b64encode(random.Random(7).randbytes(6000)).decode()
+COMPLETION: Final = json.dumps(
+    {
+        "id": "c1",
+        "object": "chat.completion",
+        "model": "m",
+        # Incompressible text: half of the coded body holds about half of it.
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": _TEXT}}],
+    }
+).encode()
+
+
+async def test_a_gzip_answer_reaches_the_client_decoded_without_its_coding() -> None:
+    coded = gzip.compress(COMPLETION)
+    half = len(coded) // 2
+    answer = FakeAnswer(
+        200, "application/json", [coded[:half], coded[half:]], {"Content-Encoding": "gzip"}
+    )
+    run = Run([answer])
+    result = await run.relay()
+    assert isinstance(result, StreamAnswer) and result.status == 200
+    # The relay leaves the end to the handler (proxy/_app.py), which writes it.
+    await result.write_eof()
+    head, body, ended = _split(run.conn.received)
+    assert b"content-encoding" not in head.lower()
+    assert body == COMPLETION and ended
+    assert run.ex.outcome is Outcome.OK
+    assert answer.released and not answer.closed
+
+
+async def test_a_gzip_answer_cut_short_cuts_the_client_connection_instead_of_ending_it() -> None:
+    coded = gzip.compress(COMPLETION)
+    answer = FakeAnswer(
+        200, "application/json", [coded[: len(coded) // 2]], {"Content-Encoding": "gzip"}
+    )
+    run = Run([answer])
+    await run.relay()
+    _, body, ended = _split(run.conn.received)
+    # A JSON body cannot carry an error event: the client sees a truncated body
+    # (its connection closed), never a complete-looking one.
+    assert not ended and len(body) < len(COMPLETION)
+    transport = run.conn.transport
+    assert transport is not None and transport.closing
+    assert run.ex.outcome is Outcome.STREAM_ERROR
