@@ -1,4 +1,5 @@
-"""The size limits issue 23 sets on the rooms of the code, as the project's own guard.
+"""The size limits issue 23 sets on the rooms of the code, as the project's own guard,
+and no citation of a tracker item in the shipped code.
 
 A driver or a room that grows past its limit has started doing a second job; these
 tests say so before a reviewer has to. Limits not met yet are ``xfail(strict=True)``:
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -70,3 +72,33 @@ def test_function_is_within_its_size(name: str, limit: int) -> None:
         pytest.fail(f"no function {name} in proxy/: update its limit with the code")
     too_long = {where: lines for where, lines in lengths.items() if lines > limit}
     assert not too_long, f"{name} over {limit} lines: {too_long}"
+
+
+# "issue 11 item 3", "task 7", "#123": the tracker is not in the repository, so a
+# citation of it explains nothing to a reader of the code.
+TRACKER_CITATION = re.compile(
+    r"\b(?:issue|task|ticket)s? #?\d+|\bitem \d+\b|(?<![\w&])#\d{2,}\b", re.I
+)
+
+
+def test_the_code_cites_no_tracker_item() -> None:
+    found = []
+    for folder in ("proxy", "plugins", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if TRACKER_CITATION.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert found == []
+
+
+def test_the_citation_pattern_knows_a_citation_from_prose() -> None:
+    cited = ["see issue 11 item 3", "(task 7)", "fixed in #123", "Issue #4"]
+    prose = [
+        "the item's size",
+        "issues a BEGIN",
+        "color: #1d2430",
+        "items 0..n",
+        "x[0]  # 12 bytes",
+    ]
+    assert all(TRACKER_CITATION.search(text) for text in cited)
+    assert not any(TRACKER_CITATION.search(text) for text in prose)
