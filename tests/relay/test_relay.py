@@ -24,6 +24,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy import _wire as wire
 from proxy._answer import SmallAnswer
+from proxy._cancel import SHUTDOWN_CANCEL
 from proxy._config import Settings
 from proxy._exchange import Exchange, Outcome, Phase, Preparer, null_lock
 from proxy._front import Request, RequestHead, StreamAnswer
@@ -98,14 +99,15 @@ class FakeAnswer:
     """An upstream answer whose head is here; its body is a script of reads.
 
     Each item of ``reads`` is what one :meth:`read` returns (bytes) or raises (an
-    exception); after the last, ``b""`` (the end). ``fields`` are header fields
+    exception) or waits for (an :class:`asyncio.Event`, a silent upstream); after
+    the last, ``b""`` (the end). ``fields`` are header fields
     besides its ``Content-Type``. ``released`` / ``closed`` say
     what the relay did with the connection afterwards.
     """
 
     __slots__ = (
-        "_failed",
         "_reads",
+        "_unended",
         "closed",
         "content_type",
         "headers",
@@ -118,7 +120,7 @@ class FakeAnswer:
         self,
         status: int,
         content_type: str,
-        reads: Iterable[bytes | Exception],
+        reads: Iterable[bytes | Exception | asyncio.Event],
         fields: Mapping[str, str] | None = None,
     ) -> None:
         self.status = status
@@ -128,7 +130,8 @@ class FakeAnswer:
         self.content_type = content_type
         self.wait_s = 0.001
         self._reads = list(reads)
-        self._failed = False
+        # The body did not end although no read is left: cut, or silent for now.
+        self._unended = False
         self.released = False
         self.closed = False
 
@@ -138,20 +141,26 @@ class FakeAnswer:
 
     @property
     def ended(self) -> bool:
-        return not self._reads and not self._failed
+        return not self._reads and not self._unended
 
     @property
     def at_eof(self) -> bool:
-        # A body cut short never ended: its connection must not be kept.
-        return not self._reads and not self._failed
+        # A body cut short (or still going) did not end: its connection must not be kept.
+        return not self._reads and not self._unended
 
     async def read(self) -> bytes:
         if not self._reads:
             return b""
         item = self._reads.pop(0)
+        if isinstance(item, asyncio.Event):
+            # A silent upstream, until the test sets it (or cancels): its body goes on.
+            self._unended = True
+            await item.wait()
+            self._unended = False
+            return await self.read()
         if isinstance(item, Exception):
             self._reads.clear()
-            self._failed = True
+            self._unended = True
             raise item
         return item
 
@@ -479,3 +488,37 @@ async def test_a_gzip_answer_cut_short_cuts_the_client_connection_instead_of_end
     transport = run.conn.transport
     assert transport is not None and transport.closing
     assert run.ex.outcome is Outcome.STREAM_ERROR
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [(SHUTDOWN_CANCEL, "proxy_shutdown"), (None, None)],
+    ids=["process-drain", "client-gone"],
+)
+async def test_a_cancel_mid_stream_ends_it_in_band_only_when_it_is_an_orderly_stop(
+    message: str | None, code: str | None
+) -> None:
+    silent = asyncio.Event()  # never set: the upstream goes quiet after one event
+    answer = FakeAnswer(200, SSE_TYPE, [_chunk("Hel"), silent])
+    run = Run([answer])
+    task = asyncio.create_task(run.relay())
+    for _ in range(100):  # bounded: the first event is written within a few loop turns
+        if _chunk("Hel") in run.conn.received:
+            break
+        await asyncio.sleep(0)
+    task.cancel(message)
+    if code is None:
+        # A plain cancel is the server edge's for a client that hung up: it propagates.
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        result = await task
+        assert isinstance(result, StreamAnswer)
+        _, body, _ = _split(run.conn.received)
+        first, _, tail = body.partition(b"\n\n")
+        assert first + b"\n\n" == _chunk("Hel")
+        error = json.loads(tail.removeprefix(b"data: "))["error"]
+        assert error["code"] == code
+        assert run.ex.outcome is Outcome.CANCELLED
+    # Either way the upstream learns nobody reads on.
+    assert answer.closed and not answer.released
