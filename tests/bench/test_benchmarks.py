@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from benchmarks import _harness, memory, overhead
 from benchmarks import _report as rpt
-from benchmarks import memory, overhead
 from benchmarks._workload import (
     BenchProtocol,
     Corpus,
@@ -364,11 +364,11 @@ def test_cpu_seconds_of_another_process_resolves_less_than_a_tick() -> None:
     assert child.stdin is not None and child.stdout is not None
     try:
         assert child.stdout.readline() == "ready\n"
-        before = overhead._cpu_seconds(child.pid)
+        before = _harness.cpu_seconds(child.pid)
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline() == "done\n"
-        spent = overhead._cpu_seconds(child.pid) - before
+        spent = _harness.cpu_seconds(child.pid) - before
         assert 0.005 <= spent < 0.0095, spent
     finally:
         child.stdin.close()

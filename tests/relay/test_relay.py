@@ -26,9 +26,11 @@ from proxy import _wire as wire
 from proxy._answer import SmallAnswer
 from proxy._cancel import SHUTDOWN_CANCEL
 from proxy._config import Settings
-from proxy._exchange import Exchange, Outcome, Phase, Preparer, null_lock
+from proxy._exchange import Exchange
 from proxy._front import Request, RequestHead, StreamAnswer
-from proxy._plugins import Plugin, PluginHost, PrepareContext
+from proxy._phases import Phase
+from proxy._plugins import Outcome, Plugin, PluginHost, PrepareContext
+from proxy._prepare import Preparer, null_lock, prepare
 from proxy._protocols import Protocol
 from proxy._relay import ClientGone, Upstream, relay
 from proxy._upstream import (
@@ -316,7 +318,7 @@ class Run:
 
     async def relay(self) -> object:
         """The relay's result: a prepared :class:`StreamAnswer` or a small answer."""
-        await self.ex.prepare()
+        await prepare(self.ex)
         async with asyncio.timeout(WAIT_S):
             return await relay(
                 self.request,
