@@ -16,6 +16,7 @@ from typing import Any, Final
 import click
 
 from ._config import ConfigError, Settings, load_settings
+from ._gc import tune_collector
 from ._logs import setup_logging
 from ._loops import run as run_loop
 from ._plugins import PluginError, discover_plugins
@@ -103,6 +104,8 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
         flags["plugins"] = list(plugins)
     settings = _settings(config, **flags)
     setup_logging(settings.log_level, settings.log_format)
+    # After the server's imports: what they made is frozen out of every collection.
+    tune_collector()
     try:
         run_loop(serve_app(settings), settings.event_loop)
     except PluginError as exc:
