@@ -28,14 +28,23 @@ Two settings, applied once at start-up by :func:`tune_collector`:
   oldest generation wait longer before they are freed; the proxy's buffers are
   released by reference counting, not by the collector (docs/design.md §2), so
   this moves no request memory's lifetime.
+
+And one habit, :class:`IdleCollector`: a full collection when the proxy is quiet
+(no answer ended for a moment: the allocator's idle trim, proxy/_alloc.py) with
+few exchanges in flight, at most every ``min_interval`` seconds. Then it visits
+few objects (milliseconds), frees the cycles that reached the oldest generation,
+and starts the count of middle-generation passes again, so the next burst of
+streams does not find a full collection already due.
 """
 
 from __future__ import annotations
 
 import gc
+import time
+from collections.abc import Callable
 from typing import Final
 
-__all__ = ["FULL_COLLECTION_EVERY", "tune_collector"]
+__all__ = ["FULL_COLLECTION_EVERY", "IdleCollector", "tune_collector"]
 
 #: Collections of the middle generation between two full collections, at least.
 FULL_COLLECTION_EVERY: Final = 100
@@ -52,3 +61,43 @@ def tune_collector() -> None:
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
+
+
+class IdleCollector:
+    """A full collection at quiet moments, when it is cheap; call it when the proxy is quiet.
+
+    ``in_flight`` returns the number of exchanges in flight now. A call collects
+    (``gc.collect()``, every generation) only when at most ``max_in_flight`` are,
+    and ``min_interval`` seconds (by ``clock``) have passed since the last
+    collection it ran, or since it was made: a short-lived embedded proxy (a
+    test's) never pays for one. Raises nothing.
+    """
+
+    __slots__ = ("_clock", "_in_flight", "_last", "collections", "max_in_flight", "min_interval")
+
+    def __init__(
+        self,
+        in_flight: Callable[[], int],
+        *,
+        max_in_flight: int = 16,
+        min_interval: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._in_flight = in_flight
+        self.max_in_flight = max_in_flight
+        self.min_interval = min_interval
+        self._clock = clock
+        self._last = clock()
+        #: Full collections this collector ran.
+        self.collections = 0
+
+    def __call__(self) -> bool:
+        """Collect now if the proxy is quiet enough; returns whether it collected."""
+        if self._clock() - self._last < self.min_interval:
+            return False
+        if self._in_flight() > self.max_in_flight:
+            return False
+        gc.collect()
+        self._last = self._clock()
+        self.collections += 1
+        return True

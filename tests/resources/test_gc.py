@@ -1,13 +1,20 @@
 """The server's garbage-collector settings (proxy/_gc.py): no full collection while
-thousands of streams open, and what start-up made is out of every collection.
+thousands of streams open, what start-up made is out of every collection, and a full
+collection while the proxy is quiet.
 
-Each check runs in a fresh interpreter: the settings are process-wide.
+The settings are process-wide: those checks run in a fresh interpreter.
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import subprocess
 import sys
+import weakref
+
+from proxy._alloc import Allocator
+from proxy._gc import IdleCollector
 
 # 4,000 streams opening, each keeping ~100 container objects (what an open stream
 # holds: protocols, parsers, callbacks, timers, coroutines): prints the number of
@@ -57,3 +64,69 @@ def test_serve_freezes_start_up_objects_and_spaces_full_collections() -> None:
     assert threshold2 == "100"
     # The imports' modules, classes and functions: tens of thousands of objects.
     assert int(frozen) > 10_000
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Cycle:
+    """An object that refers to itself: only the collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_idle_collector_frees_cycles_only_when_quiet_and_few_exchanges_are_in_flight() -> None:
+    clock = _Clock()
+    in_flight = [40]
+    collector = IdleCollector(lambda: in_flight[0], max_in_flight=16, clock=clock)
+    gc.disable()  # only the idle collector may free the cycle here
+    try:
+        cycle = weakref.ref(_Cycle())
+        assert cycle() is not None
+        clock.now += 10.0
+        in_flight[0] = 0
+        assert collector() is False  # not 30 s since it was made: a short-lived proxy
+        clock.now += 25.0
+        in_flight[0] = 40
+        assert collector() is False  # busy: a full collection would visit every stream
+        assert cycle() is not None
+        in_flight[0] = 16
+        assert collector() is True
+        assert cycle() is None and collector.collections == 1
+        clock.now += 29.0
+        in_flight[0] = 0
+        assert collector() is False  # at most one every 30 s
+        clock.now += 1.0
+        assert collector() is True and collector.collections == 2
+    finally:
+        gc.enable()
+
+
+class _LibC:
+    def __init__(self) -> None:
+        self.trimmed = asyncio.Event()
+
+    def mallopt(self, param: int, value: int, /) -> int:
+        return 1
+
+    def malloc_trim(self, pad: int, /) -> int:
+        self.trimmed.set()
+        return 1
+
+
+async def test_the_allocators_idle_trim_runs_its_idle_hook() -> None:
+    libc = _LibC()
+    alloc = Allocator(libc, idle_after=0.01)
+    calls: list[int] = []
+    alloc.on_idle = lambda: calls.append(alloc.trims)
+    alloc.idle()  # an answer ended; nothing else ends after it
+    async with asyncio.timeout(10):
+        await libc.trimmed.wait()
+    assert calls == [0]  # once, with the trim
+    alloc.close()
