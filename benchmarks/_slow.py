@@ -92,6 +92,16 @@ class SlowStreamFigures:
     gaps: list[float] = dataclasses.field(default_factory=list)
     errors: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    def add(self, other: SlowStreamFigures) -> None:
+        """Pool ``other`` (another round through the same target) into these figures:
+        streams, completions, errors and gaps add up; ``window_s`` is the shortest."""
+        self.streams += other.streams
+        self.complete += other.complete
+        self.window_s = min(self.window_s, other.window_s) if self.gaps else other.window_s
+        self.gaps = sorted(self.gaps + other.gaps)
+        for reason, count in other.errors.items():
+            self.errors[reason] = self.errors.get(reason, 0) + count
+
     def added(self, fraction: float) -> float:
         """The ``fraction`` percentile of gap minus the scripted gap, seconds (NaN: no gaps)."""
         return percentile(self.gaps, fraction) - self.scripted_gap_s

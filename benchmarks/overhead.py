@@ -29,7 +29,8 @@ the emulator's default 3-delta answer): the emulator **direct**, **this proxy**
   (proxy/_alloc.py, ``quiet_after``); both proxies get the same wait.
   Target: at most ``IDLE_STREAM_TARGET_BYTES`` (24 KiB) per stream for this proxy.
 * **Slow streams** (``--slow-streams``, 4,000; 0 skips them): that many answers at
-  once through each target in turn (direct, this proxy, naive), each one text
+  once through each target in turn (direct, this proxy, naive; ``--slow-rounds``
+  alternating rounds, pooled), each one text
   delta every ``--slow-gap`` second, started evenly over ``--slow-ramp`` seconds
   (benchmarks/_slow.py). Figures: streams complete, and the gap between a stream's
   consecutive deltas as the client saw it, minus the scripted gap, at p50 / p99
@@ -157,6 +158,12 @@ _SETTLE_S: Final = 2.5
     type=click.IntRange(min=0),
     default=4000,
     help="slow streams at once per target, 0: none [4000]",
+)
+@click.option(
+    "--slow-rounds",
+    type=click.IntRange(min=1),
+    default=2,
+    help="alternating rounds through the targets, gaps pooled [2]",
 )
 @click.option(
     "--slow-deltas",
@@ -468,7 +475,7 @@ async def _collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path)
     body = build_body(protocol, _SMALL_BYTES, corpus)
     async with open_client_and_emulator(log_dir) as (session, emulator):
         control = EmulatorControl(session, emulator.url)
-        slow_steps = len(_TARGETS) if args.slow_streams else 0
+        slow_steps = len(_TARGETS) * args.slow_rounds if args.slow_streams else 0
         with reporter.progress(1 + len(_TARGETS) + 2 + slow_steps + 2, "overhead") as steps:
             loop = args.event_loop
             ours = start_proxy(emulator.url, log_dir, name="proxy-latency", event_loop=loop)
@@ -526,24 +533,31 @@ async def _slow_streams(
     body: bytes,
     steps: rpt.Steps,
 ) -> dict[str, SlowStreamFigures]:
-    """``args.slow_streams`` slow streams through each target in turn (none when 0)."""
+    """``args.slow_streams`` slow streams through each target in turn (none when 0), for
+    ``args.slow_rounds`` rounds: load from elsewhere that comes and goes hits every
+    target alike. Each target's rounds are pooled."""
     results: dict[str, SlowStreamFigures] = {}
     if not args.slow_streams:
         return results
-    for name, url in urls.items():
-        steps.describe(f"{args.slow_streams} slow streams: {name}")
-        await control.reset()  # the emulator keeps a record per request: start empty
-        results[name] = await run_slow_streams(
-            name,
-            url,
-            protocol,
-            body,
-            streams=args.slow_streams,
-            deltas=args.slow_deltas,
-            gap=args.slow_gap,
-            ramp=args.slow_ramp,
-        )
-        steps.advance()
+    for _ in range(args.slow_rounds):
+        for name, url in urls.items():
+            steps.describe(f"{args.slow_streams} slow streams: {name}")
+            await control.reset()  # the emulator keeps a record per request: start empty
+            figures = await run_slow_streams(
+                name,
+                url,
+                protocol,
+                body,
+                streams=args.slow_streams,
+                deltas=args.slow_deltas,
+                gap=args.slow_gap,
+                ramp=args.slow_ramp,
+            )
+            if name in results:
+                results[name].add(figures)
+            else:
+                results[name] = figures
+            steps.advance()
     return results
 
 
@@ -735,7 +749,8 @@ def _slow_table(results: Results, args: SimpleNamespace) -> rpt.Table:
         table.notes.append(f"failed streams: {errors}")
     table.notes.append(
         "gaps: between consecutive deltas of a stream, counted while every stream was "
-        f"open; p50/p99/max of gap minus {args.slow_gap:g} s. Target: every stream "
+        f"open, {args.slow_rounds} alternating rounds pooled; p50/p99/max of gap minus "
+        f"{args.slow_gap:g} s. Target: every stream "
         f"complete, ours' p99 at most direct's + {SLOW_GAP_ADDED_TARGET * 1000:g} ms. "
         "Histogram in overhead.json."
     )
@@ -759,6 +774,7 @@ def _document(results: Results, args: SimpleNamespace, argv: Sequence[str]) -> d
             "event_loop": args.event_loop,
             "idle_stream_target_bytes": IDLE_STREAM_TARGET_BYTES,
             "slow_streams": args.slow_streams,
+            "slow_rounds": args.slow_rounds,
             "slow_deltas": args.slow_deltas,
             "slow_gap_s": args.slow_gap,
             "slow_ramp_s": args.slow_ramp,

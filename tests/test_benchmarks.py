@@ -317,6 +317,7 @@ def test_overhead_benchmark_runs_and_its_tables_fit_80_columns(
         "--slow-deltas", "3",
         "--slow-gap", "0.1",
         "--slow-ramp", "0",
+        "--slow-rounds", "2",
         "--out", str(tmp_path),
         "--quiet",
     ]  # fmt: skip
@@ -335,8 +336,9 @@ def test_overhead_benchmark_runs_and_its_tables_fit_80_columns(
     doc = json.loads((tmp_path / "overhead.json").read_text())
     slow = doc["slow_streams"]
     assert list(slow) == ["direct", "ours", "naive"]
-    # Every slow stream through every target completed, each with its 2 gaps counted.
-    assert [(s["complete"], s["gaps"], s["errors"]) for s in slow.values()] == [(4, 8, {})] * 3
+    # Every slow stream of both rounds through every target completed, each with its 2
+    # gaps counted.
+    assert [(s["complete"], s["gaps"], s["errors"]) for s in slow.values()] == [(8, 16, {})] * 3
 
 
 def test_throughput_table_says_n_a_when_the_naive_proxy_cpu_reads_zero() -> None:

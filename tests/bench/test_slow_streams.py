@@ -142,3 +142,21 @@ def test_percentile_is_nearest_rank_and_histogram_buckets_by_upper_edge() -> Non
     assert counts["<=1"] == 3 and counts["<=5"] == 1 and counts["<=25"] == 1
     assert counts["<=50"] == 1 and counts[">1000"] == 1
     assert sum(counts.values()) == 7
+
+
+async def test_rounds_through_one_target_pool_their_streams_gaps_and_errors(
+    serve: Callable[[_Handler], Awaitable[str]],
+) -> None:
+    url = await serve(_sse_handler(deltas=3, gap=0.05, split=False))
+    first = await run_slow_streams(
+        "ours", url, _CHAT, b"{}", streams=2, deltas=3, gap=0.05, ramp=0.0
+    )
+    second = await run_slow_streams(
+        "ours", url, _CHAT, b"{}", streams=3, deltas=3, gap=0.05, ramp=0.0
+    )
+    second.errors["timed out"] = 1  # as a round with one stream that never ended says
+    pooled = sorted(first.gaps + second.gaps)
+    first.add(second)
+    assert (first.streams, first.complete) == (5, 5)
+    assert first.gaps == pooled and len(pooled) == 10
+    assert first.errors == {"timed out": 1}
