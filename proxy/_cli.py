@@ -136,6 +136,9 @@ def emulate(host: str, port: int, context_window_tokens: int | None, prompt_cach
     from ._emulator_script import Script, window_script
 
     setup_logging("INFO")
+    # The same collector settings as serve: a benchmark's direct figures are then the
+    # emulator's own, not its full collections while thousands of streams open.
+    tune_collector()
     script = None
     if context_window_tokens is not None:
         script = window_script(context_window_tokens, prompt_cache=prompt_cache)
