@@ -57,7 +57,6 @@ from typing import Any, Final
 
 import aiohttp
 import click
-import psutil  # type: ignore[import-untyped]  # as in _harness
 
 from . import _report as rpt
 from ._harness import (
@@ -66,6 +65,7 @@ from ._harness import (
     RssSampler,
     Service,
     StreamCall,
+    cpu_seconds,
     median_rss,
     open_client_and_emulator,
     raise_nofile_limit,
@@ -306,31 +306,6 @@ class Throughput:
         return self.cpu_s / self.requests if self.requests else math.nan
 
 
-# Linux's CPU-time clock of another process: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) in
-# include/linux/posix-timers.h. It counts nanoseconds of every thread (dead ones too), where
-# /proc/PID/stat counts 10 ms ticks: a 20-request round of the naive proxy can read 0 ticks.
-_CPUCLOCK_SCHED: Final = 2
-
-
-def _process_cpu_clock(pid: int) -> int:
-    return ((~pid) << 3) | _CPUCLOCK_SCHED
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, in nanosecond resolution.
-
-    Reads the process's CPU-time clock (``clock_gettime``, Linux); where that clock is
-    not available, ``/proc/PID/stat`` via psutil (10 ms ticks, so a short burst may read
-    0 s: the tables then say ``n/a`` rather than a ratio). Raises ``psutil.NoSuchProcess``
-    when ``pid`` is gone.
-    """
-    try:
-        return time.clock_gettime(_process_cpu_clock(pid))
-    except (OSError, AttributeError):
-        times = psutil.Process(pid).cpu_times()
-        return float(times.user + times.system)
-
-
 async def _burst(
     session: aiohttp.ClientSession,
     svc: Service,
@@ -352,12 +327,12 @@ async def _burst(
                 await resp.read()
                 failures += resp.status != 200
 
-    cpu = _cpu_seconds(svc.pid)
+    cpu = cpu_seconds(svc.pid)
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(workers)))
     if into is not None:
         into.wall_s += time.perf_counter() - started
-        into.cpu_s += _cpu_seconds(svc.pid) - cpu
+        into.cpu_s += cpu_seconds(svc.pid) - cpu
         into.requests += count
         into.failures += failures
 
