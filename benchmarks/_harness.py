@@ -463,12 +463,6 @@ def start_naive(
 
 # --------------------------------------------------------------------------- client side
 
-#: Bytes that end a complete answer, per protocol (the terminal SSE event).
-_TERMINAL: Final = {
-    BenchProtocol.CHAT: b"data: [DONE]",
-    BenchProtocol.RESPONSES: b"response.completed",
-    BenchProtocol.MESSAGES: b"message_stop",
-}
 _SEND_SLICE: Final = 256 * 1024
 _TAIL_KEEP: Final = 4096
 
@@ -558,7 +552,7 @@ class StreamCall:
                     out.received += len(chunk)
                     tail = (tail + chunk)[-_TAIL_KEEP:]
             out.done_at = self._clock()
-            out.complete = resp.status == 200 and _TERMINAL[self._protocol] in tail
+            out.complete = resp.status == 200 and self._protocol.terminal in tail
             if not out.complete:
                 out.error = f"status {resp.status}: {tail[-300:]!r}"
         except (aiohttp.ClientError, OSError) as exc:
