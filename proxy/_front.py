@@ -46,22 +46,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import errno
-import http
 import logging
 import socket
-import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Final, cast
 
-import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
 from ._fdlimit import EXHAUSTED_MESSAGE, FdBudget, Verdict
+from ._http1 import (
+    END,
+    KEEPALIVE_TIMEOUT,
+    LINGER_TIMEOUT,
+    MAX_FIELDS,
+    MAX_HEAD_BYTES,
+    MAX_LINE_BYTES,
+    MalformedRequest,
+    RequestFraming,
+    RequestHead,
+    answer_head,
+    bodiless,
+    closing_answer,
+)
 from ._logs import LogLimiter
 from ._protocols import Protocol, error_body
 
@@ -95,16 +105,6 @@ _FD_LOW: Final = (
     "accepting paused below the floor (fd_reserve)"
 )
 
-MAX_LINE_BYTES: Final = 8190
-"""Longest request target, and longest header field (name and value), in bytes (aiohttp's)."""
-
-MAX_FIELDS: Final = 128
-"""Most header fields in one request head."""
-
-MAX_HEAD_BYTES: Final = 64 * 1024
-"""Largest request head in bytes (request line, fields, line ends). llhttp buffers an
-unfinished field itself: this bounds what a never-ending line can make it hold."""
-
 HEAD_READ_BYTES: Final = MIN_PIECE_BYTES
 """Bytes per socket read while no body with a declared length is arriving (16 KiB).
 
@@ -120,14 +120,6 @@ SMALL_BODY_BYTES: Final = 256 * 1024
 """A declared body under this many bytes is read in reads of up to :data:`MAX_READ_BYTES`
 (its rest in one read, usually): reading a 100 KB body 16 KiB at a time cost ~30 % more
 CPU per request (seven read cycles instead of two)."""
-
-KEEPALIVE_TIMEOUT: Final = 75.0
-"""Seconds an idle keep-alive connection is kept (aiohttp's default, which clients know)."""
-
-LINGER_TIMEOUT: Final = 10.0
-"""Seconds a connection closing after an answer keeps reading (and dropping) the rest of an
-unread request body (aiohttp's ``lingering_time``): closed at once, the client's bytes still
-arriving would be answered with a reset, which loses it the answer (a 413) it has not read yet."""
 
 _QUEUED_MAX: Final = 4
 """Pipelined requests parsed ahead of the one being handled before reading pauses (and
@@ -155,309 +147,8 @@ checks at once; descriptors freed elsewhere, an idle upstream socket closing, ar
 _ACCEPT_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-class MalformedRequest(Exception):
-    """The client's bytes are not an HTTP/1.1 request we accept.
-
-    ``str(exc)`` is the proxy's own words for the fault (never the parser's
-    message, which quotes request bytes: a header with its API key). ``events``
-    are those the same feed completed before the fault (a whole request pipelined
-    ahead of the bad bytes is still a request to answer and to commit).
-    """
-
-    def __init__(self, words: str, events: list[Event] | None = None) -> None:
-        super().__init__(words)
-        self.events: list[Event] = events or []
-
-
 class ClientBodyError(Exception):
     """A request body could not be received whole: the client left, or broke its framing."""
-
-
-class RequestHead:
-    """A parsed request head.
-
-    Attributes:
-        method: ``"POST"``, as sent.
-        raw_path: the target's path as sent (percent-escapes kept); an
-            absolute-form target (``http://host/path``) is reduced to its path.
-        path: ``raw_path`` percent-decoded (what routes match on).
-        query_string: the target's query as sent, without ``?`` (``""``: none).
-        headers: the fields, names case-insensitive, values decoded as UTF-8
-            with ``surrogateescape`` (any byte survives a round trip).
-        version: ``(1, 1)`` or ``(1, 0)``.
-        keep_alive: the client allows the connection to be kept (RFC 9112 §9.3).
-        content_length: the declared ``Content-Length`` in bytes, or None.
-        chunked: the body is chunked (``Transfer-Encoding``).
-        expects_body: a body follows the head (declared or chunked, even empty).
-    """
-
-    __slots__ = (
-        "chunked",
-        "content_length",
-        "expects_body",
-        "headers",
-        "keep_alive",
-        "method",
-        "path",
-        "query_string",
-        "raw_path",
-        "version",
-    )
-
-    def __init__(
-        self,
-        method: str,
-        target: str,
-        headers: CIMultiDictProxy[str],
-        version: tuple[int, int],
-        keep_alive: bool,
-        content_length: int | None,
-        chunked: bool,
-    ) -> None:
-        self.method = method
-        if target.startswith(("http://", "https://")):
-            # Absolute form (RFC 9112 §3.2.2): the host is not ours to pick.
-            parts = urllib.parse.urlsplit(target)
-            raw_path, query = parts.path or "/", parts.query
-        else:
-            raw_path, _, query = target.partition("?")
-            raw_path, _, _ = raw_path.partition("#")
-        self.raw_path = raw_path
-        self.path = urllib.parse.unquote(raw_path) if "%" in raw_path else raw_path
-        self.query_string = query
-        self.headers = headers
-        self.version = version
-        self.keep_alive = keep_alive
-        self.content_length = content_length
-        self.chunked = chunked
-        self.expects_body = chunked or content_length is not None
-
-
-class _End:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "END"
-
-
-END: Final = _End()
-"""The event after the last body piece of a request (a request without a body too)."""
-
-Event = RequestHead | bytes | _End
-
-
-class RequestFraming:
-    """Sans-I/O request framing of one connection: :meth:`feed` bytes, get events.
-
-    Events, in order for each request: its :class:`RequestHead`, zero or more
-    body pieces (``bytes``, chunked framing removed; content codings left
-    alone), then :data:`END`. Pipelined requests follow each other.
-
-    Raises (from :meth:`feed`):
-        MalformedRequest: the bytes are not a request we accept (see the module
-            docstring); the connection must close after answering 400. The
-            events the feed completed before the fault are its ``events``.
-    """
-
-    __slots__ = (
-        "_body_here",
-        "_ended_here",
-        "_field_bytes",
-        "_fields",
-        "_head_bytes",
-        "_in_message",
-        "_parser",
-        "_priming",
-        "_quiet_bytes",
-        "_url",
-        "events",
-        "in_head",
-        "upgraded",
-    )
-
-    def __init__(self) -> None:
-        self._parser = httptools.HttpRequestParser(self)
-        self._url = b""
-        self._fields: list[tuple[str, str]] = []
-        # Bytes of the current head fed in pieces, and parsed in fields (both bounded).
-        self._head_bytes = 0
-        self._field_bytes = 0
-        # Between a request's first byte and its end.
-        self._in_message = False
-        # A request ended in the current feed (a head after it began there too).
-        self._ended_here = False
-        # Body bytes came in the current feed; bytes fed in a body since the last did.
-        self._body_here = False
-        self._quiet_bytes = 0
-        self.events: list[Event] = []
-        # Between a request's first byte and the end of its head.
-        self.in_head = False
-        # The client asked for a protocol upgrade (or CONNECT): nothing after it is parsed.
-        self.upgraded = False
-        # A fresh parser is fed a head of our own that emits no event (see _reframe).
-        self._priming = False
-
-    def feed(self, data: bytes | memoryview) -> list[Event]:
-        """Parse ``data``; the events it completed (see the class docstring)."""
-        if self.upgraded:
-            return []
-        # A feed that starts in a head (or between requests) and leaves it incomplete
-        # was head bytes whole: llhttp buffers an unfinished field, this bounds it.
-        starts_in_head = self.in_head or not self._in_message
-        self._ended_here = False
-        self._body_here = False
-        try:
-            try:
-                self._parser.feed_data(data)
-            except httptools.HttpParserUpgrade as exc:
-                rest = data[exc.args[0] :]
-                if not self._reframe():
-                    raise
-                # The rest is the body, then any request pipelined behind it (bounded: each
-                # pass consumes at least the head before it).
-                while True:
-                    try:
-                        self._parser.feed_data(rest)
-                        break
-                    except httptools.HttpParserUpgrade as again:
-                        rest = rest[again.args[0] :]
-                        if not self._reframe():
-                            raise
-        except httptools.HttpParserUpgrade:
-            # An Upgrade (websocket) or CONNECT without a body: answered as a plain
-            # request, then the connection closes (the bytes after it are not HTTP/1.1).
-            self.upgraded = True
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            raise self._fault(
-                str(cause) if isinstance(cause, MalformedRequest) else "malformed HTTP request"
-            ) from None
-        except httptools.HttpParserInvalidMethodError:
-            raise self._fault("malformed request line") from None
-        except httptools.HttpParserInvalidURLError:
-            raise self._fault("malformed request target") from None
-        except httptools.HttpParserError:
-            raise self._fault("malformed HTTP request") from None
-        if self.in_head:
-            if starts_in_head and not self._ended_here:
-                self._head_bytes += len(data)
-            else:
-                # The head began behind other requests in this read (pipelined): of its
-                # bytes only the parsed ones are known. Its unfinished field is bounded
-                # by the read, and the next reads count whole.
-                self._head_bytes = self._field_bytes + len(self._url)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                raise self._fault("the request head is over the size limit")
-        elif self._in_message:
-            # In a body, reads that bring none of it are chunked framing or trailer
-            # fields, which httptools buffers whole (a never-ending trailer line grew
-            # without bound: the body reader's idle clock saw nothing come): bounded too.
-            self._quiet_bytes = 0 if self._body_here else self._quiet_bytes + len(data)
-            if self._quiet_bytes > MAX_HEAD_BYTES:
-                raise self._fault("the request's trailer fields are over the size limit")
-        events, self.events = self.events, []
-        return events
-
-    def _fault(self, words: str) -> MalformedRequest:
-        """The fault ``words``, carrying the events this feed completed before it."""
-        events, self.events = self.events, []
-        return MalformedRequest(words, events)
-
-    def _reframe(self) -> bool:
-        """Ignore the Upgrade of a request with a body (RFC 9110 §7.8: a server may);
-        whether it did.
-
-        curl ``--http2`` and Java's HttpClient ask for h2c on a POST and send its body
-        at once. httptools has skipped that body (llhttp says "upgrade" at the end of
-        the head) and ended the message: its END goes, and a fresh parser frames the
-        body, primed with a head of the same framing that emits no event.
-        """
-        events = self.events
-        if len(events) < 2 or events[-1] is not END:
-            return False
-        head = events[-2]
-        if not isinstance(head, RequestHead) or not head.expects_body or head.method == "CONNECT":
-            return False
-        del events[-1]
-        framing = (
-            b"Transfer-Encoding: chunked"
-            if head.chunked
-            else b"Content-Length: %d" % (head.content_length or 0)
-        )
-        self._parser = httptools.HttpRequestParser(self)
-        self._priming = True
-        self._parser.feed_data(b"POST / HTTP/1.1\r\n%s\r\n\r\n" % framing)
-        return True
-
-    # llhttp callbacks (httptools calls them by name during feed_data)
-
-    def on_message_begin(self) -> None:
-        self.in_head = True
-        self._in_message = True
-        self._field_bytes = 0
-        self._url = b""
-        self._fields = []
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-        if len(self._url) > MAX_LINE_BYTES:
-            raise MalformedRequest("a request line or header field is over the size limit")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        size = len(name) + len(value)
-        if size > MAX_LINE_BYTES:
-            raise MalformedRequest("a request line or header field is over the size limit")
-        fields = self._fields
-        if len(fields) >= MAX_FIELDS:
-            raise MalformedRequest("too many header fields")
-        # A head parsed in one feed is counted here (the feed count sees unfinished ones).
-        self._field_bytes += size + 4
-        if self._field_bytes > MAX_HEAD_BYTES:
-            raise MalformedRequest("the request head is over the size limit")
-        # Values as UTF-8 with surrogateescape: any byte survives the round trip upstream.
-        fields.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
-
-    def on_headers_complete(self) -> None:
-        if self._priming:  # our own head (_reframe): the body that follows is the request's
-            self._priming = False
-            self._fields = []
-            self._url = b""
-            self.in_head = False
-            return
-        parser = self._parser
-        headers = CIMultiDictProxy(CIMultiDict(self._fields))
-        self._fields = []
-        self._head_bytes = 0
-        version = parser.get_http_version()
-        if version != "1.0" and "Host" not in headers:
-            # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host.
-            raise MalformedRequest("an HTTP/1.1 request without a Host field")
-        declared = headers.get("Content-Length")
-        chunked = "Transfer-Encoding" in headers
-        self.events.append(
-            RequestHead(
-                parser.get_method().decode("ascii"),
-                self._url.decode("utf-8", "surrogateescape"),
-                headers,
-                (1, 0) if version == "1.0" else (1, 1),
-                parser.should_keep_alive(),
-                # llhttp has checked it: digits only, one value, not with chunked.
-                int(declared) if declared is not None and not chunked else None,
-                chunked,
-            )
-        )
-        self._url = b""
-        self.in_head = False
-
-    def on_body(self, body: bytes) -> None:
-        self._body_here = True
-        self.events.append(body)
-
-    def on_message_complete(self) -> None:
-        self._in_message = False
-        self._ended_here = True
-        self._quiet_bytes = 0
-        self.events.append(END)
 
 
 class BodyStream:
@@ -634,58 +325,6 @@ class Request:
 
 # ---------------------------------------------------------------------- answers
 
-_STATUS_LINES: Final = {
-    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("latin-1", "replace"))
-    for s in http.HTTPStatus
-}
-"""The status line of each known status with its standard reason phrase, built once."""
-_date_cache: list[object] = [0, b""]
-
-
-def _date_line() -> bytes:
-    """``Date: ...\\r\\n`` (RFC 9110 §6.6.1), formatted once a second."""
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache[0] = now
-        _date_cache[1] = b"Date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
-    line = _date_cache[1]
-    assert isinstance(line, bytes)
-    return line
-
-
-def _bodiless(status: int) -> bool:
-    """RFC 9110 §6.4.1: 1xx, 204 and 304 answers have no content."""
-    return status < 200 or status in (204, 304)
-
-
-def _head_bytes(
-    status: int,
-    reason: str | None,
-    headers: CIMultiDict[str] | CIMultiDictProxy[str],
-    framing: bytes,
-) -> bytes:
-    """The status line and fields of an answer; ``framing`` are its own framing lines.
-
-    Raises:
-        ValueError: a field name or value contains CR or LF (it would split the answer).
-    """
-    line = _STATUS_LINES.get(status) if reason is None else None
-    if line is None:
-        line = b"HTTP/1.1 %d %s\r\n" % (status, (reason or "").encode("latin-1", "replace"))
-    fields = b"".join(
-        [
-            b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
-            for name, value in headers.items()
-        ]
-    )
-    # Each field line holds exactly one CR and one LF: any more came from a name or
-    # a value and would split the answer (one count over the block, not a scan per field).
-    if fields.count(b"\n") != len(headers) or fields.count(b"\r") != len(headers):
-        raise ValueError("a header field contains CR or LF")
-    date = b"" if "Date" in headers else _date_line()
-    return b"%s%s%s%s\r\n" % (line, fields, date, framing)
-
-
 class StreamAnswer:
     """A streamed answer: a status and fields, then body bytes written as they come.
 
@@ -720,7 +359,7 @@ class StreamAnswer:
         self.prepared = False
         self._head_sent = False
         self._chunked = False
-        self._no_body = _bodiless(status)
+        self._no_body = bodiless(status)
         self._ended = False
 
     async def prepare(self, request: Request) -> None:
@@ -757,7 +396,7 @@ class StreamAnswer:
             framing = b""
         if conn.closes_after_answer():
             framing += b"Connection: close\r\n"
-        return _head_bytes(self.status, None, self.headers, framing)
+        return answer_head(self.status, None, self.headers, framing)
 
     def send_head(self) -> None:
         """Send the head now if it still waits (a client must not wait on the upstream)."""
@@ -826,10 +465,10 @@ Handler = Callable[[Request], Awaitable[Answer]]
 :class:`StreamAnswer` it has prepared)."""
 
 
-def _internal_error_answer() -> bytes:
+def _internalclosing_answer() -> bytes:
     """The 500 of a handler's bug (OpenAI shape: no route is known here), closing."""
     body = error_body(Protocol.OPENAI, 500, "internal proxy error", code="internal_error")
-    return _error_answer(500, body)
+    return closing_answer(500, body)
 
 
 async def _shed_answer(request: Request) -> Answer:
@@ -842,18 +481,6 @@ async def _shed_answer(request: Request) -> Answer:
     )
     resp.force_close()
     return resp
-
-
-def _error_answer(status: int, body: bytes) -> bytes:
-    return (
-        _head_bytes(
-            status,
-            None,
-            CIMultiDict({"Content-Type": "application/json"}),
-            b"Content-Length: %d\r\nConnection: close\r\n" % len(body),
-        )
-        + body
-    )
 
 
 # ---------------------------------------------------------------------- connection
@@ -989,9 +616,10 @@ class _Connection(asyncio.Protocol):
                     self._body_left = 0
                     if self._sized:
                         self._set_read_size(HEAD_READ_BYTES)
-            else:
+            elif event.__class__ is RequestHead:
                 assert isinstance(event, RequestHead)
                 self._head(event)
+            # Trailers: not relayed (the body reader has no place for them).
         if fault is not None:
             self._malformed(fault)
             return
@@ -1126,7 +754,7 @@ class _Connection(asyncio.Protocol):
     def _answer_broken(self) -> None:
         words = self._broken or "malformed HTTP request"
         self.write(
-            _error_answer(400, error_body(Protocol.OPENAI, 400, words, code="malformed_request"))
+            closing_answer(400, error_body(Protocol.OPENAI, 400, words, code="malformed_request"))
         )
         self._close()
 
@@ -1169,7 +797,7 @@ class _Connection(asyncio.Protocol):
             )
             del exc
             if request.answer is None:
-                self.write(_internal_error_answer())
+                self.write(_internalclosing_answer())
             # Closed either way: an answer that had begun is cut, not spliced; after a
             # 500 the rest of the request may be unread.
             self._close()
@@ -1197,21 +825,21 @@ class _Connection(asyncio.Protocol):
         status = resp.status
         body = resp.body
         assert body is None or isinstance(body, bytes)
-        framing = b"" if _bodiless(status) else b"Content-Length: %d\r\n" % len(body or b"")
+        framing = b"" if bodiless(status) else b"Content-Length: %d\r\n" % len(body or b"")
         if self.closes_after_answer():
             framing += b"Connection: close\r\n"
         try:
-            head = _head_bytes(status, resp.reason, resp.headers, framing)
+            head = answer_head(status, resp.reason, resp.headers, framing)
         except ValueError:
             # A field with a line break (a handler's bug): never an answer split in two.
             log.error(
                 "%s %s: an answer's header field holds a line break", request.method, request.path
             )
-            self.write(_internal_error_answer())
+            self.write(_internalclosing_answer())
             self._close()
             return
         self.write(
-            head if request.method == "HEAD" or not body or _bodiless(status) else head + body
+            head if request.method == "HEAD" or not body or bodiless(status) else head + body
         )
         await self.drain()
 

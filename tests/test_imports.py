@@ -28,6 +28,7 @@ PURE = frozenset(
         "proxy._emulator_frames",
         "proxy._emulator_script",
         "proxy._headers",
+        "proxy._http1",
         "proxy._protocols",
         "proxy._session_ids",
         "proxy._shared",
@@ -216,6 +217,17 @@ def test_pure_modules_import_only_pure_modules_and_no_io_library() -> None:
             if target.partition(".")[0] in IO_LIBRARIES:
                 problems.append(f"{name} imports the I/O library {target}")
     assert problems == []
+
+
+# Pure modules that import nothing of ours at all: the HTTP/1.1 core (its limits live in it).
+SELF_CONTAINED = frozenset({"proxy._http1"})
+
+
+def test_the_http1_core_imports_nothing_of_ours() -> None:
+    files = module_files()
+    graph = import_graph(files)
+    assert files.keys() >= SELF_CONTAINED
+    assert {name: graph[name] for name in SELF_CONTAINED} == {n: set() for n in SELF_CONTAINED}
 
 
 # The checks above are only as good as the graph: prove they see what they must.
