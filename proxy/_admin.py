@@ -26,8 +26,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
-from aiohttp import web
-
+from ._answer import SmallAnswer
 from ._front import Answer, Request
 from ._live import exchange_views, page_asset, page_routes, stream_events
 from ._plugins import UsageQuery
@@ -68,31 +67,31 @@ def _canonical(address: str) -> str:
     return str(ip)
 
 
-def _forbidden() -> web.Response:
-    return web.json_response({"error": "forbidden"}, status=403)
+def _forbidden() -> SmallAnswer:
+    return SmallAnswer.json({"error": "forbidden"}, status=403)
 
 
-async def healthz(request: Request, state: AppState) -> web.Response:
+async def healthz(request: Request, state: AppState) -> SmallAnswer:
     """Alive: 200 as long as the event loop answers."""
-    return web.json_response({"status": "ok"})
+    return SmallAnswer.json({"status": "ok"})
 
 
-async def readyz(request: Request, state: AppState) -> web.Response:
+async def readyz(request: Request, state: AppState) -> SmallAnswer:
     """Ready: 200, or 503 from the moment shutdown begins (also in degraded cluster mode)."""
     if state.draining:
-        return web.json_response({"status": "draining"}, status=503)
+        return SmallAnswer.json({"status": "draining"}, status=503)
     if state.cluster is not None:
         # Still ready while Redis is down: the node serves with its local view
         # (docs/cluster.md, "When Redis dies"); the body says so.
         cluster = "degraded" if state.cluster.degraded else "ok"
-        return web.json_response({"status": "ready", "cluster": cluster})
-    return web.json_response({"status": "ready"})
+        return SmallAnswer.json({"status": "ready", "cluster": cluster})
+    return SmallAnswer.json({"status": "ready"})
 
 
-async def metrics(request: Request, state: AppState) -> web.Response:
+async def metrics(request: Request, state: AppState) -> SmallAnswer:
     """Prometheus text exposition (version 0.0.4)."""
     body = state.metrics.render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+    return SmallAnswer(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
 
 def _ttl_view(remaining: float | None) -> float | None:
@@ -161,7 +160,7 @@ def _page_limit(raw: str | None) -> int | None:
     return int(raw)
 
 
-async def list_sessions(request: Request, state: AppState) -> web.Response:
+async def list_sessions(request: Request, state: AppState) -> SmallAnswer:
     """One page of the sessions: in-flight count, pinned, last activity, live, tombstoned.
 
     ``live`` is ``false`` for a session a plugin loaded from its storage at
@@ -183,7 +182,7 @@ async def list_sessions(request: Request, state: AppState) -> web.Response:
     registry = state.registry
     limit = _page_limit(request.query.get("limit"))
     if limit is None:
-        return web.json_response(
+        return SmallAnswer.json(
             {"error": f"limit: expected an integer from 1 to {SESSIONS_PAGE_MAX}"}, status=400
         )
     cursor = request.query.get("cursor") or None
@@ -191,21 +190,21 @@ async def list_sessions(request: Request, state: AppState) -> web.Response:
         try:
             page = registry.page(cursor, limit)
         except ValueError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+            return SmallAnswer.json({"error": str(exc)}, status=400)
         views = [
             _info_view(i, registry.tombstone_remaining(i.id) if i.tombstoned else None)
             for i in page.sessions
         ]
-        return web.json_response({"sessions": views, "next_cursor": page.next_cursor})
+        return SmallAnswer.json({"sessions": views, "next_cursor": page.next_cursor})
     try:
         closed, next_cursor = registry.tombstoned_page(cursor, limit)
     except ValueError as exc:
-        return web.json_response({"error": str(exc)}, status=400)
+        return SmallAnswer.json({"error": str(exc)}, status=400)
     out: list[dict[str, Any]] = []
     for sid, left in closed:
         info = registry.info(sid)
         out.append(_closed_view(sid, left) if info is None else _info_view(info, left))
-    return web.json_response({"sessions": out, "next_cursor": next_cursor})
+    return SmallAnswer.json({"sessions": out, "next_cursor": next_cursor})
 
 
 #: ``by`` values of ``GET /admin/usage``; the first is the default.
@@ -255,11 +254,11 @@ def _usage_after(cursor: str) -> str:
     return raw.decode("utf-8")
 
 
-def _bad_request(message: str) -> web.Response:
-    return web.json_response({"error": message}, status=400)
+def _bad_request(message: str) -> SmallAnswer:
+    return SmallAnswer.json({"error": message}, status=400)
 
 
-async def usage(request: Request, state: AppState) -> web.Response:
+async def usage(request: Request, state: AppState) -> SmallAnswer:
     """Token usage per model or per session, from the plugin that keeps it (``usage``).
 
     Query: ``by`` (``model``, the default, or ``session``); ``since`` (Unix
@@ -291,13 +290,13 @@ async def usage(request: Request, state: AppState) -> web.Response:
     except ValueError:
         return _bad_request("cursor: not one this endpoint issued (start again without one)")
     if not state.host.keeps_usage:
-        return web.json_response(
+        return SmallAnswer.json(
             {"error": 'no usage kept: enable the usage plugin (plugins = [..., "usage"])'},
             status=404,
         )
     page = await state.host.usage_page(UsageQuery(by=by, since=since, after=after, limit=limit))
     if page is None:
-        return web.json_response({"error": "the usage plugin failed to answer"}, status=503)
+        return SmallAnswer.json({"error": "the usage plugin failed to answer"}, status=503)
     rows = [
         {
             "key": row.key,
@@ -311,10 +310,10 @@ async def usage(request: Request, state: AppState) -> web.Response:
         for row in page.rows
     ]
     next_cursor = _usage_cursor(page.rows[-1].key) if page.more and page.rows else None
-    return web.json_response({"by": by, "rows": rows, "next_cursor": next_cursor})
+    return SmallAnswer.json({"by": by, "rows": rows, "next_cursor": next_cursor})
 
 
-async def get_session(request: Request, state: AppState, sid: str) -> web.Response:
+async def get_session(request: Request, state: AppState, sid: str) -> SmallAnswer:
     """One session, with each plugin's scalar state for it.
 
     The read is taken under the session's lock (between two commits) when it
@@ -333,25 +332,25 @@ async def get_session(request: Request, state: AppState, sid: str) -> web.Respon
             return await _closed_or_missing(state, sid)
         view = _info_view(info, state.registry.tombstone_remaining(sid))
         view["plugins"] = None
-        return web.json_response(view)
+        return SmallAnswer.json(view)
     if status is None:
         return await _closed_or_missing(state, sid)
     view = _info_view(status.info, state.registry.tombstone_remaining(sid))
     view["plugins"] = dict(status.state)
-    return web.json_response(view)
+    return SmallAnswer.json(view)
 
 
-async def _closed_or_missing(state: AppState, sid: str) -> web.Response:
+async def _closed_or_missing(state: AppState, sid: str) -> SmallAnswer:
     left = await _tombstone_left(state, sid)
     if left is None:
-        return web.json_response({"error": "no such session"}, status=404)
-    return web.json_response(_closed_view(sid, left))
+        return SmallAnswer.json({"error": "no such session"}, status=404)
+    return SmallAnswer.json(_closed_view(sid, left))
 
 
 _WAIT_VALUES: Final = {"true": True, "1": True, "false": False, "0": False}
 
 
-async def delete_session(request: Request, state: AppState, sid: str) -> web.Response:
+async def delete_session(request: Request, state: AppState, sid: str) -> SmallAnswer:
     """``shutdown_session``: tombstone, wait up to the timeout, cancel stragglers, drop.
 
     By default the answer comes once the close is done (it can take up to
@@ -365,7 +364,7 @@ async def delete_session(request: Request, state: AppState, sid: str) -> web.Res
     grace = state.settings.session_shutdown_timeout
     wait = _WAIT_VALUES.get(request.query.get("wait", "true").strip().lower())
     if wait is None:
-        return web.json_response({"error": "wait: expected true or false"}, status=400)
+        return SmallAnswer.json({"error": "wait: expected true or false"}, status=400)
     if not wait:
         if state.cluster is not None:
             task = asyncio.create_task(state.cluster.close_session(sid, grace))
@@ -379,13 +378,13 @@ async def delete_session(request: Request, state: AppState, sid: str) -> web.Res
             # runs in the registry's own task, which close_all at shutdown awaits.
             future = state.registry.start_shutdown(sid, grace)
             future.add_done_callback(lambda done: _log_failure(sid, done))
-        return web.json_response({"id": sid, "status": "closing"}, status=202)
+        return SmallAnswer.json({"id": sid, "status": "closing"}, status=202)
     try:
         if state.cluster is not None:
             # Every node: tombstone in Redis, close command on the stream, wait for
             # the session's in-flight set; counts are cluster-wide (docs/cluster.md).
             closed = await state.cluster.close_session(sid, grace)
-            return web.json_response(
+            return SmallAnswer.json(
                 {
                     "id": sid,
                     "finished": closed.finished,
@@ -398,8 +397,8 @@ async def delete_session(request: Request, state: AppState, sid: str) -> web.Res
             )
         result = await state.registry.shutdown_session(sid, grace)
     except SessionCloseError as exc:
-        return web.json_response({"id": sid, "error": f"cleanup failed: {exc}"}, status=500)
-    return web.json_response(
+        return SmallAnswer.json({"id": sid, "error": f"cleanup failed: {exc}"}, status=500)
+    return SmallAnswer.json(
         {
             "id": sid,
             "finished": result.finished,
@@ -418,17 +417,17 @@ def _log_failure(sid: str, done: asyncio.Future[Any]) -> None:
         log.error("closing session %s in the background failed: %s", sid, exc)
 
 
-async def list_exchanges(request: Request, state: AppState) -> web.Response:
+async def list_exchanges(request: Request, state: AppState) -> SmallAnswer:
     """Each in-flight exchange: session, protocol, phase, bytes held by kind, age
     (:func:`proxy._live.exchange_views`)."""
-    return web.json_response({"exchanges": exchange_views(state)})
+    return SmallAnswer.json({"exchanges": exchange_views(state)})
 
 
-async def shutdown(request: Request, state: AppState) -> web.Response:
+async def shutdown(request: Request, state: AppState) -> SmallAnswer:
     """Begin graceful shutdown (as SIGTERM does); answers 202 at once."""
     state.draining = True
     state.stop.set()
-    return web.json_response({"status": "draining"}, status=202)
+    return SmallAnswer.json({"status": "draining"}, status=202)
 
 
 AdminHandler = Callable[[Request, AppState], Awaitable[Answer]]
@@ -449,17 +448,17 @@ _SESSION_PREFIX: Final = "/admin/sessions/"
 
 
 def _session_routes(sid: str) -> dict[str, AdminHandler]:
-    async def get(request: Request, state: AppState) -> web.Response:
+    async def get(request: Request, state: AppState) -> SmallAnswer:
         return await get_session(request, state, sid)
 
-    async def delete(request: Request, state: AppState) -> web.Response:
+    async def delete(request: Request, state: AppState) -> SmallAnswer:
         return await delete_session(request, state, sid)
 
     return {"GET": get, "DELETE": delete}
 
 
 def _page_route(name: str) -> dict[str, AdminHandler]:
-    async def get(request: Request, state: AppState) -> web.Response:
+    async def get(request: Request, state: AppState) -> SmallAnswer:
         return page_asset(name)
 
     return {"GET": get}
@@ -487,7 +486,7 @@ def admin_routes(path: str, raw_path: str | None = None) -> dict[str, AdminHandl
     return None
 
 
-def admin_guard(request: Request, state: AppState) -> web.Response | None:
+def admin_guard(request: Request, state: AppState) -> SmallAnswer | None:
     """403 for a path under ``/admin/`` unless the peer or the token is allowed; else None."""
     if request.path.startswith("/admin/") and not _allowed(request, state):
         return _forbidden()

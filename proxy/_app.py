@@ -20,13 +20,12 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Final
 
-from aiohttp import web
-
 from . import _fdlimit as fdlimit
 from . import _logs as logs
 from . import _protocols as protocols
 from . import _wire as wire
 from ._admin import admin_guard, admin_routes
+from ._answer import SmallAnswer
 from ._body import (
     BodyBusy,
     BodyError,
@@ -79,19 +78,20 @@ def _reject(
     *,
     code: str | None = None,
     retry_after: str | None = None,
-) -> web.Response:
+    close: bool = False,
+) -> SmallAnswer:
     """An error answer in the client's protocol; a 503 carries ``Retry-After``.
 
     ``retry_after`` (whole seconds, as sent) overrides the ``retry_after``
-    setting, e.g. with a tombstone's remaining TTL.
+    setting, e.g. with a tombstone's remaining TTL. The connection closes after
+    it when ``close`` is set or the proxy drains.
     """
     if retry_after is None and status == 503:
         retry_after = str(state.settings.retry_after)
     headers = {"Retry-After": retry_after} if retry_after is not None else None
-    resp = error_response(protocol, status, message, code=code, headers=headers)
-    if state.draining:
-        resp.force_close()
-    return resp
+    return error_response(
+        protocol, status, message, code=code, headers=headers, close=close or state.draining
+    )
 
 
 async def handle_exchange(request: Request, state: AppState, *, shed: bool = False) -> Answer:
@@ -148,10 +148,8 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
             state.metrics.spool_full.inc()
         elif isinstance(exc, SpoolNoDescriptor):
             state.metrics.fd_exhausted.inc()
-        resp = _reject(protocol, exc.status, exc.message, state, code=exc.kind)
         # The rest of the body was never read: close rather than drain it.
-        resp.force_close()
-        return resp
+        return _reject(protocol, exc.status, exc.message, state, code=exc.kind, close=True)
     except wire.WireError as exc:
         ex.conclude(400, Outcome.REJECTED, "invalid_json")
         return _reject(protocol, 400, str(exc), state, code="invalid_json")
@@ -170,9 +168,7 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
         _client_gone(state, ex)
         # Raised, an ordinary hang-up would be logged by aiohttp as a server error with
         # a traceback. The connection is closing: this answer is dropped without a word.
-        gone = web.Response(status=499, reason="Client Closed Request")
-        gone.force_close()
-        return gone
+        return SmallAnswer(499, reason="Client Closed Request", close=True)
     except asyncio.CancelledError as exc:
         reason = orderly_cancel_reason(exc)
         if reason is not None:
@@ -182,10 +178,15 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
             # in prepare: the client gets a 503 in its protocol, not a dropped connection.
             task.uncancel()
             ex.conclude(503, Outcome.CANCELLED, reason.message)
-            resp = _reject(protocol, 503, reason.message, state, code=reason.code)
-            if ex.phase is Phase.READING:
-                resp.force_close()  # the rest of the body was never read
-            return resp
+            # Closing in READING: the rest of the body was never read.
+            return _reject(
+                protocol,
+                503,
+                reason.message,
+                state,
+                code=reason.code,
+                close=ex.phase is Phase.READING,
+            )
         if ex.phase is Phase.READING:
             _gone_mid_body(state, ex)
         else:
@@ -267,9 +268,7 @@ def _peer(request: Request) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _internal_error(
-    request: Request, state: AppState, ex: Exchange, exc: Exception
-) -> web.Response:
+def _internal_error(request: Request, state: AppState, ex: Exchange, exc: Exception) -> SmallAnswer:
     """A bug or an unforeseen failure in the proxy's own code: 500, never a traceback page.
 
     Logged once with the exception's class, the exchange id and the code location
@@ -287,23 +286,24 @@ def _internal_error(
     ex.conclude(500, Outcome.ERROR, "internal_error")
     if ex.phase is Phase.STREAMING:
         return _cut(request, 500)
-    resp = error_response(
-        ex.protocol, 500, f"internal proxy error (exchange {ex.id})", code="internal_error"
+    # Closing: the request may not have been read to its end.
+    return error_response(
+        ex.protocol,
+        500,
+        f"internal proxy error (exchange {ex.id})",
+        code="internal_error",
+        close=True,
     )
-    resp.force_close()  # the request may not have been read to its end
-    return resp
 
 
-def _cut(request: Request, status: int) -> web.Response:
+def _cut(request: Request, status: int) -> SmallAnswer:
     """An answer already begun that cannot go on: the connection is closed, so the
     client sees a cut answer (a status line can no longer be sent); ``status`` is
     the exchange's, for the books."""
     transport = request.transport
     if transport is not None:
         transport.close()
-    cut = web.Response(status=status)
-    cut.force_close()
-    return cut
+    return SmallAnswer(status, close=True)
 
 
 def _memory_refused(state: AppState) -> None:
@@ -312,7 +312,7 @@ def _memory_refused(state: AppState) -> None:
     state.memory_refusals.event(_MEMORY_REFUSED, _MEMORY_REFUSED)
 
 
-def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Response:
+def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> SmallAnswer:
     """A ``MemoryError`` in an exchange outside its body read: 503 with ``Retry-After``.
 
     Counted and logged as :func:`_memory_refused`. The exchange's buffers go
@@ -324,9 +324,8 @@ def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> web.Respo
     ex.conclude(503, Outcome.ERROR, BodyMemory.kind)
     if ex.phase is Phase.STREAMING:
         return _cut(request, 503)
-    resp = _reject(ex.protocol, 503, BodyMemory().message, state, code=BodyMemory.kind)
-    resp.force_close()  # the request may not have been read to its end
-    return resp
+    # Closing: the request may not have been read to its end.
+    return _reject(ex.protocol, 503, BodyMemory().message, state, code=BodyMemory.kind, close=True)
 
 
 def _gone_mid_body(state: AppState, ex: Exchange) -> None:
@@ -354,7 +353,7 @@ def _over_reading_budget(state: AppState, declared: int) -> bool:
     return reading > 0 and reading + declared > state.settings.max_reading_bytes
 
 
-def _shed(ex: Exchange, state: AppState) -> web.Response:
+def _shed(ex: Exchange, state: AppState) -> SmallAnswer:
     """503 ``fd_reserve`` for a request on a connection from the descriptor reserve.
 
     Counted in ``context_proxy_fd_exhausted_total``; the body is never read, so
@@ -362,19 +361,18 @@ def _shed(ex: Exchange, state: AppState) -> web.Response:
     """
     state.metrics.fd_exhausted.inc()
     ex.conclude(503, Outcome.REJECTED, "fd_reserve")
-    resp = _reject(ex.protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve")
-    resp.force_close()
-    return resp
+    return _reject(
+        ex.protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve", close=True
+    )
 
 
-def _busy(ex: Exchange, state: AppState, refusal: BodyError | None = None) -> web.Response:
+def _busy(ex: Exchange, state: AppState, refusal: BodyError | None = None) -> SmallAnswer:
     """503 + Retry-After before the body is read: ``max_reading_bytes`` (or ``refusal``'s
     budget, e.g. ``max_spool_bytes``) cannot take it now."""
     error = refusal if refusal is not None else BodyBusy()
     ex.conclude(503, Outcome.REJECTED, error.kind)
-    resp = _reject(ex.protocol, 503, error.message, state, code=error.kind)
-    resp.force_close()  # the body was never read
-    return resp
+    # Closing: the body was never read.
+    return _reject(ex.protocol, 503, error.message, state, code=error.kind, close=True)
 
 
 class _ReadingAccount:
@@ -571,19 +569,17 @@ def _path_protocol(path: str) -> Protocol:
     return Protocol.MESSAGES if path.startswith("/v1/messages") else Protocol.OPENAI
 
 
-def _refuse_expectation(request: Request) -> web.Response:
+def _refuse_expectation(request: Request) -> SmallAnswer:
     """417 for an ``Expect`` other than ``100-continue``, on any path, before routing.
 
     JSON in the path's protocol shape (Anthropic under ``/v1/messages``, else
     OpenAI); the value is never echoed. The body was not read: the connection closes.
     """
     protocol = _path_protocol(request.path)
-    resp = error_response(protocol, 417, "only Expect: 100-continue is supported")
-    resp.force_close()
-    return resp
+    return error_response(protocol, 417, "only Expect: 100-continue is supported", close=True)
 
 
-def _route_error(request: Request, status: int, allow: str | None = None) -> web.Response:
+def _route_error(request: Request, status: int, allow: str | None = None) -> SmallAnswer:
     """404 or 405 for a path or method no route serves: JSON (OpenAI shape, or
     Anthropic's under ``/v1/messages``), ``Allow`` listing the methods on a 405."""
     protocol = _path_protocol(request.path)
@@ -596,15 +592,15 @@ def _route_error(request: Request, status: int, allow: str | None = None) -> web
     )
 
 
-async def _answer(answer: web.Response) -> web.Response:
+async def _answer(answer: SmallAnswer) -> SmallAnswer:
     return answer
 
 
-def _root(request: Request) -> web.Response:
+def _root(request: Request) -> SmallAnswer:
     """``HEAD /`` and ``GET /``: answer at once (Claude Code preconnects with HEAD)."""
     if request.method not in ("GET", "HEAD"):
         return _route_error(request, 405, "GET,HEAD")
-    return web.Response(text="context-proxy\n")
+    return SmallAnswer.text("context-proxy\n")
 
 
 class ProxyApp:
@@ -667,9 +663,9 @@ class ProxyApp:
             return handle_exchange(request, state, shed=True)  # booked, as every exchange
         state.metrics.fd_exhausted.inc()
         protocol = _path_protocol(request.path)
-        resp = _reject(protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve")
-        resp.force_close()
-        return _answer(resp)
+        return _answer(
+            _reject(protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve", close=True)
+        )
 
     def upstream_sockets(self) -> int:
         """Upstream sockets the pool holds (in use or idle): descriptors already spent."""

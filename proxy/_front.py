@@ -27,9 +27,9 @@ each usable alone:
   answer (a probe's, or a 503), and accepting pauses before ``accept`` fails.
 
 A handler gets a :class:`Request` (head, :class:`BodyStream`, the transport)
-and returns an answer: an ``aiohttp.web.Response`` (a small, complete one; it
-is only a value here, written by :meth:`_Connection._write_response`) or a
-:class:`StreamAnswer` it has prepared and written itself.
+and returns an answer: a :class:`proxy._answer.SmallAnswer` (a small, complete
+one; it is only a value here, written by :meth:`_Connection._write_response`) or
+a :class:`StreamAnswer` it has prepared and written itself.
 
 Socket reads are sized for the body: asyncio's selector
 transport receives up to ``max_size`` bytes per read (256 KiB, a CPython class
@@ -53,9 +53,9 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Final, cast
 
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
 
+from ._answer import SmallAnswer
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
 from ._fdlimit import EXHAUSTED_MESSAGE, FdBudget, Verdict
 from ._http1 import (
@@ -459,9 +459,9 @@ class StreamAnswer:
         return self._ended
 
 
-Answer = web.Response | StreamAnswer
+Answer = SmallAnswer | StreamAnswer
 Handler = Callable[[Request], Awaitable[Answer]]
-"""A request handler: the answer to return (a small ``web.Response``, or a
+"""A request handler: the answer to return (a :class:`SmallAnswer`, or a
 :class:`StreamAnswer` it has prepared)."""
 
 
@@ -474,13 +474,12 @@ def _internalclosing_answer() -> bytes:
 async def _shed_answer(request: Request) -> Answer:
     """A request on a connection accepted from the descriptor reserve, with no
     ``shed_handler`` given: 503 (OpenAI shape) with ``Retry-After``."""
-    resp = web.Response(
-        status=503,
+    return SmallAnswer(
+        503,
         body=error_body(Protocol.OPENAI, 503, EXHAUSTED_MESSAGE),
         headers={"Content-Type": "application/json", "Retry-After": "5"},
+        close=True,
     )
-    resp.force_close()
-    return resp
 
 
 # ---------------------------------------------------------------------- connection
@@ -816,16 +815,15 @@ class _Connection(asyncio.Protocol):
         finally:
             del answer
 
-    async def _write_response(self, request: Request, resp: web.Response) -> None:
-        if resp.keep_alive is False:
+    async def _write_response(self, request: Request, resp: SmallAnswer) -> None:
+        if resp.close:
             self.close_after_answer()
         if not request.content.is_eof():
             # The body was not read to its end: its rest cannot be told from a next request.
             self.close_after_answer()
         status = resp.status
         body = resp.body
-        assert body is None or isinstance(body, bytes)
-        framing = b"" if bodiless(status) else b"Content-Length: %d\r\n" % len(body or b"")
+        framing = b"" if bodiless(status) else b"Content-Length: %d\r\n" % len(body)
         if self.closes_after_answer():
             framing += b"Connection: close\r\n"
         try:

@@ -21,9 +21,9 @@ import os
 import time
 from typing import Any, Final
 
-from aiohttp import web
 from multidict import CIMultiDict
 
+from ._answer import SmallAnswer
 from ._front import Answer, Request, StreamAnswer
 from ._state import AppState
 
@@ -154,7 +154,7 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: %s\ndata: %s\n\n" % (name.encode(), json.dumps(data).encode())
 
 
-def page_asset(name: str) -> web.Response:
+def page_asset(name: str) -> SmallAnswer:
     """The page's file ``name`` ("" is the HTML), with a CSP allowing only this origin.
 
     Raises:
@@ -162,7 +162,7 @@ def page_asset(name: str) -> web.Response:
     """
     filename, content_type = _ASSETS[name]
     body = importlib.resources.files("proxy").joinpath("_page", filename).read_bytes()
-    return web.Response(
+    return SmallAnswer(
         body=body,
         headers={
             "Content-Type": content_type,
@@ -201,7 +201,7 @@ async def stream_events(request: Request, state: AppState) -> Answer:
         }
     )
     if request.method == "HEAD":
-        return web.Response(headers=headers)
+        return SmallAnswer(headers=headers)
     answer = StreamAnswer(200, headers)
     try:
         await answer.prepare(request)

@@ -20,10 +20,10 @@ import ssl
 from collections.abc import Coroutine, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from aiohttp import web
 from multidict import CIMultiDict
 
 from . import _protocols as protocols
+from ._answer import SmallAnswer
 from ._cancel import orderly_cancel_reason
 from ._coding import BodyError, ContentDecoder, parse_content_encoding
 from ._config import Settings
@@ -265,13 +265,16 @@ def error_response(
     *,
     code: str | None = None,
     headers: Mapping[str, str] | None = None,
-) -> web.Response:
-    """A JSON error in the client's protocol shape (docs/design.md §7)."""
-    return web.Response(
-        status=status,
+    close: bool = False,
+) -> SmallAnswer:
+    """A JSON error in the client's protocol shape (docs/design.md §7); ``close``:
+    the connection closes after it."""
+    return SmallAnswer(
+        status,
         body=protocols.error_body(protocol, status, message, code=code),
         content_type="application/json",
         headers=headers,
+        close=close,
     )
 
 
@@ -395,7 +398,7 @@ class _Relay:
         self.retry_after = settings.retry_after
         self.client: StreamAnswer | None = None
         self.gate: StreamGate | None = None
-        self.rejection: web.Response | None = None
+        self.rejection: SmallAnswer | None = None
         # Loop time by which the upstream must end its body after the terminal event.
         self.linger_until: float | None = None
 

@@ -36,7 +36,7 @@ class Dialect:
     ``named_events`` and ``usage_events`` are pre-checks, not behaviour: they
     say when a per-event callable's answer is known without calling it, so the
     stream gate, which runs once per SSE event, can skip the call
-    (``tests/test_properties_gate.py`` checks each claim, and the one about
+    (``tests/gate/test_properties_gate.py`` checks each claim, and the one about
     ``stream_error``, against the callables on random events).
 
     Attributes:
