@@ -37,8 +37,9 @@ from ._body import (
 from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
 from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
-from ._front import Answer, FrontServer, Request, StreamAnswer
+from ._front import Answer, Request, StreamAnswer
 from ._headers import forward_headers
+from ._listener import FrontServer
 from ._plugins import PluginHost, load_plugins
 from ._protocols import Protocol
 from ._relay import ClientGone, Upstream, egress_problems, error_response, relay

@@ -781,6 +781,17 @@ class ServerConnection:
         """Declared body bytes of the request being received not received yet."""
         return self._body_left
 
+    @property
+    def refusal(self) -> str | None:
+        """The words of the :class:`BadRequest` parsed, if one was (its 400 says them)."""
+        return self._broken
+
+    def pending_bound(self) -> int:
+        """An upper bound on the events :meth:`next_event` can give before :data:`NEED_DATA`
+        or :data:`PAUSED` (a driver's loop bound): those parsed, two a byte held (a head
+        and its end take more bytes than that; a body piece at least one), and two more."""
+        return len(self._events) - self._next + 2 * len(self._held) + 2
+
     def next_deadline(self) -> float | None:
         """When (``clock`` seconds) the connection is closed unless something happens
         first; None: no deadline (an answer is being sent, or the connection closes).

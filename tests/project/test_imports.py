@@ -56,6 +56,9 @@ IO_MODULES = frozenset(
         "proxy._emulator",
         "proxy._relay",
         "proxy._front",
+        "proxy._listener",
+        "proxy._request",
+        "proxy._stream_answer",
         "proxy._state",
     }
 )
