@@ -39,7 +39,6 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import typing
 from collections.abc import Awaitable, Callable
@@ -137,16 +136,15 @@ class Listener(typing.Protocol):
 # ---------------------------------------------------------------------- flow control
 
 
-class Paused(enum.Flag):
-    """Why a connection's reading is paused (any reason keeps it paused)."""
+class Paused:
+    """Why a connection's reading is paused: the bits of :attr:`FlowControl.reading_paused`
+    (plain ints: an ``enum.Flag``'s operators are Python code, on the per-request path)."""
 
-    BODY = enum.auto()
+    BODY: Final = 1
     """The request body's unread bytes are over :data:`proxy._request.BODY_HIGH_WATER`."""
-    QUEUE = enum.auto()
+    QUEUE: Final = 2
     """Pipelined requests wait behind the one being answered (:data:`proxy._http1.PAUSED`)."""
-
-
-_NOT_PAUSED: Final = Paused(0)
+    ANY: Final = BODY | QUEUE
 
 
 class FlowControl:
@@ -162,16 +160,16 @@ class FlowControl:
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self._reading = _NOT_PAUSED
+        self._reading = 0
         self.writing_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
 
     @property
-    def reading_paused(self) -> Paused:
-        """The reasons reading is paused (falsy: it is not)."""
+    def reading_paused(self) -> int:
+        """The reasons reading is paused, :class:`Paused` bits (0: it is not)."""
         return self._reading
 
-    def pause_reading(self, reason: Paused) -> None:
+    def pause_reading(self, reason: int) -> None:
         """Add ``reason``; the transport stops reading on the first one."""
         before = self._reading
         if reason & before:
@@ -181,7 +179,7 @@ class FlowControl:
         if not before and transport is not None:
             transport.pause_reading()
 
-    def resume_reading(self, reason: Paused = ~_NOT_PAUSED) -> None:
+    def resume_reading(self, reason: int = Paused.ANY) -> None:
         """Drop ``reason`` (default: every reason); the transport reads on without any."""
         before = self._reading
         if not reason & before:
@@ -303,9 +301,8 @@ class ClientConnection(asyncio.Protocol):
         http = self.http
         for _ in range(http.pending_bound()):
             event = http.next_event()
-            kind = event.__class__
-            if kind is bytes:
-                assert self._parsing is not None and isinstance(event, bytes)
+            if isinstance(event, bytes):
+                assert self._parsing is not None
                 self._parsing.content.feed(event)
             elif event is END:
                 parsing = self._parsing
@@ -314,17 +311,16 @@ class ClientConnection(asyncio.Protocol):
                     self._parsing = None
                     if self._sized:
                         self._set_read_size(HEAD_READ_BYTES)
-            elif kind is RequestHead:
-                assert isinstance(event, RequestHead)
+            elif isinstance(event, RequestHead):
                 self._head(event)
             elif event is NEED_DATA:
-                self._flow.resume_reading(Paused.QUEUE)
+                if self._flow.reading_paused & Paused.QUEUE:
+                    self._flow.resume_reading(Paused.QUEUE)
                 return
             elif event is PAUSED:
                 self._flow.pause_reading(Paused.QUEUE)
                 return
-            elif kind is BadRequest:
-                assert isinstance(event, BadRequest)
+            elif isinstance(event, BadRequest):
                 self._malformed(event.words)
             # Trailers: not relayed (the body reader has no place for them).
 
@@ -373,7 +369,11 @@ class ClientConnection(asyncio.Protocol):
         Raises:
             ConnectionResetError: the connection was lost meanwhile.
         """
-        await self._flow.drain()
+        flow = self._flow
+        if flow.writing_paused:
+            await flow.drain()
+        elif self.transport is None:
+            raise ConnectionResetError("the client closed the connection")
 
     def send_head(self, head: Response) -> bytes:
         """The bytes of an answer's head; a draining server closes the connection after it.

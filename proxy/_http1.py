@@ -35,8 +35,8 @@ import enum
 import http
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable
-from typing import Final, cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -546,6 +546,10 @@ class StateError(Exception):
 class ServerState(enum.Enum):
     """Where a client connection is in its request cycle (see :data:`SERVER_TRANSITIONS`)."""
 
+    # Members are singletons: identity is equality, and hashing by it keeps the table's
+    # lookups in C (Enum's own __hash__ is Python code, a few of them per request).
+    __hash__ = object.__hash__
+
     IDLE = "idle"
     """No request being answered and none begun: the keep-alive clock runs."""
     IN_HEAD = "in head"
@@ -566,6 +570,7 @@ class ServerState(enum.Enum):
 
 _S = ServerState
 _ANSWERING: Final = frozenset({_S.RESPONSE, _S.SEND_BODY, _S.DONE})
+_READING: Final = frozenset({_S.IDLE, _S.IN_HEAD} | _ANSWERING)
 _AFTER_ANSWER: Final = frozenset({_S.IDLE, _S.IN_HEAD, _S.RESPONSE, _S.LINGERING, _S.CLOSING})
 
 SERVER_TRANSITIONS: Final[dict[ServerState, frozenset[ServerState]]] = {
@@ -719,8 +724,8 @@ class ServerConnection:
         "_no_body",
         "_since",
         "_slice_bytes",
-        "_state",
         "_unended",
+        "state",
     )
 
     def __init__(
@@ -737,7 +742,8 @@ class ServerConnection:
         self._keepalive_timeout = keepalive_timeout
         self._slice_bytes = slice_bytes
         self._framing = RequestFraming()
-        self._state = ServerState.IDLE
+        # The current state (read it; only the machine's moves change it).
+        self.state = ServerState.IDLE
         self._since = clock()
         # Heads taken and not answered yet: [0] is the one being answered, the rest wait.
         self._ahead: collections.deque[RequestHead] = collections.deque()
@@ -746,7 +752,7 @@ class ServerConnection:
         # Declared body bytes of _unended not parsed yet (sizes the parse slices).
         self._body_left = 0
         # Events parsed and not taken yet, from _next on.
-        self._events: list[Event | BadRequest] = []
+        self._events: Sequence[Event | BadRequest] = ()
         self._next = 0
         # Bytes received and not parsed yet (parsing paused, or parsed a slice at a time).
         self._held: bytes | memoryview = b""
@@ -759,22 +765,17 @@ class ServerConnection:
 
     # -- state
 
-    @property
-    def state(self) -> ServerState:
-        """The current state."""
-        return self._state
-
     def _set(self, new: ServerState) -> None:
-        if new not in SERVER_TRANSITIONS[self._state]:
-            raise StateError(f"{self._state.value} -> {new.value} is not a legal move")
+        if new not in SERVER_TRANSITIONS[self.state]:
+            raise StateError(f"{self.state.value} -> {new.value} is not a legal move")
         if new is ServerState.IDLE or new is ServerState.IN_HEAD or new is ServerState.LINGERING:
             self._since = self._clock()
-        self._state = new
+        self.state = new
 
     @property
     def current(self) -> RequestHead | None:
         """The head of the request being answered, if one is."""
-        return self._ahead[0] if self._state in _ANSWERING else None
+        return self._ahead[0] if self.state in _ANSWERING else None
 
     @property
     def body_left(self) -> int:
@@ -800,7 +801,7 @@ class ServerConnection:
         after the head began (later pieces do not push it back); LINGERING:
         :data:`LINGER_TIMEOUT` after the answer.
         """
-        state = self._state
+        state = self.state
         if state is ServerState.IDLE:
             return self._since + self._keepalive_timeout
         if state is ServerState.IN_HEAD:
@@ -819,7 +820,7 @@ class ServerConnection:
         Raises:
             StateError: the connection is closed.
         """
-        state = self._state
+        state = self.state
         if state is ServerState.CLOSED:
             raise StateError("bytes received on a closed connection")
         if self._broken is not None or state is ServerState.LINGERING or state is _S.CLOSING:
@@ -834,29 +835,55 @@ class ServerConnection:
         connection to CLOSING (the driver sends its 400 and closes); taken while one
         is, the 400 follows the requests ahead of it (:meth:`finish_answer`).
         """
+        index = self._next
         events = self._events
-        # Bounded: each pass takes an event, or parses at least a slice of what is held.
-        for _ in range(len(self._held) // self._slice_bytes + 2):
-            index = self._next
-            if index < len(events):
-                self._next = index + 1
-                return self._take(events[index])
-            if index:
-                events = self._events = []
-                self._next = 0
-            state = self._state
-            if self._broken is not None or (
-                state is not _S.IDLE and state is not _S.IN_HEAD and state not in _ANSWERING
-            ):
+        if index >= len(events):
+            signal = self._parse_more()
+            if signal is not None:
+                return signal
+            events = self._events
+            index = 0
+        self._next = index + 1
+        event = events[index]
+        # What the event changes (inline: the hot path is a few events a request).
+        if isinstance(event, bytes):
+            self._body_left -= len(event)
+        elif event is END:
+            self._unended = None
+            self._body_left = 0
+        elif isinstance(event, RequestHead):
+            self._ahead.append(event)
+            if event.expects_body:
+                self._unended = event
+                self._body_left = event.content_length or 0
+            state = self.state
+            if state is ServerState.IDLE or state is ServerState.IN_HEAD:
+                self.state = ServerState.RESPONSE  # a move the table allows from both
+        elif isinstance(event, BadRequest):
+            self._broken = event.words
+            self._held = b""
+            if self.state not in _ANSWERING:
+                self._set(ServerState.CLOSING)
+        return event
+
+    def _parse_more(self) -> _Signal | None:
+        """Every parsed event is taken (their bytes go): parse on. None: new events are in
+        :attr:`_events`; else :data:`NEED_DATA` or :data:`PAUSED`."""
+        self._events = ()
+        self._next = 0
+        # Bounded: each pass parses at least a slice of what is held.
+        for _ in range(len(self._held) // self._slice_bytes + 1):
+            if self._broken is not None or self.state not in _READING:
                 return NEED_DATA
             if len(self._ahead) > QUEUED_MAX:
                 return PAUSED
             if not self._held:
                 break
             self._parse_slice()
-            events = self._events
-        if self._state is ServerState.IDLE and self._framing.in_head:
-            self._set(ServerState.IN_HEAD)
+            if self._events:
+                return None
+        if self.state is ServerState.IDLE and self._framing.in_head:
+            self._set(ServerState.IN_HEAD)  # a head begun while idle: its clock starts
         return NEED_DATA
 
     def _parse_slice(self) -> None:
@@ -871,7 +898,7 @@ class ServerConnection:
             piece, self._held = view[:end], view[end:]
         framing = self._framing
         try:
-            self._events = cast("list[Event | BadRequest]", framing.feed(piece))
+            self._events = framing.feed(piece)
         except MalformedRequest as exc:
             # What came before the fault is answered first: a whole request ahead of
             # the bad bytes is answered (and committed) before the 400 that closes.
@@ -883,31 +910,6 @@ class ServerConnection:
             self._must_close = True
             self._held = b""
 
-    def _take(self, event: Event | BadRequest) -> ServerEvent:
-        cls = event.__class__
-        if cls is bytes:
-            assert isinstance(event, bytes)
-            self._body_left -= len(event)
-        elif event is END:
-            self._unended = None
-            self._body_left = 0
-        elif cls is RequestHead:
-            assert isinstance(event, RequestHead)
-            self._ahead.append(event)
-            if event.expects_body:
-                self._unended = event
-                self._body_left = event.content_length or 0
-            state = self._state
-            if state is ServerState.IDLE or state is ServerState.IN_HEAD:
-                self._set(ServerState.RESPONSE)
-        elif cls is BadRequest:
-            assert isinstance(event, BadRequest)
-            self._broken = event.words
-            self._held = b""
-            if self._state not in _ANSWERING:
-                self._set(ServerState.CLOSING)
-        return event
-
     # -- sending
 
     def close_after_answer(self) -> None:
@@ -918,7 +920,7 @@ class ServerConnection:
         """Whether the connection closes after the current answer (see the class docstring)."""
         if self._must_close:
             return True
-        head = self.current
+        head = self._ahead[0] if self._ahead and self.state in _ANSWERING else None
         return (
             head is None or not head.keep_alive or head.version < (1, 1) or (head is self._unended)
         )
@@ -942,29 +944,31 @@ class ServerConnection:
             ValueError: a field of a :class:`Response` holds CR or LF (the state stays
                 RESPONSE: another answer, a 500, may be sent instead).
         """
-        state = self._state
-        if event.__class__ is bytes:
+        state = self.state
+        if isinstance(event, bytes):
             if state is not ServerState.SEND_BODY:
                 raise StateError(f"body bytes sent in state {state.value}")
-            assert isinstance(event, bytes)
             if self._no_body or not event:
                 return b""
             if self._chunked:
                 return b"%x\r\n%s\r\n" % (len(event), event)
             return event
         if event is END:
-            self._set(ServerState.DONE)
+            if state is not ServerState.SEND_BODY:
+                raise StateError(f"the end of an answer sent in state {state.value}")
+            self.state = ServerState.DONE  # the table's one move from SEND_BODY but CLOSED
             return b"0\r\n\r\n" if self._chunked and not self._no_body else b""
         if state is not ServerState.RESPONSE:
             raise StateError(f"{type(event).__name__} sent in state {state.value}")
         head = self._ahead[0]
         if isinstance(event, InformationalResponse):
             return _CONTINUE if head.version >= (1, 1) else b""
-        assert isinstance(event, Response)
+        assert isinstance(event, Response)  # bytes and END are handled above
         status, length = event.status, event.length
-        no_body = bodiless(status) or head.method == "HEAD"
+        empty = bodiless(status)
+        no_body = empty or head.method == "HEAD"
         chunked = False
-        if bodiless(status):
+        if empty:
             framing = b""
         elif length is not None:
             framing = b"Content-Length: %d\r\n" % length
@@ -976,11 +980,16 @@ class ServerConnection:
         else:
             self._must_close = True
             framing = b""
-        if self.will_close():
+        if (
+            self._must_close
+            or not head.keep_alive
+            or head.version < (1, 1)
+            or head is self._unended
+        ):  # will_close(), inline
             framing += b"Connection: close\r\n"
         out = answer_head(status, event.reason, event.headers, framing)
         self._chunked, self._no_body = chunked, no_body
-        self._set(ServerState.SEND_BODY)
+        self.state = ServerState.SEND_BODY  # checked above: RESPONSE
         return out
 
     def finish_answer(self) -> After:
@@ -989,8 +998,8 @@ class ServerConnection:
         Raises:
             StateError: no answer is in progress.
         """
-        if self._state not in _ANSWERING:
-            raise StateError(f"no answer to finish in state {self._state.value}")
+        if self.state not in _ANSWERING:
+            raise StateError(f"no answer to finish in state {self.state.value}")
         close = self.will_close()
         head = self._ahead.popleft()
         self._chunked = self._no_body = False
@@ -1016,7 +1025,7 @@ class ServerConnection:
         self._set(ServerState.LINGERING)
         self._ahead.clear()
         self._unended = None
-        self._events = []
+        self._events = ()
         self._next = 0
         self._held = b""
 
@@ -1024,7 +1033,7 @@ class ServerConnection:
         """The connection is gone (any state but CLOSED)."""
         self._set(ServerState.CLOSED)
         self._ahead.clear()
-        self._events = []
+        self._events = ()
         self._next = 0
         self._held = b""
 
