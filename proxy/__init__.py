@@ -11,7 +11,8 @@ view of a request body (:class:`BodyView`, :class:`Node`, :class:`EditConflict`,
 :func:`load_settings`) and the application (:func:`build_app` and
 :func:`running` to embed the proxy in a program of your own, :func:`serve` to
 run it until SIGTERM). Test helpers live in
-:mod:`proxy.testing`; everything else is internal.
+:mod:`proxy.testing` (the ``testing`` extra; importing this package loads none of
+it, nor aiohttp); everything else is internal.
 """
 
 from importlib import metadata as _metadata

@@ -73,11 +73,10 @@ __all__ = ["DEFAULT_IDLE_AFTER", "DEFAULT_MMAP_THRESHOLD", "Allocator", "LibC", 
 
 log = logging.getLogger("context_proxy.alloc")
 
-#: ``mallopt`` parameter numbers, from glibc's ``<malloc.h>``.
-M_TRIM_THRESHOLD: Final = -1
+#: The ``mallopt`` parameter number of the mmap threshold, from glibc's ``<malloc.h>``.
 M_MMAP_THRESHOLD: Final = -3
 #: Blocks of this many bytes or more get their own mapping (freed at once).
-#: Large enough that aiohttp's read chunks (<= 256 KiB) stay on the fast heap.
+#: Large enough that the edges' socket reads and body pieces (<= 256 KiB) stay on the fast heap.
 DEFAULT_MMAP_THRESHOLD: Final = 1 << 20
 #: Seconds after the last exchange ended at which an idle process trims its freed heap.
 DEFAULT_IDLE_AFTER: Final = 0.1

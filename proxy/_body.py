@@ -1,7 +1,7 @@
 """Request body reader: size limit, content decoding, disconnects, idle timeout (I/O edge).
 
 docs/design.md §3 is the spec. :func:`read_body` turns a request body stream
-(:class:`proxy._front.BodyStream`, or an aiohttp payload) into exactly one
+(:class:`proxy._front.BodyStream`) into exactly one
 ``bytearray`` holding the decoded body, plus the xxh3_128 digest
 of those bytes and the number of bytes that crossed the wire. Every way a read
 can end is one of two things:
@@ -25,11 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Final, Protocol
-
-import aiohttp
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.streams import EofStream
+from typing import Final
 
 from ._coding import (
     MAX_CONTENT_CODINGS,
@@ -47,7 +43,7 @@ from ._coding import (
     parse_content_encoding,
 )
 from ._fdlimit import EXHAUSTION_ERRNOS
-from ._front import ClientBodyError
+from ._front import BodyStream, ClientBodyError
 from ._spool import SpoolNoDescriptor
 
 __all__ = [
@@ -80,7 +76,7 @@ _NO_TIMER: Final = contextlib.nullcontext()
 
 
 class BodyIncomplete(BodyError):
-    """400: the client closed, or aiohttp reported broken framing, before the body was complete."""
+    """400: the client closed, or broke the framing, before the body was complete."""
 
     status = 400
     kind = "incomplete"
@@ -213,31 +209,8 @@ class ReadResult:
     spool: SpillTarget | None = None
 
 
-class BodySource(Protocol):
-    """Where a body is read from: :class:`proxy._front.BodyStream` (or an aiohttp payload)."""
-
-    def is_eof(self) -> bool:
-        """Every byte has arrived (reads no longer wait)."""
-
-    async def read(self, n: int) -> bytes:
-        """Up to ``n`` bytes; ``b""`` at the end."""
-
-
-# What a body stream raises when the client goes away or breaks the framing: ours
-# (ClientBodyError); aiohttp's ConnectionResetError("Connection lost"), parser
-# errors (HttpProcessingError), client errors.
-_PAYLOAD_ERRORS: Final = (
-    ClientBodyError,
-    HttpProcessingError,
-    aiohttp.ClientError,
-    OSError,
-    asyncio.IncompleteReadError,
-    EofStream,
-)
-
-
 async def read_body(
-    content: BodySource,
+    content: BodyStream,
     *,
     content_length: int | None,
     content_encoding: str | None,
@@ -251,13 +224,13 @@ async def read_body(
 ) -> ReadResult:
     """Read and decode a request body within ``limit`` bytes (docs/design.md §3).
 
-    An aiohttp server feeding it MUST run with ``auto_decompress=False``:
-    otherwise aiohttp inflates the body itself, with no limit, before this
-    function sees a byte, and the decoding done here would be applied twice.
+    ``content`` MUST yield the body as it crossed the wire (content coding
+    included): the decoding and its limit are applied here, once.
 
     Args:
-        content: ``request.content``; nothing else may read it concurrently. (With
-            aiohttp, never ``Request.read()``: it caches a second copy on the request.)
+        content: ``request.content``, the body as the server edge receives it
+            (transfer coding undone, content coding not); nothing else may read
+            it concurrently.
         content_length: ``request.content_length`` (bytes) or None for chunked.
         content_encoding: the ``Content-Encoding`` value or None; see
             :func:`parse_content_encoding` for the accepted codings.
@@ -309,7 +282,7 @@ async def read_body(
     (its storage released even if a frame still points at it), decoders and
     chunks are dropped, the one idle timer is cancelled, no task or callback is
     registered. After a BodyError the rest of the body is unread, so answer with
-    ``Connection: close`` (``response.force_close()``) unless lingering is wanted.
+    ``Connection: close`` (``SmallAnswer(..., close=True)``) unless lingering is wanted.
     """
     if idle_timeout <= 0 or chunk_bytes <= 0 or (body_timeout is not None and body_timeout <= 0):
         raise ValueError("idle_timeout, body_timeout and chunk_bytes must be > 0")
@@ -372,7 +345,7 @@ async def read_body(
 
 
 async def _pump(
-    content: BodySource,
+    content: BodyStream,
     sink: BodySink,
     decoder: ContentDecoder | None,
     *,
@@ -404,7 +377,7 @@ async def _pump(
             while True:
                 try:
                     chunk = await content.read(chunk_bytes)
-                except _PAYLOAD_ERRORS:
+                except ClientBodyError:  # the client left or broke the framing
                     return BodyIncomplete(), wire
                 if not chunk:
                     break

@@ -3,7 +3,8 @@
 Two kinds of cancellation reach an exchange's task. An orderly stop (a
 session shutdown, the process drain) carries a marker as the cancel message,
 and the client still gets a well-formed end in its own protocol. Any other
-cancellation means the client hung up (aiohttp's handler cancellation).
+cancellation means the client hung up: the server edge (:mod:`proxy._front`)
+cancels the handler's task when its connection is lost.
 """
 
 from __future__ import annotations

@@ -44,6 +44,31 @@ def _cannot_listen(host: str, port: int, exc: OSError) -> click.ClickException:
     return click.ClickException(f"cannot listen on {host}:{port}: {reason}")
 
 
+class _ExtraMissing(click.ClickException):
+    """A command whose optional dependencies are not installed: one line naming the extra.
+
+    Exit code 2, as for a command the installation cannot run (click's usage errors).
+    """
+
+    exit_code = 2
+
+
+def _require_testing_extra(command: str) -> None:
+    """Raise :class:`_ExtraMissing` when the ``testing`` extra (aiohttp) is not installed.
+
+    The emulator (and the demo built on it) runs on aiohttp, which the proxy
+    itself does not need; the import is attempted, not looked up, so a package
+    that is present but broken counts as missing.
+    """
+    try:
+        import aiohttp  # noqa: F401  (imported for the check; used by proxy._emulator)
+    except ImportError:
+        raise _ExtraMissing(
+            f"context-proxy {command} needs the 'testing' extra: "
+            "pip install 'context-proxy[testing]'"
+        ) from None
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(
     package_name="context-proxy", prog_name="context-proxy", message="%(prog)s %(version)s"
@@ -128,7 +153,11 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
     help="Report cached input tokens: the prefix shared with a request of the last 5 minutes.",
 )
 def emulate(host: str, port: int, context_window_tokens: int | None, prompt_cache: bool) -> None:
-    """Run the local upstream emulator (all three protocols, scriptable per request)."""
+    """Run the local upstream emulator (all three protocols, scriptable per request).
+
+    Needs the `testing` extra.
+    """
+    _require_testing_extra("emulate")
     from ._emulator import run_emulator
     from ._emulator_script import Script, window_script
 
@@ -152,8 +181,10 @@ def demo(port: int, once: bool) -> None:
 
     The proxy listens on 127.0.0.1:PORT with both upstreams pointed at the
     built-in emulator, so clients and SDKs can be tried with no network. Other
-    settings come from the config file and environment, as for `serve`.
+    settings come from the config file and environment, as for `serve`. Needs
+    the `testing` extra.
     """
+    _require_testing_extra("demo")
     from ._demo import run_demo
 
     setup_logging("WARNING")

@@ -2,9 +2,10 @@
 
 docs/design.md §5: the commit runs after the last byte was written, exactly once,
 whatever the client does next; session close and shutdown wait for pending
-commits. A commit therefore never runs in the request handler's task: aiohttp
-cancels that task when the client hangs up (``handler_cancellation``), and a
-handler that awaited its commit would also hold its keep-alive connection, so
+commits. A commit therefore never runs in the request handler's task: the
+server edge (:mod:`proxy._front`) cancels that task when the client hangs up, and
+a handler that awaited its commit would also hold its keep-alive connection (the
+edge serves the connection's next request only once the handler returned), so
 the client's next request would wait for a slow hook. Instead the handler hands
 the record to :meth:`CommitTracker.start` in its ``finally`` and returns; the
 commit runs in a task of its own, owned by the app state, in a fresh context

@@ -6,6 +6,9 @@ real wire shapes (checked by driving it with the installed ``openai`` and
 from ``proxy._protocols`` or ``proxy._sse``: it is an independent implementation of
 what the upstream APIs do, so our tests cannot agree with our own bugs.
 
+aiohttp is a dependency of the emulator only, in the ``testing`` extra: the proxy
+never imports this module (nor :mod:`proxy._demo`, :mod:`proxy.testing`).
+
 Routes
 ------
 ``POST /v1/chat/completions`` (OpenAI chat), ``POST /v1/responses`` (OpenAI

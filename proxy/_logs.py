@@ -448,12 +448,11 @@ _CLIENT_DRIVEN_LOGGERS: Final = (
 
 
 def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
-    """Log every record (ours, aiohttp's, asyncio's) to stderr in ``fmt``, at ``level``.
+    """Log every record (ours, asyncio's, the libraries') to stderr in ``fmt``, at ``level``.
 
-    aiohttp's own access logger is kept at WARNING: it would print query
-    strings; :func:`log_access` writes the proxy's access lines instead.
-    OpenTelemetry's propagators are kept at ERROR: their warnings are about a
-    client's ``traceparent`` / ``baggage`` fields, one per request.
+    :func:`log_access` writes the proxy's access lines. OpenTelemetry's
+    propagators are kept at ERROR: their warnings are about a client's
+    ``traceparent`` / ``baggage`` fields, one per request.
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ContextFilter())
@@ -465,7 +464,6 @@ def setup_logging(level: str, fmt: Literal["text", "json"] = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     # OpenTelemetry's propagators warn of every over-long or malformed traceparent,
     # tracestate or baggage a client sends: a line per request anyone can cause.
     for name in _CLIENT_DRIVEN_LOGGERS:

@@ -23,7 +23,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from importlib import metadata
 from typing import TYPE_CHECKING, Final, Protocol
 
-import aiohttp
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -181,12 +180,10 @@ class Metrics:
         build = Gauge(
             "context_proxy_build_info",
             "Always 1; the labels name the versions running",
-            ["version", "python_version", "aiohttp_version"],
+            ["version", "python_version"],
             registry=r,
         )
-        build.labels(_version("context-proxy"), platform.python_version(), aiohttp.__version__).set(
-            1
-        )
+        build.labels(_version("context-proxy"), platform.python_version()).set(1)
         # The per-request series are plain numbers (proxy/_tally.py): a finished
         # exchange updates a dozen of them, and prometheus-client's types lock each time.
         self.requests = CounterTally(

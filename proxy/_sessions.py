@@ -454,7 +454,6 @@ class SessionRegistry:
         "_closing",
         "_detached",
         "_idle",
-        "_idle_cap",
         "_in_flight_total",
         "_inflight",
         "_listing",
@@ -484,7 +483,6 @@ class SessionRegistry:
             tombstones = TombstoneSet(ttl=tombstone_ttl, cap=tombstone_cap, clock=clock)
         elif tombstone_ttl is not None or tombstone_cap is not None:
             raise TypeError("give tombstone_ttl and tombstone_cap, or a tombstone store, not both")
-        self._idle_cap = idle_cap
         self._clock = clock
         self._on_close = on_close
         self._before_close = before_close
@@ -932,8 +930,8 @@ class SessionRegistry:
             # the failure stays visible as close_failed on the kept entry.
             task.exception()
 
-    # `timeout` is the grace period given to in-flight exchanges (the issue's
-    # signature), not a deadline for the call itself.
+    # `timeout` is the grace period given to in-flight exchanges, not a deadline for
+    # the call itself (hence the ASYNC109 exemption).
     async def shutdown_session(self, sid: str, timeout: float) -> ShutdownResult:  # noqa: ASYNC109
         """Shut one session down (docs/design.md §6, rule 5); idempotent.
 

@@ -98,7 +98,8 @@ class AppState:
         self.exchanges: dict[str, Exchange] = {}
         self.handlers: set[asyncio.Task[object]] = set()
         self.draining = False
-        #: Declared Content-Length of the bodies being read right now, bytes.
+        #: Body bytes received so far by the reads in progress (a declared Content-Length
+        #: is not charged: it reserves no memory), bytes; ``max_reading_bytes`` bounds it.
         self.reading_bytes = 0
         self.stop = asyncio.Event()
         #: The last ``snapshot`` event of ``/admin/events`` (event-loop time, encoded

@@ -34,50 +34,13 @@ What the gate decides:
 * **Usage metering** from usage events or a JSON body of up to
   :data:`USAGE_JSON_CAP` bytes.
 
-States and transitions (``feed``/``end``/``refold_declined`` in a state emit
-the actions listed, then move to the next state):
-
-============  ===========================================  =========================  ============
-state         event                                        actions                    next
-============  ===========================================  =========================  ============
-NEW           start(), 2xx to a streaming request, not     Accept, Reject             DONE
-              SSE or JSON
-NEW           start(), status >= 400                       (none)                     ERROR_HEAD
-NEW           start(), 2xx SSE, refold or resend possible  Accept unless a refold is  GATED
-                                                           still possible
-NEW           start(), anything else                       Accept, Open               STREAMING
-ERROR_HEAD    feed, head over ERROR_BODY_CAP               Accept, Open, Forward      STREAMING
-ERROR_HEAD    end(clean), overflow, refold possible        Refold                     REFOLDING
-ERROR_HEAD    end, otherwise                               Accept, Open, Forward,     DONE
-                                                           Finish (or Fail if unclean)
-GATED         feed, overflow event, refold possible        Refold                     REFOLDING
-GATED         feed, output / overflow / head over          Accept, Open, Forward      STREAMING or
-              HEAD_HOLD_CAP                                                           TERMINAL
-GATED         feed, terminal event, no output, head        Resend                     DONE
-              within HEAD_HOLD_CAP, resend possible
-GATED         feed, terminal event otherwise               Accept, Open, Forward,     TERMINAL
-                                                           Linger
-GATED         end(clean), no output, resend possible       Resend                     DONE
-GATED         end, otherwise                               Accept, Open, then as      DONE
-                                                           STREAMING's end
-REFOLDING     refold_declined()                            as GATED / ERROR_HEAD      STREAMING,
-                                                           with no refold possible    TERMINAL, DONE
-STREAMING     feed                                         Forward (complete events)  STREAMING
-STREAMING     feed, terminal event                         Forward, Linger            TERMINAL
-STREAMING     end, terminal fragment at EOF (R1)           Forward, Usage, Finish     DONE
-STREAMING     end, exchange SSE without terminal (R2)      Forward (error event),     DONE
-                                                           Usage, Fail
-STREAMING     end, not SSE and unclean                     Usage, Fail(cut)           DONE
-STREAMING     end, otherwise                               Forward (tail), Usage,     DONE
-                                                           Finish
-TERMINAL      feed                                         Forward (as is)            TERMINAL
-TERMINAL      end (clean or not)                           Usage, Finish              DONE
-any but DONE  abort(message), client answered              Forward (error event) and  DONE
-                                                           Fail, or Fail(cut)
-============  ===========================================  =========================  ============
-
-Feeding a gate in DONE or REFOLDING raises :class:`GateError`, as does
-``refold_declined()`` outside REFOLDING.
+States and transitions are data, as in h11's ``_state.py``: :data:`TRANSITIONS`
+lists every move the gate can make, one :class:`Move` a row (from which
+:class:`GateState`, on which :class:`GateInput`, to which state, the kinds of
+action it may emit, and when). A call the table has no row for raises
+:class:`GateError` before anything happens (``feed`` after the end, ``start``
+twice, ``refold_declined`` outside REFOLDING: a driver bug); a call that would
+end in a state its rows do not list raises :class:`GateError` too (a gate bug).
 """
 
 from __future__ import annotations
@@ -85,7 +48,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from typing import Final
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar, Final
 
 from . import _protocols as protocols
 from ._protocols import Protocol
@@ -96,15 +61,19 @@ __all__ = [
     "HEAD_HOLD_CAP",
     "PARTIAL_EVENT_CAP",
     "TERMINAL_EOF_GRACE",
+    "TRANSITIONS",
     "USAGE_JSON_CAP",
     "Accept",
     "Action",
+    "ActionKind",
     "Fail",
     "Finish",
     "Forward",
     "GateError",
+    "GateInput",
     "GateState",
     "Linger",
+    "Move",
     "Open",
     "Refold",
     "Reject",
@@ -132,9 +101,26 @@ _SSE: Final = "text/event-stream"
 # --------------------------------------------------------------------- actions
 
 
+class ActionKind(enum.Enum):
+    """What an :data:`Action` asks of the driver; each action class has one (``kind``)."""
+
+    ACCEPT = "accept"
+    OPEN = "open"
+    FORWARD = "forward"
+    REFOLD = "refold"
+    RESEND = "resend"
+    LINGER = "linger"
+    USAGE = "usage"
+    FINISH = "finish"
+    FAIL = "fail"
+    REJECT = "reject"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Accept:
     """The release boundary: no refold can follow (call ``Exchange.accept``)."""
+
+    kind: ClassVar[ActionKind] = ActionKind.ACCEPT
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -145,12 +131,16 @@ class Open:
     relayed as it came; the exchange's outcome says so.
     """
 
+    kind: ClassVar[ActionKind] = ActionKind.OPEN
+
     upstream_error: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Forward:
     """Write ``data`` to the client (with backpressure), exactly these bytes."""
+
+    kind: ClassVar[ActionKind] = ActionKind.FORWARD
 
     data: bytes
 
@@ -168,6 +158,8 @@ class Refold:
     ``None`` where its wording states none (an overflow event inside a stream).
     """
 
+    kind: ClassVar[ActionKind] = ActionKind.REFOLD
+
     reason: str
     prompt_tokens: int | None = None
     window_tokens: int | None = None
@@ -180,10 +172,14 @@ class Resend:
     Nothing was sent to the client; the driver closes this answer.
     """
 
+    kind: ClassVar[ActionKind] = ActionKind.RESEND
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Linger:
     """The terminal event was relayed: read on for at most ``seconds``, then end."""
+
+    kind: ClassVar[ActionKind] = ActionKind.LINGER
 
     seconds: float
 
@@ -193,12 +189,16 @@ class Usage:
     """Token counts the upstream reported for this answer (``None``: not reported);
     see :meth:`protocols.UsageMeter.totals`."""
 
+    kind: ClassVar[ActionKind] = ActionKind.USAGE
+
     tokens: protocols.UsageReport
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finish:
     """The answer is complete; stop reading the upstream."""
+
+    kind: ClassVar[ActionKind] = ActionKind.FINISH
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,6 +209,8 @@ class Fail:
     appended; close the client's connection so it sees a truncated body.
     """
 
+    kind: ClassVar[ActionKind] = ActionKind.FAIL
+
     message: str
     cut: bool = False
 
@@ -216,6 +218,8 @@ class Fail:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Reject:
     """Answer the client with this error (protocol shape) instead of the upstream's answer."""
+
+    kind: ClassVar[ActionKind] = ActionKind.REJECT
 
     status: int
     message: str
@@ -225,7 +229,7 @@ Action = Accept | Open | Forward | Refold | Resend | Linger | Usage | Finish | F
 
 
 class GateState(enum.Enum):
-    """Where a :class:`StreamGate` is; see the module's transition table."""
+    """Where a :class:`StreamGate` is; :data:`TRANSITIONS` says where it may go."""
 
     NEW = "new"
     ERROR_HEAD = "error_head"
@@ -236,12 +240,138 @@ class GateState(enum.Enum):
     DONE = "done"
 
 
+class GateInput(enum.Enum):
+    """What the driver tells a :class:`StreamGate`: one member per method (its name)."""
+
+    START = "start"
+    FEED = "feed"
+    END = "end"
+    REFOLD_DECLINED = "refold_declined"
+    ABORT = "abort"
+
+
 class GateError(RuntimeError):
-    """A gate method was called in a state where it has no meaning (a driver bug)."""
+    """A gate method called in a state where :data:`TRANSITIONS` has no row for it
+    (a driver bug), or a move the table does not list (a gate bug)."""
 
 
-# The states in which feed() and end() have no meaning (a tuple built once, not per call).
-_NOT_FED: Final = (GateState.NEW, GateState.REFOLDING, GateState.DONE)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Move:
+    """One row of :data:`TRANSITIONS`.
+
+    From ``state``, on ``on``, the gate goes to ``to``, emitting actions of the
+    kinds in ``actions`` only (in the order listed, each at most once, except
+    :class:`Forward`, which may repeat); ``when`` says in which case.
+    """
+
+    state: GateState
+    on: GateInput
+    to: GateState
+    actions: tuple[ActionKind, ...]
+    when: str
+
+
+_S, _I, _K = GateState, GateInput, ActionKind
+
+#: Every move a gate makes (docs/design.md §7 for R1 and R2). One row per
+#: (from, input, to); a row's ``when`` lists its cases.
+# fmt: off
+TRANSITIONS: Final[tuple[Move, ...]] = (
+    # -- start(): the answer's head
+    Move(_S.NEW, _I.START, _S.DONE, (_K.ACCEPT, _K.REJECT),
+         "a 2xx to a streaming exchange request, neither an event stream nor JSON: a 502"),
+    Move(_S.NEW, _I.START, _S.ERROR_HEAD, (),
+         "status >= 400: the body is held (up to ERROR_BODY_CAP) to classify it"),
+    Move(_S.NEW, _I.START, _S.GATED, (_K.ACCEPT,),
+         "a 2xx exchange event stream while a refold or a resend is possible; Accept "
+         "unless a refold is"),
+    Move(_S.NEW, _I.START, _S.STREAMING, (_K.ACCEPT, _K.OPEN),
+         "anything else"),
+    Move(_S.NEW, _I.ABORT, _S.DONE, (),
+         "before the head: the driver answers the client with an error"),
+    # -- ERROR_HEAD: an error answer, held whole while it may be an overflow
+    Move(_S.ERROR_HEAD, _I.FEED, _S.ERROR_HEAD, (),
+         "the held body is within ERROR_BODY_CAP"),
+    Move(_S.ERROR_HEAD, _I.FEED, _S.STREAMING, (_K.ACCEPT, _K.OPEN, _K.FORWARD),
+         "the held body outgrew ERROR_BODY_CAP: no overflow answer; relayed as it comes"),
+    Move(_S.ERROR_HEAD, _I.END, _S.REFOLDING, (_K.REFOLD,),
+         "a clean end, the body is an overflow answer, a refold is possible"),
+    Move(_S.ERROR_HEAD, _I.END, _S.DONE,
+         (_K.ACCEPT, _K.OPEN, _K.FORWARD, _K.USAGE, _K.FINISH, _K.FAIL),
+         "otherwise: the answer goes out whole, then Finish; Fail (cut) if it ended unclean"),
+    Move(_S.ERROR_HEAD, _I.ABORT, _S.DONE, (),
+         "the client was not answered: the driver answers it with an error"),
+    # -- GATED: a stream's head, held while a refold or a resend may follow
+    Move(_S.GATED, _I.FEED, _S.GATED, (),
+         "no output, no terminal event, the head within HEAD_HOLD_CAP"),
+    Move(_S.GATED, _I.FEED, _S.REFOLDING, (_K.REFOLD,),
+         "an overflow event while a refold is possible"),
+    Move(_S.GATED, _I.FEED, _S.DONE, (_K.RESEND,),
+         "the terminal event with no output, the head within HEAD_HOLD_CAP, a resend "
+         "possible (an empty completion)"),
+    Move(_S.GATED, _I.FEED, _S.STREAMING, (_K.ACCEPT, _K.OPEN, _K.FORWARD),
+         "output, an overflow that cannot be refolded, or a head over HEAD_HOLD_CAP"),
+    Move(_S.GATED, _I.FEED, _S.TERMINAL, (_K.ACCEPT, _K.OPEN, _K.FORWARD, _K.LINGER),
+         "the terminal event, where no resend follows (R1: the answer is complete)"),
+    Move(_S.GATED, _I.END, _S.DONE,
+         (_K.RESEND, _K.ACCEPT, _K.OPEN, _K.FORWARD, _K.USAGE, _K.FINISH, _K.FAIL),
+         "a clean end with no output and a resend possible: Resend; otherwise the head "
+         "goes out, then as STREAMING's end"),
+    Move(_S.GATED, _I.ABORT, _S.DONE, (),
+         "the client was not answered: the driver answers it with an error"),
+    # -- REFOLDING: the driver re-prepares; a refold that does not shrink is declined
+    Move(_S.REFOLDING, _I.REFOLD_DECLINED, _S.TERMINAL,
+         (_K.ACCEPT, _K.OPEN, _K.FORWARD, _K.LINGER),
+         "a stream: the held head and its overflow event go out as they came"),
+    Move(_S.REFOLDING, _I.REFOLD_DECLINED, _S.DONE,
+         (_K.ACCEPT, _K.OPEN, _K.FORWARD, _K.USAGE, _K.FINISH),
+         "an error answer (read whole): it goes out as it came"),
+    Move(_S.REFOLDING, _I.ABORT, _S.DONE, (),
+         "the client was not answered: the driver answers it with an error"),
+    # -- STREAMING: relayed event by event (or as bytes, not an event stream)
+    Move(_S.STREAMING, _I.FEED, _S.STREAMING, (_K.FORWARD,),
+         "the complete events (the unfinished one waits, up to PARTIAL_EVENT_CAP)"),
+    Move(_S.STREAMING, _I.FEED, _S.TERMINAL, (_K.FORWARD, _K.LINGER),
+         "the terminal event (R1): it and what is held go out"),
+    Move(_S.STREAMING, _I.END, _S.DONE, (_K.FORWARD, _K.USAGE, _K.FINISH, _K.FAIL),
+         "the terminal event unterminated at EOF (R1), or not an exchange stream: the "
+         "tail, Usage, Finish; an exchange stream without its terminal event (R2): the "
+         "in-band error event, Usage, Fail; a plain body cut: Usage, Fail (cut)"),
+    Move(_S.STREAMING, _I.ABORT, _S.DONE, (_K.FORWARD, _K.USAGE, _K.FAIL),
+         "the in-band error event and Fail; Fail (cut) for a body that is not a stream"),
+    # -- TERMINAL: complete (R1); what follows goes out as it comes, nothing is added
+    Move(_S.TERMINAL, _I.FEED, _S.TERMINAL, (_K.FORWARD,),
+         "whatever follows the terminal event"),
+    Move(_S.TERMINAL, _I.END, _S.DONE, (_K.USAGE, _K.FINISH),
+         "any end, clean or not"),
+    Move(_S.TERMINAL, _I.ABORT, _S.DONE, (_K.USAGE, _K.FINISH),
+         "the answer is complete: nothing is added"),
+    # -- DONE
+    Move(_S.DONE, _I.ABORT, _S.DONE, (),
+         "nothing left to do"),
+)
+# fmt: on
+
+
+def _next_states() -> Mapping[tuple[GateState, GateInput], frozenset[GateState]]:
+    """``(state, input) -> the states the input may leave the gate in``, from the rows."""
+    found: dict[tuple[GateState, GateInput], set[GateState]] = {}
+    for move in TRANSITIONS:
+        found.setdefault((move.state, move.on), set()).add(move.to)
+    return MappingProxyType({key: frozenset(states) for key, states in found.items()})
+
+
+_NEXT: Final = _next_states()
+
+
+def _refusing(on: GateInput) -> tuple[GateState, ...]:
+    """The states with no row for ``on`` (a tuple: ``in`` on it is an identity scan)."""
+    return tuple(state for state in GateState if (state, on) not in _NEXT)
+
+
+# The states in which feed() and end() have no meaning (tuples built once, not per call).
+_NOT_FED: Final = _refusing(GateInput.FEED)
+_NOT_ENDED: Final = _refusing(GateInput.END)
 
 
 def _is_json(content_type: str) -> bool:
@@ -358,8 +488,12 @@ class StreamGate:
 
         Raises:
             GateError: if called twice.
+            Also for a move no row of :data:`TRANSITIONS` lists (a gate bug).
         """
-        self._expect(GateState.NEW, "start")
+        self._expect(GateInput.START)
+        return self._moved(GateState.NEW, GateInput.START, self._start())
+
+    def _start(self) -> list[Action]:
         protocol, status = self._protocol, self._status
         is_sse = self.content_type == _SSE
         if status >= 400:
@@ -404,6 +538,7 @@ class StreamGate:
 
         Raises:
             GateError: before :meth:`start`, after the end, or while a refold is pending.
+            Also for a move no row of :data:`TRANSITIONS` lists (a gate bug).
         """
         state = self._state
         if state in _NOT_FED:
@@ -416,7 +551,7 @@ class StreamGate:
             if len(self._buf) <= ERROR_BODY_CAP:
                 return []
             # Too large to classify: not an overflow answer; relay it as it comes.
-            return self._open([])
+            return self._moved(state, GateInput.FEED, self._open([]))
         framer = self._framer
         if framer is None:
             json_head = self._json_head
@@ -432,41 +567,52 @@ class StreamGate:
         if state is GateState.GATED:
             self._buf += data
             self._probe_tail(framer)
-            return self._settle([])
+            return self._moved(state, GateInput.FEED, self._settle([]))
         buf = self._buf
         pending = framer.pending_bytes
         if not buf and pending == 0:
             # On an event boundary with nothing held (the usual case): no copy.
             self._spilled = False
-            return self._after_feed([Forward(data)])
-        buf += data
-        self._probe_tail(framer)
-        return self._after_feed([])
+            actions = self._after_feed([Forward(data)])
+        else:
+            buf += data
+            self._probe_tail(framer)
+            actions = self._after_feed([])
+        if self._state is not state:  # the terminal event: checked off the per-event path
+            self._moved(state, GateInput.FEED, actions)
+        return actions
 
     def refold_declined(self) -> list[Action]:
         """The refold asked for by :class:`Refold` did not shrink the body: relay this answer.
 
         Raises:
             GateError: outside REFOLDING.
+            Also for a move no row of :data:`TRANSITIONS` lists (a gate bug).
         """
-        self._expect(GateState.REFOLDING, "refold_declined")
+        self._expect(GateInput.REFOLD_DECLINED)
         self._can_refold = False
         if self._framer is None:
             # An error answer, read whole: it goes to the client as it came.
             self._state = GateState.ERROR_HEAD
-            return self._end_error_head(clean=True)
-        self._state = GateState.GATED
-        return self._settle([])
+            actions = self._end_error_head(clean=True)
+        else:
+            self._state = GateState.GATED
+            actions = self._settle([])
+        return self._moved(GateState.REFOLDING, GateInput.REFOLD_DECLINED, actions)
 
     def end(self, *, clean: bool, reason: str = "") -> list[Action]:
         """The body ended: ``clean`` by its own framing, else cut (``reason`` says how).
 
         Raises:
             GateError: before :meth:`start`, after the end, or while a refold is pending.
+            Also for a move no row of :data:`TRANSITIONS` lists (a gate bug).
         """
         state = self._state
-        if state in _NOT_FED:
+        if state in _NOT_ENDED:
             raise GateError(f"end() in state {state.value}")
+        return self._moved(state, GateInput.END, self._end(state, clean, reason))
+
+    def _end(self, state: GateState, clean: bool, reason: str) -> list[Action]:
         if state is GateState.ERROR_HEAD:
             return self._end_error_head(clean=clean, reason=reason)
         actions: list[Action] = []
@@ -514,20 +660,42 @@ class StreamGate:
         Returns ``[]`` when the client was not answered yet (the driver answers
         it with an error response instead); otherwise the error event and
         :class:`Fail`, or a ``Fail(cut=True)`` for a body that is not an event stream.
+        Valid in every state (in DONE it does nothing).
+
+        Raises:
+            GateError: a move no row of :data:`TRANSITIONS` lists (a gate bug).
         """
-        if self._state is GateState.DONE or not self._opened:
+        state = self._state
+        if state is GateState.DONE or not self._opened:
             self._drop()
-            return []
-        if self._state is GateState.TERMINAL:
-            return self._finish([])  # R1: the answer is complete; add nothing
-        self._buf = bytearray()
-        return self._fail([], message, cut=self._framer is None, code=code)
+            actions: list[Action] = []
+        elif state is GateState.TERMINAL:
+            actions = self._finish([])  # R1: the answer is complete; add nothing
+        else:
+            self._buf = bytearray()
+            actions = self._fail([], message, cut=self._framer is None, code=code)
+        return self._moved(state, GateInput.ABORT, actions)
 
     # -------------------------------------------------------------- internals
 
-    def _expect(self, state: GateState, method: str) -> None:
-        if self._state is not state:
-            raise GateError(f"{method}() in state {self._state.value}")
+    def _expect(self, on: GateInput) -> None:
+        """Refuse ``on`` in a state :data:`TRANSITIONS` has no row for (a driver bug)."""
+        if (self._state, on) not in _NEXT:
+            raise GateError(f"{on.value}() in state {self._state.value}")
+
+    def _moved(self, before: GateState, on: GateInput, actions: list[Action]) -> list[Action]:
+        """Check that ``on`` took the gate from ``before`` where a row of
+        :data:`TRANSITIONS` goes; returns ``actions``.
+
+        Raises:
+            GateError: no row goes there (a gate bug; the answer cannot be trusted).
+        """
+        if self._state not in _NEXT.get((before, on), ()):
+            raise GateError(
+                f"{on.value}() moved the gate from {before.value} to {self._state.value}, "
+                "a move no row of TRANSITIONS lists"
+            )
+        return actions
 
     def _see_all(self, events: list[SSEEvent]) -> None:
         """Note what complete events mean: usage, sequence number, output, terminal, overflow.

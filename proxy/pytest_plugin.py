@@ -13,8 +13,13 @@ with your plugin, on ephemeral ports of 127.0.0.1, in the test's event loop::
 
 Every proxy the test started is stopped at teardown, whether or not the test
 called :meth:`~proxy.testing.Harness.stop`. Needs ``pytest-asyncio`` (the
-fixture is async); without it, requesting the fixture fails with a message
-saying so, and nothing else in the test session changes.
+fixture is async) and the ``testing`` extra (``pip install
+'context-proxy[testing]'``: the emulator runs on aiohttp); without either,
+requesting the fixture fails with a message saying so, and nothing else in the
+test session changes. Loading this plugin imports neither the emulator nor
+aiohttp (pytest loads it in every session of an environment with the package
+installed): :mod:`proxy.testing` is imported when a test first asks for the
+fixture.
 
 Enable it with ``pytest_plugins = ["proxy.pytest_plugin"]`` in the top-level
 ``conftest.py`` of your tests, or ``-p proxy.pytest_plugin`` on the command line.
@@ -25,12 +30,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ._plugins import Plugin
-from .testing import Harness, proxy_with_emulator
+if TYPE_CHECKING:
+    from ._plugins import Plugin
+    from .testing import Harness
 
 __all__ = ["ProxyFactory", "context_proxy"]
 
@@ -73,13 +79,24 @@ class ProxyFactory:
             if chosen is not None:
                 raise TypeError("pass plugins positionally or as plugins=[...], not both")
             chosen = list(settings.pop("plugins"))
+        # Here, not at the top: loading the plugin must not load the emulator or aiohttp.
+        from .testing import proxy_with_emulator
+
         return await self._stack.enter_async_context(
             proxy_with_emulator(plugins=chosen, config=config, **settings)
         )
 
 
 async def _context_proxy() -> AsyncIterator[ProxyFactory]:
-    """Start proxies on demand; stop them all at teardown."""
+    """Start proxies on demand; stop them all at teardown.
+
+    The emulator and aiohttp are imported here, by a test that asks for the
+    fixture, never when pytest loads the plugin.
+    """
+    try:
+        import proxy.testing  # noqa: F401  (checked here: a missing extra fails the setup)
+    except ImportError as exc:  # the testing extra is not installed
+        pytest.fail(f"the context_proxy fixture: {exc}", pytrace=False)
     async with contextlib.AsyncExitStack() as stack:
         yield ProxyFactory(stack)
 

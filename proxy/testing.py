@@ -17,6 +17,10 @@ and stops the emulator, so assertions after it see the final state. Inside
 it, :meth:`Harness.settle` waits for the commits of answers already received.
 The pytest fixture ``context_proxy`` (:mod:`proxy.pytest_plugin`) wraps this.
 
+Needs the ``testing`` extra (``pip install 'context-proxy[testing]'``: the
+emulator runs on aiohttp); without it, importing this module raises
+``ImportError`` naming the extra.
+
 ``make_record`` builds the :class:`~proxy.ExchangeRecord` a ``commit``
 hook receives, for unit tests that call the hooks directly, without a proxy.
 ``load_plugins`` loads plugins from option tables exactly as ``serve`` does
@@ -41,7 +45,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-import aiohttp
+try:
+    import aiohttp
+except ImportError:  # the emulator below needs it too
+    raise ImportError(
+        "proxy.testing needs the 'testing' extra: pip install 'context-proxy[testing]'"
+    ) from None
 
 from ._app import AppState, ProxyApp, build_app, running
 from ._config import Settings, load_settings

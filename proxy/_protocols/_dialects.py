@@ -2,7 +2,8 @@
 
 docs/design.md §7. Each :class:`Protocol` has one :class:`Dialect` in
 :data:`DIALECTS`: its error shapes, how its streams end and fail, where its
-output starts, where its usage and session ids are. The public functions of
+output starts, where its usage is. (Where a request's history and session hint
+are is read by :mod:`proxy._wire`, from the body's structure.) The public functions of
 :mod:`proxy._protocols` look the dialect up and call it, so adding a protocol is
 adding a row here, not a branch in every function. The per-family wire details
 (decoders, payload shapes, references) stay in ``_openai`` and ``_anthropic``.
@@ -17,7 +18,7 @@ from typing import Final
 
 from .._sse import SSEEvent
 from . import _anthropic, _openai
-from ._common import Protocol, Upstream, UsageReport, event_type
+from ._common import Protocol, UsageReport, event_type
 
 __all__ = ["DIALECTS", "Dialect", "dialect"]
 
@@ -41,7 +42,6 @@ class Dialect:
 
     Attributes:
         protocol: the protocol this row describes.
-        family: the upstream API family (``"openai"`` or ``"anthropic"``).
         error_body: ``(status, message, code) -> JSON bytes`` in the client's
             error shape (Anthropic's shape has no code; it is dropped).
         inband_error: ``(message, code, sequence_number) -> SSE bytes``: one
@@ -67,14 +67,9 @@ class Dialect:
             ``named_events``; empty otherwise).
         input_excludes_cache: whether the reported input tokens leave out
             cached ones (Anthropic), so the meter adds them back.
-        session_headers: request headers that carry this protocol's session id
-            (lower case), as its clients send them.
-        session_body_field: the body field holding a session hint, or ``None``.
-        history_field: the body field holding the conversation.
     """
 
     protocol: Protocol
-    family: Upstream
     error_body: Callable[[int, str, str | None], bytes]
     inband_error: Callable[[str, str, int], bytes]
     stream_error: Callable[[SSEEvent], StreamError]
@@ -87,9 +82,6 @@ class Dialect:
     usage_from_body: Callable[[bytes], UsageReport | None] | None
     usage_events: frozenset[str]
     input_excludes_cache: bool
-    session_headers: tuple[str, ...]
-    session_body_field: str | None
-    history_field: str
 
 
 # -- adapters: one signature per column ----------------------------------------
@@ -160,14 +152,11 @@ def _no_sequence_number(event: SSEEvent) -> int | None:
 
 # -- the table -------------------------------------------------------------------
 
-_ANTHROPIC_SESSION_HEADERS: Final = ("x-claude-code-session-id",)
-
 
 def _openai_row(protocol: Protocol, *, metered: bool) -> Dialect:
     """Chat completions, and the verbatim OpenAI passthrough (which is not metered)."""
     return Dialect(
         protocol=protocol,
-        family="openai",
         error_body=_openai_error_body,
         inband_error=_chat_inband_error,
         stream_error=_openai.chat_error_code,
@@ -180,17 +169,13 @@ def _openai_row(protocol: Protocol, *, metered: bool) -> Dialect:
         usage_from_body=_chat_usage_from_body if metered else None,
         usage_events=frozenset(),
         input_excludes_cache=False,
-        session_headers=("x-session-id",),
-        session_body_field=None,
-        history_field="messages",
     )
 
 
-def _anthropic_row(protocol: Protocol, *, metered: bool, session_body: bool) -> Dialect:
+def _anthropic_row(protocol: Protocol, *, metered: bool) -> Dialect:
     """Messages; count_tokens and the other Anthropic paths share its shapes."""
     return Dialect(
         protocol=protocol,
-        family="anthropic",
         error_body=_anthropic_error_body,
         inband_error=_anthropic_inband_error,
         stream_error=_anthropic_stream_error,
@@ -203,9 +188,6 @@ def _anthropic_row(protocol: Protocol, *, metered: bool, session_body: bool) -> 
         usage_from_body=_anthropic.usage_from_body if metered else None,
         usage_events=_anthropic.USAGE_EVENTS if metered else frozenset(),
         input_excludes_cache=metered,
-        session_headers=_ANTHROPIC_SESSION_HEADERS,
-        session_body_field="metadata.user_id" if session_body else None,
-        history_field="messages",
     )
 
 
@@ -215,7 +197,6 @@ DIALECTS: Final[Mapping[Protocol, Dialect]] = MappingProxyType(
         Protocol.OPENAI: _openai_row(Protocol.OPENAI, metered=False),
         Protocol.RESPONSES: Dialect(
             protocol=Protocol.RESPONSES,
-            family="openai",
             error_body=_openai_error_body,
             inband_error=_openai.responses_inband_error,
             stream_error=_responses_stream_error,
@@ -228,15 +209,10 @@ DIALECTS: Final[Mapping[Protocol, Dialect]] = MappingProxyType(
             usage_from_body=_openai.responses_usage_from_body,
             usage_events=_openai.RESPONSES_USAGE_EVENTS,
             input_excludes_cache=False,
-            session_headers=("session-id",),
-            session_body_field="prompt_cache_key",
-            history_field="input",
         ),
-        Protocol.MESSAGES: _anthropic_row(Protocol.MESSAGES, metered=True, session_body=True),
-        Protocol.COUNT_TOKENS: _anthropic_row(
-            Protocol.COUNT_TOKENS, metered=False, session_body=True
-        ),
-        Protocol.ANTHROPIC: _anthropic_row(Protocol.ANTHROPIC, metered=False, session_body=False),
+        Protocol.MESSAGES: _anthropic_row(Protocol.MESSAGES, metered=True),
+        Protocol.COUNT_TOKENS: _anthropic_row(Protocol.COUNT_TOKENS, metered=False),
+        Protocol.ANTHROPIC: _anthropic_row(Protocol.ANTHROPIC, metered=False),
     }
 )
 """One :class:`Dialect` per :class:`Protocol` (every member has a row)."""

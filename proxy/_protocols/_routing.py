@@ -36,7 +36,7 @@ def _has_header(headers: Mapping[str, str], name: str) -> bool:
     """Header ``name`` (lower case) present with a non-empty value, any key case."""
     value = headers.get(name)
     if value is None:
-        # A plain dict is case-sensitive; aiohttp's CIMultiDictProxy is not.
+        # A plain dict is case-sensitive; the front's CIMultiDictProxy (multidict) is not.
         value = next((v for k, v in headers.items() if k.lower() == name), None)
     return bool(value)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from aiohttp import web
 
+from tests.support.ports import serve_app
 from tests.support.process import Proc
 
 
@@ -22,19 +23,12 @@ async def test_top_gives_up_on_a_stream_that_ends_before_any_snapshot() -> None:
 
     app = web.Application()
     app.router.add_get("/admin/events", events)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        proc = await Proc.start("top", "top", "--url", f"http://127.0.0.1:{port}")
+    async with serve_app(app) as url:
+        proc = await Proc.start("top", "top", "--url", url)
         try:
             code = await proc.wait_exit(10)
         finally:
             await proc.stop()
-    finally:
-        await runner.cleanup()
     assert code == 1, proc.output
     assert "ended before its first snapshot" in proc.output
     assert len(opened) == 1
@@ -51,18 +45,11 @@ async def test_top_names_a_stream_that_is_not_a_proxys_instead_of_a_traceback(
 
     app = web.Application()
     app.router.add_get("/admin/events", events)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        proc = await Proc.start("top", "top", "--once", "--url", f"http://127.0.0.1:{port}")
+    async with serve_app(app) as url:
+        proc = await Proc.start("top", "top", "--once", "--url", url)
         try:
             code = await proc.wait_exit(10)
         finally:
             await proc.stop()
-    finally:
-        await runner.cleanup()
     assert code == 1, proc.output
     assert "not a JSON object" in proc.output and "Traceback" not in proc.output

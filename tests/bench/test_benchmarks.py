@@ -20,7 +20,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from benchmarks import _report as rpt
 from benchmarks import memory, overhead
@@ -38,6 +37,7 @@ from proxy import PrepareContext
 from proxy._emulator import EmulatorServer
 from proxy._protocols import Protocol
 from proxy._wire import compute_wire_metadata, digest_bytes
+from tests.support.ports import serve_app
 
 
 @pytest.fixture(scope="module")
@@ -144,27 +144,20 @@ async def test_marker_leaves_a_body_without_user_message_alone() -> None:
 async def test_naive_proxy_streams_the_answer_and_forwards_the_parsed_body(
     emulator: EmulatorServer, corpus: Corpus
 ) -> None:
-    runner = web.AppRunner(build_naive_app(emulator.url))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
     raw = build_body(BenchProtocol.MESSAGES, 200 * 1024, corpus)
-    try:
-        timeout = aiohttp.ClientTimeout(total=10)
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.post(
-                f"http://127.0.0.1:{port}/v1/messages?beta=true",
-                data=raw,
-                headers={**BenchProtocol.MESSAGES.headers(), "x-emulator": "chunks=5"},
-            ) as resp,
-        ):
-            assert resp.status == 200
-            assert resp.content_type == "text/event-stream"
-            answer = await resp.read()
-    finally:
-        await runner.cleanup()
+    timeout = aiohttp.ClientTimeout(total=10)
+    async with (
+        serve_app(build_naive_app(emulator.url), access_log=True) as naive,
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.post(
+            f"{naive}/v1/messages?beta=true",
+            data=raw,
+            headers={**BenchProtocol.MESSAGES.headers(), "x-emulator": "chunks=5"},
+        ) as resp,
+    ):
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        answer = await resp.read()
     assert answer.count(b"event: content_block_delta") == 5
     assert answer.rstrip().endswith(b'data: {"type":"message_stop"}')
     record = emulator.stats[-1]

@@ -1,7 +1,8 @@
 """Body reader over real sockets: limits, codings, disconnects, idle timeout, leftovers.
 
-Every socket test runs a tiny aiohttp app on 127.0.0.1 whose handler calls
-read_body and records an Outcome: what the reader returned or raised, and what
+Every socket test runs the proxy's own server edge (proxy/_front.py) on
+127.0.0.1 with a handler that calls read_body on the request's production
+``BodyStream`` and records an Outcome: what the reader returned or raised, and what
 it left behind (new tasks, live timers, the payload's waiter, traced memory
 still held). tracemalloc runs and the cyclic garbage collector is off during
 each test, so a buffer kept alive by a traceback or a reference cycle shows up
@@ -31,15 +32,15 @@ import brotli
 import pytest
 import xxhash
 import zstandard
-from aiohttp import hdrs, web
-from aiohttp.base_protocol import BaseProtocol
 
 from proxy import _body as body_module
+from proxy._answer import SmallAnswer
 from proxy._body import (
     DEFAULT_CHUNK_BYTES,
     MAX_CONTENT_CODINGS,
     BodyEncodingError,
     BodyError,
+    BodyIncomplete,
     BodyTooLarge,
     check_content_length,
     encoded_size_cap,
@@ -47,13 +48,14 @@ from proxy._body import (
     read_body,
 )
 from proxy._coding import ContentDecoder
+from proxy._front import BodyStream, ClientBodyError, FrontServer, Request
 
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 IO_TIMEOUT = 20.0  # seconds; bounds every client-side wait
 # Traced bytes a settled read may still hold, over what was allocated before it
-# (body bytes aiohttp had already buffered excluded): frames and bookkeeping only.
+# (body bytes the stream had already buffered excluded): frames and bookkeeping only.
 # A zlib decoder (~40 KiB of state) or one 64 KiB chunk left behind passes it.
 RETAINED_MAX = 32 * KiB
 
@@ -135,13 +137,13 @@ class Harness:
         """
         return await self.outcomes.get()
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: Request) -> SmallAnswer:
         loop = asyncio.get_running_loop()
         tasks_before = asyncio.all_tasks(loop)
         timers_before = _live_timers(loop)
-        # Body bytes aiohttp already buffered are traced now and freed by the
+        # Body bytes the stream already buffered are traced now and freed by the
         # read: they do not count as held before it.
-        mem_before = tracemalloc.get_traced_memory()[0] - request.content.total_bytes
+        mem_before = tracemalloc.get_traced_memory()[0] - request.content._buffered
         tracemalloc.reset_peak()
         out = Outcome()
         message = ""
@@ -150,7 +152,7 @@ class Harness:
             result = await read_body(
                 request.content,
                 content_length=request.content_length,
-                content_encoding=request.headers.get(hdrs.CONTENT_ENCODING),
+                content_encoding=request.headers.get("Content-Encoding"),
                 limit=self.limit,
                 idle_timeout=self.idle,
                 chunk_bytes=self.chunk,
@@ -172,7 +174,7 @@ class Harness:
             out.codecs_alive = self.codecs.alive if self.codecs is not None else 0
             out.kept = _kept_by_traceback(exc)
             self.outcomes.put_nowait(out)
-            return web.json_response({"kind": "error", "message": out.error}, status=500)
+            return SmallAnswer.json({"kind": "error", "message": out.error}, status=500)
         else:
             out.status, out.digest = 200, result.digest
             out.size, out.wire = len(result.buffer), result.wire_bytes
@@ -185,12 +187,12 @@ class Harness:
         payload: dict[str, Any] = {"kind": out.kind, "message": message, "limit": out.limit}
         if out.status == 200:
             payload = {"size": out.size, "digest": out.digest, "wire": out.wire}
-        return web.json_response(payload, status=out.status)
+        return SmallAnswer.json(payload, status=out.status)
 
     @staticmethod
     def _settle(
         out: Outcome,
-        request: web.Request,
+        request: Request,
         tasks_before: set[asyncio.Task[Any]],
         timers_before: list[asyncio.TimerHandle],
         mem_before: int,
@@ -198,9 +200,9 @@ class Harness:
         loop = asyncio.get_running_loop()
         current, peak = tracemalloc.get_traced_memory()
         out.peak = peak - mem_before
-        # Body bytes still unread in aiohttp's buffer (after a 413 or 400) are
+        # Body bytes still unread in the stream (after a 413 or 400) are
         # the connection's, not the reader's.
-        out.retained = current - mem_before - request.content._size
+        out.retained = current - mem_before - request.content._buffered
         out.new_tasks = len(asyncio.all_tasks(loop) - tasks_before)
         out.new_timers = sum(
             1 for h in _live_timers(loop) if not any(h is b for b in timers_before)
@@ -209,17 +211,11 @@ class Harness:
 
 
 @pytest.fixture
-async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
-    """A server on an ephemeral loopback port; ``param`` = handler_cancellation."""
-    cancellation: bool = getattr(request, "param", True)
+async def harness() -> AsyncIterator[Harness]:
+    """The server edge on an ephemeral loopback port, every request to ``Harness.handle``."""
     h = Harness()
-    app = web.Application()
-    app.router.add_post("/", h.handle)
-    runner = web.AppRunner(app, auto_decompress=False, handler_cancellation=cancellation)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    h.port = runner.addresses[0][1]
+    server = FrontServer(h.handle, header_timeout=IO_TIMEOUT)
+    h.port = await server.start("127.0.0.1", 0)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     tracemalloc.start()
@@ -229,15 +225,16 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         tracemalloc.stop()
         if gc_was_enabled:
             gc.enable()
-        await runner.cleanup()
+        await server.shutdown(grace=1.0)
 
 
 def assert_nothing_left(out: Outcome, *, unread: int = 0) -> None:
     """The read settled without leaving a task, a timer, a waiter or its buffer behind.
 
-    ``unread``: bytes of the request's unread rest that aiohttp's parser may still
-    hold (a client that sent a whole bomb before its 413); the connection's, not the
-    reader's, and freed when it closes.
+    ``unread``: bytes of the request's unread rest that the connection may still
+    hold (a client that sent a whole bomb before its 413: the last socket read and
+    the parser's pieces of it); the connection's, not the reader's, and freed when
+    it closes.
     """
     assert out.new_tasks == 0
     assert out.new_timers == 0
@@ -344,7 +341,7 @@ async def session_post(
         for start in range(0, len(data), 64 * KiB):
             yield data[start : start + 64 * KiB]
 
-    headers = {hdrs.CONTENT_ENCODING: encoding} if encoding else {}
+    headers = {"Content-Encoding": encoding} if encoding else {}
     payload: Any = pieces() if chunked else data
     timeout = aiohttp.ClientTimeout(total=IO_TIMEOUT)
     async with (
@@ -502,7 +499,7 @@ async def test_small_body_is_read_whole(harness: Harness, chunked: bool) -> None
     assert payload == {"size": len(body), "digest": digest(body), "wire": len(body)}
     out = await harness.outcome()
     assert out.status == 200
-    # The body once, plus the chunks in flight (the reader's and aiohttp's
+    # The body once, plus the chunks in flight (the reader's and the stream's
     # buffer): no second copy, no doubling on growth.
     assert out.peak < len(body) + 3 * DEFAULT_CHUNK_BYTES, f"peak {out.peak} for {len(body)}"
 
@@ -568,7 +565,7 @@ async def test_chunked_body_over_limit_stops_at_the_limit(harness: Harness) -> N
     assert (status, payload["limit"]) == (413, harness.limit)
     out = await harness.outcome()
     # Stopped near the limit instead of buffering all 12 MiB, and freed what it had
-    # (aiohttp's chunk parser may still hold some of the unread rest).
+    # (the connection may still hold some of the unread rest).
     assert out.peak < 1.5 * harness.limit
     assert_nothing_left(out, unread=2 * DEFAULT_CHUNK_BYTES)
 
@@ -625,17 +622,39 @@ async def test_a_hang_up_mid_coded_body_leaves_no_decoder_and_no_chunk_reachable
     assert_nothing_left(out)
 
 
-@pytest.mark.parametrize("harness", [False], indirect=True, ids=["no-handler-cancellation"])
-async def test_client_hang_up_is_incomplete_without_cancellation(harness: Harness) -> None:
-    out = await _hang_up_mid_body(harness)
-    assert (out.cancelled, out.status, out.kind) == (False, 400, "incomplete")
-    assert_nothing_left(out)
+async def test_a_body_stream_that_fails_mid_body_is_incomplete() -> None:
+    # What the connection does when its client leaves or breaks the framing while
+    # the handler runs on (its cancel not yet delivered): the stream fails.
+    loop = asyncio.get_running_loop()
+    content = BodyStream(None)
+    content.feed(patterned(3 * MiB))
+    timers_before = _live_timers(loop)
+    reading = asyncio.create_task(
+        read_body(
+            content,
+            content_length=8 * MiB,
+            content_encoding=None,
+            limit=8 * MiB,
+            idle_timeout=IO_TIMEOUT,
+        )
+    )
+    for _ in range(100):  # bounded: the reader takes the 3 MiB, then waits for more
+        await asyncio.sleep(0)
+        if content._waiter is not None:
+            break
+    assert content._waiter is not None, "the reader never waited for the rest"
+    content.set_exception(ClientBodyError("the client closed the connection"))
+    with pytest.raises(BodyIncomplete) as info:
+        await asyncio.wait_for(reading, IO_TIMEOUT)
+    assert (info.value.status, info.value.kind) == (400, "incomplete")
+    assert content._waiter is None
+    assert not [h for h in _live_timers(loop) if not any(h is b for b in timers_before)]
 
 
-async def test_broken_chunk_framing_ends_by_idle_timeout(harness: Harness) -> None:
-    # aiohttp 3.14's parser drops the payload of a request whose chunk framing
-    # breaks without telling it, so only the idle timeout can end the read.
-    harness.idle = 0.3
+async def test_broken_chunk_framing_ends_the_read_at_once(harness: Harness) -> None:
+    # The server edge fails the body stream when the chunk framing breaks: the
+    # read ends with 400 there, not when the idle clock runs out.
+    harness.idle = IO_TIMEOUT / 2
     async with asyncio.timeout(IO_TIMEOUT):
         reader, writer = await asyncio.open_connection("127.0.0.1", harness.port)
         try:
@@ -646,9 +665,9 @@ async def test_broken_chunk_framing_ends_by_idle_timeout(harness: Harness) -> No
             status, payload = await read_response(reader)
         finally:
             await close_quietly(writer)
-    assert (status, payload["kind"]) == (408, "timeout")
+    assert (status, payload["kind"]) == (400, "incomplete")
     # The bytes after the broken chunk line stay with the connection: the last socket
-    # read (asyncio reads up to 256 KiB at once) and aiohttp's parser's copy of it,
+    # read (asyncio reads up to 256 KiB at once) and the parser's pieces of it,
     # both freed when the connection closes. How much depends on how the 4 MiB
     # arrived (an idle machine delivers bigger reads); a reader that kept the body,
     # or any piece of it beyond that, still shows (the body is 8x this allowance).
@@ -732,21 +751,10 @@ async def test_coded_body_is_decoded(harness: Harness, case: str) -> None:
     assert out.new_tasks == out.new_timers == 0
 
 
-class _NoFlowControl(BaseProtocol):
-    """A protocol for a StreamReader fed by hand: flow control has nothing to do."""
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self, resume_parser: bool = True) -> None:
-        pass
-
-
-def fed_reader(wire: bytes) -> aiohttp.StreamReader:
-    """A request payload that already holds all of ``wire`` and its end."""
-    loop = asyncio.get_running_loop()
-    content = aiohttp.StreamReader(_NoFlowControl(loop), 2**16, loop=loop)
-    content.feed_data(wire)
+def fed_reader(wire: bytes) -> BodyStream:
+    """A request body stream (no connection) that already holds all of ``wire`` and its end."""
+    content = BodyStream(None)
+    content.feed(wire)
     content.feed_eof()
     return content
 

@@ -1,7 +1,7 @@
 """Property-based tests of the body reader (hypothesis): random bodies, codings, chunkings, limits.
 
 Each example builds a body, applies a random stack of content codings, feeds
-the wire to an aiohttp payload in random pieces and reads it with
+the wire to the server edge's ``BodyStream`` in random pieces and reads it with
 :func:`proxy._body.read_body` at a random read size and limit, with and without
 a declared ``Content-Length``. What must hold for every example: a body within
 the limit comes back byte for byte with its digest; one over it is a 413
@@ -16,7 +16,6 @@ import gzip
 import itertools
 import zlib
 
-import aiohttp
 import brotli
 import pytest
 import xxhash
@@ -25,7 +24,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy._body import BodyError, BodyTooLarge, read_body
-from tests.body.test_body import _NoFlowControl
+from proxy._front import BodyStream
 
 _ENCODERS = {
     "gzip": lambda d: gzip.compress(d, 1),
@@ -66,10 +65,9 @@ def _proxy_tasks() -> int:
 async def _read(
     pieces: list[bytes], *, declared: int | None, encoding: str | None, limit: int, chunk: int
 ) -> bytes | BodyError:
-    loop = asyncio.get_running_loop()
-    content = aiohttp.StreamReader(_NoFlowControl(loop), 2**16, loop=loop)
+    content = BodyStream(None)
     for piece in pieces:
-        content.feed_data(piece)
+        content.feed(piece)
     content.feed_eof()
     tasks = _proxy_tasks()
     try:

@@ -52,10 +52,8 @@ from tests.support.lifetime import (
     Mutator,
     RawConn,
     Recorder,
-    Spy,
     conversation,
     encode,
-    install_spy,
     proxy_at,
     slices,
 )
@@ -73,11 +71,6 @@ PATHS = {"chat": CHAT, "messages": MESSAGES, "responses": RESPONSES}
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
-
-
-@pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    return install_spy(monkeypatch)
 
 
 def open_fds() -> set[str]:

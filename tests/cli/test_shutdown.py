@@ -321,23 +321,7 @@ async def emulator_process() -> AsyncIterator[tuple[Proc, str]]:
 
 async def start_proxy(upstream: str, grace: float) -> tuple[Proc, str]:
     """``python -m proxy serve`` on an ephemeral port in front of ``upstream``; its base URL."""
-    proxy = await Proc.start(
-        "proxy",
-        "serve",
-        "--port",
-        "0",
-        "--upstream-openai",
-        upstream,
-        "--upstream-anthropic",
-        upstream,
-        "--shutdown-grace",
-        str(grace),
-    )
-    try:
-        port = int((await proxy.wait_line(r"listening on http://[\d.]+:(\d+)", within=20))[1])
-    except BaseException:
-        await proxy.stop()
-        raise
+    proxy, port = await Proc.serve(upstream, grace=grace, quiet=False, within=20)
     return proxy, f"http://127.0.0.1:{port}"
 
 

@@ -16,8 +16,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Final
 
 import aiohttp
@@ -25,27 +24,17 @@ import pytest
 
 from plugins.ledger import LedgerPlugin
 from plugins.usage import UsagePlugin
-from proxy import ClusterUnavailable, ExchangeRecord, GateRun, Plugin
+from proxy import ClusterUnavailable, GateRun
 from proxy._cluster import RedisStore
 from proxy._cluster.ledger import RedisLedgerGate
 from proxy.testing import proxy_with_emulator
 from tests.support.cluster import RedisServer
 from tests.support.e2e import CHAT_PATH
+from tests.support.lifetime import Tally
 
 pytestmark = pytest.mark.timeout(90)
 
 TIMEOUT: Final = 0.3  # redis_timeout of these tests, seconds
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.resume()
-        server.stop()
 
 
 @pytest.fixture
@@ -172,18 +161,6 @@ async def test_the_breaker_fails_fast_while_redis_hangs_and_closes_on_its_answer
     finally:
         redis_server.resume()
         await gate.close()
-
-
-class Tally(Plugin):
-    """Counts every commit: a bookkeeping plugin that needs no Redis."""
-
-    name = "tally"
-
-    def __init__(self) -> None:
-        self.booked = 0
-
-    async def commit(self, record: ExchangeRecord) -> None:
-        self.booked += 1
 
 
 def _chat(sid: str, n: int) -> bytes:

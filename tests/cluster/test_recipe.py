@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks._cluster import DOCS
-from tests.support.cluster import free_port, need_binary
+from tests.support.cluster import need_binary
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

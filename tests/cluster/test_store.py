@@ -11,8 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -23,20 +22,11 @@ from proxy._cluster import ClusterNode, ClusterUnavailable, RedisStore
 from proxy._cluster.keys import SessionKeys
 from proxy._cluster.store import _ConnectionQueue, read_closes
 from proxy._sessions import SessionClosed, SessionRegistry, shutdown_cause
-from tests.support.cluster import RedisServer, free_port
+from tests.support.cluster import RedisServer
 from tests.support.e2e import wait_until
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

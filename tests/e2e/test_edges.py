@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
 
 import aiohttp
 import anthropic
@@ -21,7 +20,7 @@ from anthropic.types import MessageParam
 from openai.types.chat import ChatCompletionUserMessageParam
 
 from proxy._emulator import DEFAULT_TEXT, Script, start_emulator
-from proxy.testing import Harness, proxy_with_emulator
+from proxy.testing import Harness
 from tests.support.e2e import (
     ANTHROPIC_PATH,
     CHAT_PATH,
@@ -43,18 +42,6 @@ PATH_IDS = ["chat", "responses", "messages"]
 # content_part.added, delta; Anthropic: message_start, content_block_start, ping, delta.
 FIRST_DELTA_AT = {CHAT_PATH: 2, RESPONSES_PATH: 5, ANTHROPIC_PATH: 4}
 FIRST_DELTA_TEXT = b"Hello fr"  # DEFAULT_TEXT split in 3 deltas
-
-
-@pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
-    async with proxy_with_emulator() as h:
-        yield h
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 async def fetch(http: aiohttp.ClientSession, url: str, path: str, script: str) -> bytes:

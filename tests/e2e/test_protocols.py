@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -26,8 +25,6 @@ from anthropic.types import MessageParam
 from anthropic.types.beta import BetaMessageParam
 from openai.types.chat import ChatCompletionUserMessageParam
 
-from proxy._app import build_app, running
-from proxy._config import load_settings
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy.testing import Harness, proxy_with_emulator
 from tests.support.e2e import (
@@ -43,22 +40,12 @@ from tests.support.e2e import (
     stream_body,
     wait_until,
 )
+from tests.support.ports import free_port, serve_app
+from tests.support.upstream import proxy_for
 
 OAI_USER: list[ChatCompletionUserMessageParam] = [{"role": "user", "content": "hi"}]
 ANT_USER: list[MessageParam] = [{"role": "user", "content": "hi"}]
 BETA_USER: list[BetaMessageParam] = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
-    async with proxy_with_emulator() as h:
-        yield h
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
-        yield session
 
 
 def openai_client(base_url: str) -> openai.AsyncOpenAI:
@@ -67,14 +54,6 @@ def openai_client(base_url: str) -> openai.AsyncOpenAI:
 
 def anthropic_client(base_url: str) -> anthropic.AsyncAnthropic:
     return anthropic.AsyncAnthropic(base_url=base_url, api_key=SECRET, max_retries=0, timeout=20)
-
-
-@contextlib.asynccontextmanager
-async def proxy_for(**settings: Any) -> AsyncIterator[str]:
-    """A proxy with ``settings`` (upstream URLs included) on an ephemeral port; yields its URL."""
-    resolved = load_settings(environ={}, overrides={"plugins": [], **settings})
-    async with running(build_app(resolved), "127.0.0.1", 0) as port:
-        yield f"http://127.0.0.1:{port}"
 
 
 def assert_openai_error(payload: Any, *, type_: str) -> str:
@@ -241,7 +220,7 @@ async def two_upstreams() -> AsyncIterator[tuple[str, EmulatorServer, EmulatorSe
     async with (
         await start_emulator() as oai,
         await start_emulator() as ant,
-        proxy_for(upstream_openai=oai.url, upstream_anthropic=ant.url) as url,
+        proxy_for(oai.url, upstream_anthropic=ant.url) as url,
     ):
         yield url, oai, ant
 
@@ -359,14 +338,9 @@ async def test_hop_by_hop_headers_stop_at_the_proxy() -> None:
 
     app = web.Application()
     app.router.add_post(CHAT_PATH, upstream)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    upstream_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    body = stream_body(CHAT_PATH, stream=False)
-    try:
-        async with proxy_for(upstream_openai=upstream_url, upstream_anthropic=upstream_url) as url:
+    async with serve_app(app) as upstream_url:
+        body = stream_body(CHAT_PATH, stream=False)
+        async with proxy_for(upstream_url) as url:
             client = await RawClient.connect(url)
             try:
                 # Chunked framing is hop-by-hop too: the upstream must get a Content-Length.
@@ -385,8 +359,6 @@ async def test_hop_by_hop_headers_stop_at_the_proxy() -> None:
                 payload = await client.read_body(head)
             finally:
                 await client.close()
-    finally:
-        await runner.cleanup()
     assert head.status == 200 and json.loads(payload) == {"ok": True}
     (got,) = seen
     for name, value in E2E_HEADERS:
@@ -443,21 +415,14 @@ async def test_api_key_never_logged(
 # ----------------------------------------------------------------- upstream failures
 
 
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def test_unreachable_upstream_is_502_in_the_client_protocol(
     http: aiohttp.ClientSession,
 ) -> None:
-    port = closed_port()
+    port = free_port()  # nothing listens there: refused
     dead = f"http://127.0.0.1:{port}"
     # Plain words with the configured address, not the HTTP client's class name.
     said = f"upstream refused the connection at 127.0.0.1:{port}"
-    async with proxy_for(upstream_openai=dead, upstream_anthropic=dead) as url:
+    async with proxy_for(dead) as url:
         async with http.post(url + CHAT_PATH, data=stream_body(CHAT_PATH)) as resp:
             assert resp.status == 502
             body = await resp.json()

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from proxy._egress import EgressError, ForwardProxy, choose_proxy
-from tests.support.cluster import free_port
+from tests.support.ports import free_port
 from tests.support.process import Proc
 from tests.support.upstream import Scripted, pool_of, proxy_app
 

@@ -25,7 +25,7 @@ from proxy._egress import ForwardProxy
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
 from proxy._relay import upstream_tls
 from proxy._upstream import UpstreamPool, UpstreamTarget
-from tests.support.cluster import free_port
+from tests.support.ports import free_port
 from tests.support.process import Proc
 from tests.support.tinyproxy import PrivateCA, Tinyproxy, private_ca, tinyproxy
 from tests.support.upstream import Scripted, json_answer, proxy_app, read_request

@@ -36,6 +36,7 @@ from tests.support.e2e import (
     RawClient,
     stream_body,
 )
+from tests.support.lifetime import Tally
 
 #: Exchanges per variant: enough that a lost commit shows (the issue saw 6 of 20 lost).
 PER_VARIANT: Final = 20
@@ -287,18 +288,6 @@ class Hung(Plugin):
 
     async def commit(self, record: ExchangeRecord) -> None:
         await asyncio.Event().wait()
-
-
-class Tally(Plugin):
-    """Counts the commits it sees (a bookkeeping plugin that needs nothing slow)."""
-
-    name = "tally"
-
-    def __init__(self) -> None:
-        self.booked = 0
-
-    async def commit(self, record: ExchangeRecord) -> None:
-        self.booked += 1
 
 
 async def test_commits_queued_behind_a_hung_hook_are_not_timed_out_while_they_wait() -> None:

@@ -23,10 +23,12 @@ from aiohttp import web
 from proxy import ExchangeRecord, Plugin, PrepareContext
 from proxy._body import BodyTimeout, read_body
 from proxy._commits import CommitTracker
+from proxy._front import BodyStream
 from proxy.testing import proxy_with_emulator
-from tests.body.test_body import _NoFlowControl, fed_reader
+from tests.body.test_body import fed_reader
 from tests.support.e2e import CHAT_PATH, stream_body
 from tests.support.lifetime import proxy_at
+from tests.support.ports import serve_app
 from tests.support.upstream import SSE_HEAD, RawUpstream, chat_sse_events, chunked, proxy_for
 
 IO_TIMEOUT = 20.0  # seconds; bounds every wait
@@ -63,18 +65,9 @@ async def test_a_body_received_whole_is_read_without_a_timer(timers: list[float 
     assert timers == []
 
 
-class _Connected(_NoFlowControl):
-    """A hand-fed payload's protocol whose connection is still open (reads may wait)."""
-
-    @property
-    def connected(self) -> bool:
-        return True
-
-
 async def test_a_body_still_arriving_keeps_its_idle_deadline(timers: list[float | None]) -> None:
-    loop = asyncio.get_running_loop()
-    content = aiohttp.StreamReader(_Connected(loop), 2**16, loop=loop)
-    content.feed_data(b'{"model": "m", ')  # and then nothing more
+    content = BodyStream(None)
+    content.feed(b'{"model": "m", ')  # and then nothing more
     with pytest.raises(BodyTimeout):
         await asyncio.wait_for(
             read_body(
@@ -279,15 +272,11 @@ async def stalling_upstream() -> AsyncIterator[tuple[str, asyncio.Event]]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", go
-    finally:
-        go.set()
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        try:
+            yield url, go
+        finally:
+            go.set()
 
 
 @pytest.mark.parametrize("path", ["/v1/files", "/v1/models"])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import json
 import logging
 import re
@@ -69,11 +68,10 @@ from tests.support.lifetime import (
     Spy,
     SubprocessEmulator,
     big_chat_body,
+    chat_text,
     closed_port_url,
     conversation,
     encode,
-    install_codec_counts,
-    install_spy,
     never_reading_upstream,
     proxy_at,
     slices,
@@ -92,11 +90,6 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 @pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    return install_spy(monkeypatch)
-
-
-@pytest.fixture
 def traced() -> Iterator[None]:
     """tracemalloc on for the test (one frame per trace keeps it cheap)."""
     started = not tracemalloc.is_tracing()
@@ -107,21 +100,6 @@ def traced() -> Iterator[None]:
     finally:
         if started:
             tracemalloc.stop()
-
-
-@pytest.fixture
-def no_gc() -> Iterator[None]:
-    """No cyclic GC during the test: a buffer must be freed by reference counting alone.
-
-    A buffer that only a reference cycle keeps alive stays in memory until the
-    next full collection, which in a busy proxy can be many seconds away.
-    """
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 @pytest.fixture(scope="module")
@@ -135,16 +113,6 @@ def traced_now() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
-def chat_text(raw: bytes) -> str:
-    """The assistant text carried by an OpenAI chat SSE stream."""
-    text = []
-    for line in raw.decode().splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                text.append(choice["delta"].get("content") or "")
-    return "".join(text)
-
-
 # ------------------------------------------------------------------------------ unit: Exchange
 
 
@@ -156,12 +124,6 @@ def exchange_for(body: bytes, plugins: list[Plugin], *, keep_for_resend: bool = 
     ex.attach_body(buffer, meta)
     ex.bind_preparer(Preparer(PluginHost(plugins, timeout=5.0), null_lock, None))
     return ex
-
-
-@pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts of full parses and serializations of request bodies (``parse``, ``encode``)."""
-    return install_codec_counts(monkeypatch)
 
 
 async def test_untouched_body_is_held_once_and_never_parsed(counted: dict[str, int]) -> None:

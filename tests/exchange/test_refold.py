@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -45,11 +44,10 @@ from tests.support.lifetime import (
     Recorder,
     Spy,
     TracedExchange,
+    chat_text,
     conversation,
     encode,
     fixed_upstream,
-    install_codec_counts,
-    install_spy,
     proxy_at,
 )
 
@@ -79,17 +77,6 @@ SHAPES = {
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
-
-
-@pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> Spy:
-    return install_spy(monkeypatch)
-
-
-@pytest.fixture
-def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts of full body parses and of body serializations (``parse``, ``encode``)."""
-    return install_codec_counts(monkeypatch)
 
 
 def script(shape: Shape, overflow_above: int) -> str:
@@ -356,16 +343,6 @@ async def test_an_overflow_inside_a_chat_stream_armed_for_resend_goes_to_the_cli
 
 
 # ------------------------------------------------------------------------------ fake completion
-
-
-def chat_text(raw: bytes) -> str:
-    """The assistant text carried by an OpenAI chat SSE stream."""
-    text = []
-    for line in raw.decode().splitlines():
-        if line.startswith("data: {"):
-            for choice in json.loads(line[6:])["choices"]:
-                text.append(choice["delta"].get("content") or "")
-    return "".join(text)
 
 
 @pytest.mark.parametrize("change", [False, True], ids=["untouched-body", "changed-body"])

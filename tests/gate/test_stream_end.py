@@ -31,13 +31,20 @@ import pytest
 
 from plugins.fold import FoldPlugin
 from proxy import _protocols as protocols
-from proxy._app import build_app, running
-from proxy._config import load_settings
-from proxy._plugins import Plugin, PluginHost, PrepareContext
+from proxy._plugins import Plugin, PrepareContext
 from proxy._protocols import Protocol
 from tests.support.e2e import ANTHROPIC_PATH, CHAT_PATH, RESPONSES_PATH
 from tests.support.lifetime import Recorder, conversation
-from tests.support.upstream import SSE_HEAD, HoldingUpstream, RawUpstream, chunked, proxy_for
+from tests.support.upstream import (
+    SSE_HEAD,
+    HoldingUpstream,
+    RawUpstream,
+    Scripted,
+    chunked,
+    proxy_app,
+    proxy_for,
+    read_request,
+)
 
 KEY: Final = "sk-stream-end-test"
 BOUND_S: Final = 10.0
@@ -469,14 +476,8 @@ async def overflow_upstream(
     first, the hang-up before its handler runs again (before the cancellation lands)."""
     answered = threading.Event()
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = next(
-            int(line.split(b":", 1)[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )
-        await reader.readexactly(length)
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
         writer.write(
             b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(_OVERFLOW), _OVERFLOW)
@@ -485,16 +486,10 @@ async def overflow_upstream(
         # Blocking on purpose: nothing else on this loop may run until the client is gone.
         client_gone.wait(BOUND_S)
         time.sleep(0.05)  # noqa: ASYNC251  # the hang-up must reach the proxy's socket first
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-            writer.close()
+        await writer.drain()  # a hang-up here ends the script quietly (Scripted)
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", answered
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with Scripted(serve) as upstream:
+        yield upstream.url, answered
 
 
 def _hang_up_after(url: str, body: bytes, answered: threading.Event, gone: threading.Event) -> None:
@@ -513,25 +508,13 @@ async def test_no_refold_once_the_client_is_gone_even_before_the_cancel_lands() 
     levels, recorder = Levels(), Recorder()
     gone = threading.Event()
     body = json.dumps(conversation(CHAT_PATH)).encode()
-    async with overflow_upstream(gone) as (upstream_url, answered):
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "plugins": [],
-                "shutdown_grace": 1.0,
-                "upstream_openai": upstream_url,
-                "upstream_anthropic": upstream_url,
-            },
-        )
-        host = PluginHost([levels, FoldPlugin(), recorder], timeout=settings.plugin_timeout)
-        app = build_app(settings, host=host)
-        async with running(app, "127.0.0.1", 0) as port:
-            client = asyncio.to_thread(
-                _hang_up_after, f"http://127.0.0.1:{port}", body, answered, gone
-            )
-            await asyncio.wait_for(client, BOUND_S)
-            (record,) = await recorder.wait(1)
+    async with (
+        overflow_upstream(gone) as (upstream_url, answered),
+        proxy_app(upstream_url, plugins=[levels, FoldPlugin(), recorder]) as (url, _app),
+    ):
+        client = asyncio.to_thread(_hang_up_after, url, body, answered, gone)
+        await asyncio.wait_for(client, BOUND_S)
+        (record,) = await recorder.wait(1)
     assert record.outcome == "client_gone"
     assert levels.levels == [0]
     assert record.refolds == 0

@@ -35,6 +35,7 @@ from proxy._plugins import PluginHost, load_plugins
 from proxy._protocols import stated_tokens
 from proxy.testing import Harness, proxy_with_emulator
 from tests.support.cluster import RedisServer, need_binary
+from tests.support.ports import serve_app
 
 #: The emulator's context window: 24,000 tokens, i.e. bodies of up to 96,003 bytes.
 WINDOW_TOKENS = 24_000
@@ -82,14 +83,10 @@ async def tap_upstream(
 
     app = web.Application()
     app.router.add_post("/{tail:.*}", relay)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        yield emulator, tap, f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with serve_app(app) as url:
+            yield emulator, tap, url
     finally:
-        await runner.cleanup()
         await http.close()
         await emulator.close()
 

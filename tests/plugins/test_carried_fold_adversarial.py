@@ -29,6 +29,7 @@ from tests.plugins.test_carried_fold import (
     proxy_on,
     tapped,
 )
+from tests.support.ports import serve_app
 
 #: The model whose upstream has ten times the window of the others.
 BIG = "gpt-big"
@@ -56,16 +57,10 @@ async def routed() -> AsyncIterator[tuple[Harness, EmulatorServer, list[tuple[st
 
     app = web.Application()
     app.router.add_post("/{tail:.*}", relay)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     try:
-        async with proxy_on(url, small, FoldPlugin()) as h:
+        async with serve_app(app) as url, proxy_on(url, small, FoldPlugin()) as h:
             yield h, big, seen
     finally:
-        await runner.cleanup()
         await http.close()
         await small.close()
         await big.close()

@@ -21,18 +21,10 @@ import pytest
 
 from plugins.ledger import LedgerPlugin
 from proxy.testing import make_record, proxy_process, start_emulator
+from tests.support.e2e import finished_commits
 
 N_ANSWERS = 25
 BOUND_S = 20.0
-
-
-async def _finished_commits(http: aiohttp.ClientSession, url: str) -> float:
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith('context_proxy_commits_total{event="finished"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _saved_requests(db: Path, sid: str) -> int:
@@ -74,7 +66,7 @@ async def test_kill_9_right_after_the_commits_finished(
                     await resp.read()
             async with asyncio.timeout(BOUND_S):
                 # A child process offers nothing to wait on: poll its metrics.
-                while await _finished_commits(http, child.url) < N_ANSWERS:  # noqa: ASYNC110
+                while await finished_commits(http, child.url) < N_ANSWERS:  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
             os.kill(child.pid, signal.SIGKILL)
             status = await child.stop()

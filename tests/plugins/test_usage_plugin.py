@@ -18,10 +18,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from plugins.usage import UsagePlugin
 from proxy import ExchangeRecord, Outcome, Scalar
-from proxy._app import ProxyApp, build_app, running
-from proxy._config import load_settings
-from proxy._plugins import PluginHost
+from proxy._app import ProxyApp
 from proxy.testing import make_record
+from tests.support.ports import serve_app
+from tests.support.upstream import proxy_app
 
 #: Where these tests' records differ from ``make_record``'s: an Anthropic exchange
 #: with cache reads, so every per-model token counter moves.
@@ -388,27 +388,11 @@ async def proxy_before_caching_upstream(
     upstream[TURN_KEY] = []
     upstream.router.add_post("/v1/messages", _caching_upstream)
     upstream.router.add_post("/v1/chat/completions", _caching_upstream)
-    runner = web.AppRunner(upstream)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
-        settings = load_settings(
-            None,
-            environ={},
-            overrides={
-                "plugins": [],
-                "shutdown_grace": 5.0,
-                "upstream_openai": f"http://127.0.0.1:{port}",
-                "upstream_anthropic": f"http://127.0.0.1:{port}",
-            },
-        )
-        app = build_app(settings, host=PluginHost([plugin], timeout=settings.plugin_timeout))
-        async with running(app, "127.0.0.1", 0) as proxy_port:
-            yield f"http://127.0.0.1:{proxy_port}", app
-    finally:
-        await runner.cleanup()
+    async with (
+        serve_app(upstream, access_log=True) as upstream_url,
+        proxy_app(upstream_url, plugins=[plugin], shutdown_grace=5.0) as (url, app),
+    ):
+        yield url, app
 
 
 async def _settle(app: ProxyApp) -> None:

@@ -27,6 +27,7 @@ import pytest
 from plugins.usage import UsagePlugin, UsageStoreError
 from proxy import Plugin, UsagePage, UsageQuery
 from proxy.testing import Harness, make_record, proxy_process, proxy_with_emulator, start_emulator
+from tests.support.e2e import finished_commits
 
 BOUND_S: Final = 20.0
 
@@ -263,15 +264,6 @@ def test_bad_store_options_are_rejected(option: str, value: object) -> None:
 # -- a real process: stop, start again, the totals are still there ---------------------------
 
 
-async def _finished_commits(http: aiohttp.ClientSession, url: str) -> float:
-    async with http.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith('context_proxy_commits_total{event="finished"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 async def _ask(http: aiohttp.ClientSession, url: str, n: int) -> None:
     for i in range(n):
         body = {"model": "m", "messages": [{"role": "user", "content": f"turn {i}"}]}
@@ -282,7 +274,7 @@ async def _ask(http: aiohttp.ClientSession, url: str, n: int) -> None:
             await resp.read()
     async with asyncio.timeout(BOUND_S):
         # A child process offers nothing to wait on: poll its metrics.
-        while await _finished_commits(http, url) < n:  # noqa: ASYNC110
+        while await finished_commits(http, url) < n:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from proxy import ExchangeRecord, Outcome, WireMetadata
-from tests.support.cluster import free_port, need_binary
+from tests.support.cluster import need_binary
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "plugins.md"

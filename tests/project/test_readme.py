@@ -18,7 +18,8 @@ README: Final = ROOT / "README.md"
 #: Lines of a first screen (a laptop's browser window at GitHub's line height).
 FIRST_SCREEN: Final = 45
 SET_UP: Final = (
-    "python3 -m venv .venv && . .venv/bin/activate && pip install . && context-proxy demo",
+    "python3 -m venv .venv && . .venv/bin/activate && pip install '.[testing]'"
+    " && context-proxy demo",
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]' && python -m pytest",
 )
 #: ``[text](target)`` and ``![alt](target)``, outside code spans.

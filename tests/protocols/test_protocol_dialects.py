@@ -8,7 +8,6 @@ import pytest
 
 from proxy import _protocols as protocols
 from proxy._protocols import DIALECTS, Protocol, UsageMeter, dialect
-from proxy._session_ids import DEFAULT_SESSION_HEADERS
 from proxy._sse import SSEEvent
 from proxy._wire import compute_wire_metadata, digest_bytes
 
@@ -24,7 +23,6 @@ def test_every_protocol_has_exactly_its_own_row() -> None:
     assert set(DIALECTS) == set(Protocol)
     for protocol, row in DIALECTS.items():
         assert row.protocol is protocol and dialect(protocol) is row
-        assert row.family == protocol.upstream
 
 
 @pytest.mark.parametrize("protocol", NAMED)
@@ -56,29 +54,34 @@ def test_in_band_errors_take_each_rows_shape() -> None:
         assert raw.endswith(b"\n\n")
 
 
-def test_session_headers_are_among_the_defaults_searched() -> None:
-    for row in DIALECTS.values():
-        assert set(row.session_headers) <= set(DEFAULT_SESSION_HEADERS)
+# Exchange protocol -> (the body field holding the history, the body's session hint);
+# docs/design.md §7. Read by proxy._wire from the body's structure, not from the dialect.
+BODY_FIELDS = {
+    Protocol.CHAT: ("messages", None),
+    Protocol.RESPONSES: ("input", "from-cache-key"),
+    Protocol.MESSAGES: ("messages", "from-user-id"),
+    Protocol.COUNT_TOKENS: ("messages", "from-user-id"),
+}
 
 
-@pytest.mark.parametrize("protocol", [p for p in Protocol if p.is_exchange])
-def test_the_body_session_field_is_where_wire_finds_the_hint(protocol: Protocol) -> None:
+def test_every_exchange_protocol_has_its_body_fields_listed() -> None:
+    assert set(BODY_FIELDS) == {p for p in Protocol if p.is_exchange}
+
+
+@pytest.mark.parametrize("protocol", sorted(BODY_FIELDS, key=lambda p: p.value))
+def test_wire_reads_each_protocols_history_and_session_hint(protocol: Protocol) -> None:
+    history, hint = BODY_FIELDS[protocol]
     body = json.dumps(
         {
             "model": "m",
             "prompt_cache_key": "from-cache-key",
             "metadata": {"user_id": "from-user-id"},
-            dialect(protocol).history_field: [{"role": "user", "content": "hi"}],
+            history: [{"role": "user", "content": "hi"}],
         }
     ).encode()
     meta = compute_wire_metadata(protocol, body, digest_bytes(body))
-    expected = {
-        "prompt_cache_key": "from-cache-key",
-        "metadata.user_id": "from-user-id",
-        None: None,
-    }
-    assert meta.session_hint == expected[dialect(protocol).session_body_field]
-    assert meta.message_count == 1  # history_field is the field wire counts
+    assert meta.session_hint == hint
+    assert meta.message_count == 1
 
 
 def test_only_the_answering_protocols_are_metered() -> None:

@@ -15,7 +15,6 @@ against a negative control in which nothing is dropped.
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import re
 import sys
@@ -52,17 +51,6 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         yield session
-
-
-@pytest.fixture
-def no_gc() -> Iterator[None]:
-    """Reference counting alone must free what is dropped (no cycle collector)."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _body() -> bytes:

@@ -27,6 +27,7 @@ from typing import Any, Final
 import pytest
 
 from benchmarks._cluster import nginx_config
+from tests.support.ports import free_port
 
 __all__ = [
     "Cluster",
@@ -34,7 +35,6 @@ __all__ = [
     "NginxServer",
     "ProxyNode",
     "RedisServer",
-    "free_port",
     "need_binary",
 ]
 
@@ -50,13 +50,6 @@ def need_binary(name: str) -> str:
     if found is None:
         pytest.skip(f"{name} is not installed (.ci/run installs it)")
     return found
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (bind, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], within: float) -> bool:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
+import aiohttp
 from multidict import CIMultiDict
 
 __all__ = [
@@ -163,6 +164,18 @@ def streamed_text(path: str, events: list[Event]) -> str:
         elif path == ANTHROPIC_PATH and obj.get("type") == "content_block_delta":
             out.append(obj["delta"]["text"])
     return "".join(out)
+
+
+async def finished_commits(http: aiohttp.ClientSession, url: str) -> float:
+    """How many exchanges the proxy at ``url`` has committed so far, read from its
+    ``/metrics`` (``context_proxy_commits_total{event="finished"}``; 0 before the first):
+    for a child process, which offers nothing else to wait on."""
+    async with http.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith('context_proxy_commits_total{event="finished"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 async def wait_until(condition: Callable[[], bool], what: str, within: float = WAIT_S) -> None:

@@ -40,11 +40,12 @@ from aiohttp import web
 
 from proxy import _app as app_module
 from proxy import _wire as wire
-from proxy._app import AppState, build_app, running
-from proxy._config import load_settings
+from proxy._app import AppState
 from proxy._exchange import Exchange, HeldBytes, Phase
-from proxy._plugins import ExchangeRecord, Plugin, PluginHost, PrepareContext
+from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
 from proxy._wire import WireMetadata
+from tests.support.ports import free_port, serve_app
+from tests.support.upstream import proxy_app
 
 __all__ = [
     "CHAT",
@@ -162,6 +163,17 @@ def big_chat_body(total: int, *, message_bytes: int = 256 * 1024) -> bytes:
         messages.append(b'{"role":"' + role + b'","content":"' + text + b'"}')
     messages.append(b'{"role":"user","content":"Why does the test still fail?"}')
     return head + b",".join(messages) + b"]}"
+
+
+def chat_text(raw: bytes) -> str:
+    """The assistant text carried by an OpenAI chat SSE stream (the ``content`` of
+    every chunk's deltas, joined)."""
+    text = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                text.append(choice["delta"].get("content") or "")
+    return "".join(text)
 
 
 async def slices(body: bytes, size: int = 256 * 1024) -> AsyncIterator[memoryview]:
@@ -360,6 +372,19 @@ class Recorder(Plugin):
         return self.records
 
 
+class Tally(Plugin):
+    """Counts the commits it sees in ``booked``: a bookkeeping plugin that needs
+    nothing slow (no Redis, no disk)."""
+
+    name = "tally"
+
+    def __init__(self) -> None:
+        self.booked = 0
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        self.booked += 1
+
+
 class Reader(Plugin):
     """Reads the parsed body at every fold level and never changes it."""
 
@@ -412,25 +437,16 @@ async def proxy_at(
     ``settings`` override :class:`~proxy.config.Settings` fields; leaving the
     block drains the proxy (commit hooks have run).
     """
-    overrides: dict[str, Any] = {
-        "plugins": [],
-        "shutdown_grace": 5.0,
-        **settings,
-        "upstream_openai": upstream,
-        "upstream_anthropic": upstream,
-    }
-    resolved = load_settings(environ={}, overrides=overrides)
-    app = build_app(resolved, host=PluginHost(plugins, timeout=5.0))
-    async with running(app, "127.0.0.1", 0) as port:
-        yield ProxyUnderTest(f"http://127.0.0.1:{port}", app.state)
+    settings = {"shutdown_grace": 5.0, **settings}
+    for name in ("upstream_openai", "upstream_anthropic"):
+        settings.pop(name, None)  # both are ``upstream``
+    async with proxy_app(upstream, plugins=plugins, **settings) as (url, app):
+        yield ProxyUnderTest(url, app.state)
 
 
 def closed_port_url() -> str:
     """``http://127.0.0.1:PORT`` of a port nobody listens on (connections are refused)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 @contextlib.contextmanager
@@ -471,14 +487,8 @@ async def fixed_upstream(
 
     app = web.Application()
     app.router.add_post("/{tail:.*}", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", seen
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as url:
+        yield url, seen
 
 
 # ------------------------------------------------------------------------------ clients

@@ -59,17 +59,22 @@ class Proc:
         cls,
         upstream_url: str,
         *,
+        grace: float = 1.0,
+        quiet: bool = True,
         env: Mapping[str, str] | None = None,
         preexec_fn: Callable[[], object] | None = None,
+        within: float = BOUND_S,
     ) -> tuple[Proc, int]:
-        """``serve`` on an ephemeral port, both upstreams at ``upstream_url``, a 1 s
-        shutdown grace, no access log and no plugins unless ``env`` says otherwise:
-        the child and its port once it listens.
+        """``serve`` on an ephemeral port, both upstreams at ``upstream_url``, a
+        ``grace`` seconds shutdown grace: the child and its port once it says it
+        listens (within ``within`` seconds). ``quiet``: no access log and no plugins;
+        else the settings' own defaults (the access log, the ``fold`` plugin).
+        ``env`` adds variables (and wins over ``quiet``'s).
 
         Raises:
-            AssertionError: it did not say it listens within :data:`BOUND_S` (the
-                child is stopped first).
+            AssertionError: it did not say it listens in time (the child is stopped first).
         """
+        defaults = {"CONTEXT_PROXY_ACCESS_LOG": "false", "CONTEXT_PROXY_PLUGINS": ""}
         proc = await cls.start(
             "proxy",
             "serve",
@@ -80,12 +85,12 @@ class Proc:
             "--upstream-anthropic",
             upstream_url,
             "--shutdown-grace",
-            "1",
-            env={"CONTEXT_PROXY_ACCESS_LOG": "false", "CONTEXT_PROXY_PLUGINS": "", **(env or {})},
+            str(grace),
+            env={**(defaults if quiet else {}), **(env or {})},
             preexec_fn=preexec_fn,
         )
         try:
-            port = int((await proc.wait_line(r"listening on http://[\d.]+:(\d+)", BOUND_S))[1])
+            port = int((await proc.wait_line(r"listening on http://[\d.]+:(\d+)", within))[1])
         except BaseException:
             await proc.stop()
             raise

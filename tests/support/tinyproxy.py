@@ -28,7 +28,8 @@ from typing import Final
 
 import trustme
 
-from tests.support.cluster import free_port, need_binary
+from tests.support.cluster import need_binary
+from tests.support.ports import free_port
 
 __all__ = ["PrivateCA", "Tinyproxy", "private_ca", "tinyproxy"]
 

@@ -14,8 +14,7 @@ the chunked coding (:func:`chunk`, :func:`chunked`).
 
 :func:`proxy_app` is a plugin-less proxy in front of an upstream, yielding its
 URL and app (:func:`pool_of` is the app's upstream pool); :func:`proxy_for`
-yields the URL alone. Used by ``test_adversarial.py``, ``test_stream_end.py``
-and ``test_upstream_*.py``.
+yields the URL alone.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import json
 import socket
 import ssl
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,6 +33,7 @@ import pytest
 
 from proxy._app import ProxyApp, build_app, running
 from proxy._config import load_settings
+from proxy._plugins import Plugin, PluginHost
 from proxy._upstream import UpstreamPool
 
 __all__ = [
@@ -130,13 +130,18 @@ def chat_sse_events(text: str = "hi") -> list[bytes]:
 
 @contextlib.asynccontextmanager
 async def proxy_app(
-    upstream_url: str, *, environ: dict[str, str] | None = None, **overrides: Any
+    upstream_url: str,
+    *,
+    plugins: Sequence[Plugin] = (),
+    environ: dict[str, str] | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[str, ProxyApp]]:
-    """A proxy (no plugins) in front of ``upstream_url`` on 127.0.0.1, both protocols'
-    upstreams; ``overrides`` are settings, ``environ`` the environment its upstream
-    client reads (``HTTPS_PROXY`` and the rest; empty by default, whatever this
-    process has). Yields ``(base URL, app)``, the app for a look at its state
-    (:func:`pool_of`)."""
+    """A proxy in front of ``upstream_url`` on an ephemeral port of 127.0.0.1, both
+    protocols' upstreams; ``plugins`` are its plugins (none by default),
+    ``overrides`` are settings, ``environ`` the environment its upstream client
+    reads (``HTTPS_PROXY`` and the rest; empty by default, whatever this process
+    has). Yields ``(base URL, app)``, the app for a look at its state
+    (:func:`pool_of`); leaving the block drains it (commit hooks have run)."""
     settings = load_settings(
         None,
         environ={},
@@ -148,7 +153,8 @@ async def proxy_app(
             **overrides,
         },
     )
-    app = build_app(settings, environ=environ or {})
+    host = PluginHost(list(plugins), timeout=settings.plugin_timeout) if plugins else None
+    app = build_app(settings, host=host, environ=environ or {})
     async with running(app, "127.0.0.1", 0) as port:
         yield f"http://127.0.0.1:{port}", app
 
@@ -213,8 +219,9 @@ class Scripted:
     timeout ends a script quietly.
 
     ``tls`` (a server context) makes it an https upstream. Used as ``async with
-    Scripted(script) as upstream``; ``url`` is its base URL, ``port`` its port and
-    ``connections`` the number of connections accepted so far.
+    Scripted(script) as upstream``; ``url`` is its base URL, ``port`` its port,
+    ``connections`` the number of connections accepted so far and ``closed`` the
+    number of those whose script ended (the upstream closed them).
     """
 
     def __init__(self, script: Script, *, tls: ssl.SSLContext | None = None) -> None:
@@ -222,6 +229,7 @@ class Scripted:
         self._tls = tls
         self._server: asyncio.Server | None = None
         self.connections = 0
+        self.closed = 0
         self.url = ""
         self.port = 0
 
@@ -231,8 +239,9 @@ class Scripted:
         try:
             await self._script(reader, writer, n)
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError, TimeoutError):
-            pass
+            pass  # the client left, a bound ran out, or the test ended (the server closes)
         finally:
+            self.closed += 1
             writer.close()
 
     async def __aenter__(self) -> Scripted:

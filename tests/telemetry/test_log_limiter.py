@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import socket
 
 import aiohttp
 import pytest
 
 import proxy._relay as relay
 from proxy._logs import LogLimiter
+from tests.support.ports import free_port
 from tests.support.upstream import proxy_app
 
 N_FAILED = 200
@@ -87,18 +87,12 @@ def _summarised(caplog: pytest.LogCaptureFixture) -> bool:
     return any("more in the last" in m for m in _messages(caplog, "context_proxy.relay"))
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])  # closed when the block ends: refused
-
-
 async def test_an_upstream_down_logs_one_warning_and_a_summary_with_the_count(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(relay, "FAILURE_LOG_INTERVAL", 1.0)
-    port = _closed_port()
+    port = free_port()
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     async with (
         proxy_app(f"http://127.0.0.1:{port}") as (url, _app),

@@ -41,24 +41,10 @@ class FailingCommit(Plugin):
 
 
 async def _serve(upstream: str, **env: str) -> tuple[Proc, str]:
-    proc = await Proc.start(
-        "proxy",
-        "serve",
-        "--port",
-        "0",
-        "--upstream-openai",
-        upstream,
-        "--upstream-anthropic",
-        upstream,
-        "--shutdown-grace",
-        "1",
-        env={f"CONTEXT_PROXY_{k.upper()}": v for k, v in env.items()},
-    )
-    try:
-        port = int((await proc.wait_line(r"listening on http://[\d.]+:(\d+)", within=BOUND_S))[1])
-    except BaseException:
-        await proc.stop()
-        raise
+    """``serve`` with the settings' defaults but ``env`` (``log_format="json"`` is
+    ``CONTEXT_PROXY_LOG_FORMAT=json``); the child and its base URL."""
+    variables = {f"CONTEXT_PROXY_{k.upper()}": v for k, v in env.items()}
+    proc, port = await Proc.serve(upstream, quiet=False, env=variables, within=BOUND_S)
     return proc, f"http://127.0.0.1:{port}"
 
 

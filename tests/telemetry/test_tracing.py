@@ -37,6 +37,8 @@ from proxy._tracing import MISSING_EXTRA
 from proxy._upstream import UpstreamTarget
 from proxy.testing import Harness, ProxyStartError, proxy_process, proxy_with_emulator
 from tests.support.lifetime import CHAT, WAIT_S, Recorder, conversation, encode
+from tests.support.ports import serve_app
+from tests.support.upstream import Scripted, read_request
 
 API_KEY = "sk-tracing-secret-key-0123456789"
 SESSION = "tracing-session-42"
@@ -310,31 +312,23 @@ async def raw_upstream() -> AsyncIterator[tuple[str, list[CIMultiDict[str]]]]:
         }
     ).encode()
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            async with asyncio.timeout(WAIT_S):
-                head = await reader.readuntil(b"\r\n\r\n")
-                fields: CIMultiDict[str] = CIMultiDict()
-                for line in head.decode("latin-1").split("\r\n")[1:]:
-                    if line:
-                        name, _, value = line.partition(":")
-                        fields.add(name.strip(), value.strip())
-                await reader.readexactly(int(fields.get("Content-Length", "0")))
-                seen.append(fields)
-                writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                    b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer)
-                )
-                await writer.drain()
-        finally:
-            writer.close()
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        async with asyncio.timeout(WAIT_S):
+            head, _ = await read_request(reader)
+            fields: CIMultiDict[str] = CIMultiDict()
+            for line in head.decode("latin-1").split("\r\n")[1:]:
+                if line:
+                    name, _, value = line.partition(":")
+                    fields.add(name.strip(), value.strip())
+            seen.append(fields)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer)
+            )
+            await writer.drain()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
-    finally:
-        server.close()
-        await server.wait_closed()
+    async with Scripted(serve) as upstream:
+        yield upstream.url, seen
 
 
 async def _ask(url: str, headers: dict[str, str]) -> None:
@@ -487,33 +481,28 @@ async def test_the_process_exports_over_otlp_as_the_otel_variables_say() -> None
 
     app = web.Application()
     app.router.add_post("/v1/traces", collect)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    collector = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    emulator = await start_emulator()
-    env = {
-        "OTEL_SERVICE_NAME": "proxy-under-test",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": collector,
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "NO_PROXY": "127.0.0.1",
-    }
-    try:
-        async with proxy_process(
-            "--upstream-openai", emulator.url, "--no-access-log", "--tracing", "otel", env=env
-        ) as proxy:
-            async with openai.AsyncOpenAI(
-                base_url=proxy.url + "/v1", api_key=API_KEY, max_retries=0
-            ) as client:
-                reply = await client.chat.completions.create(
-                    model="otlp-model", messages=[{"role": "user", "content": "hi"}]
-                )
-            assert reply.choices[0].message.content == DEFAULT_TEXT
-            assert await proxy.stop() == 0  # the batch is exported at shutdown
-    finally:
-        await emulator.close()
-        await runner.cleanup()
+    async with serve_app(app) as collector:
+        emulator = await start_emulator()
+        env = {
+            "OTEL_SERVICE_NAME": "proxy-under-test",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector,
+            "OTEL_TRACES_EXPORTER": "otlp",
+            "NO_PROXY": "127.0.0.1",
+        }
+        try:
+            async with proxy_process(
+                "--upstream-openai", emulator.url, "--no-access-log", "--tracing", "otel", env=env
+            ) as proxy:
+                async with openai.AsyncOpenAI(
+                    base_url=proxy.url + "/v1", api_key=API_KEY, max_retries=0
+                ) as client:
+                    reply = await client.chat.completions.create(
+                        model="otlp-model", messages=[{"role": "user", "content": "hi"}]
+                    )
+                assert reply.choices[0].message.content == DEFAULT_TEXT
+                assert await proxy.stop() == 0  # the batch is exported at shutdown
+        finally:
+            await emulator.close()
     names: list[tuple[str, str]] = []
     for post in posts:
         request = ExportTraceServiceRequest.FromString(post)

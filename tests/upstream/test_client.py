@@ -37,7 +37,7 @@ from proxy._upstream import (
     UpstreamPool,
     UpstreamTarget,
 )
-from tests.support.upstream import chunked, read_request, self_signed
+from tests.support.upstream import Scripted, chunked, read_request, self_signed
 
 # ------------------------------------------------------------------ framing (sans-I/O)
 
@@ -166,38 +166,14 @@ def test_the_next_request_starts_a_clean_answer() -> None:
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
-class Upstream:
-    """A loopback server running ``serve`` per connection; counts connections."""
+def _server(serve: Serve, *, context: ssl.SSLContext | None = None) -> Scripted:
+    """A loopback server running ``serve`` per connection (:class:`Scripted`, which
+    counts ``connections`` and ``closed``); ``context`` makes it https."""
 
-    def __init__(self, serve: Serve, *, context: ssl.SSLContext | None = None) -> None:
-        self._serve = serve
-        self._context = context
-        self.connections = 0
-        self.closed = 0
-        self.port = 0
-        self._server: asyncio.Server | None = None
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await serve(reader, writer)
 
-    async def _run(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            await self._serve(reader, writer)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
-            pass  # the client left, or the test ended (the server closes its handlers)
-        finally:
-            self.closed += 1
-            writer.close()
-
-    async def __aenter__(self) -> Upstream:
-        self._server = await asyncio.start_server(self._run, "127.0.0.1", 0, ssl=self._context)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(5):
-                await self._server.wait_closed()
+    return Scripted(script, tls=context)
 
 
 def _echo(fields: bytes = b"") -> Serve:
@@ -257,7 +233,7 @@ async def _post(
 
 
 async def test_connections_are_kept_and_reused_between_requests() -> None:
-    async with Upstream(_keep_alive_ok) as upstream, _pool() as pool:
+    async with _server(_keep_alive_ok) as upstream, _pool() as pool:
         answers = [await _post(pool, upstream.port, b'{"n":%d}' % i) for i in range(3)]
         assert answers == [b'{"n":0}', b'{"n":1}', b'{"n":2}']
         assert upstream.connections == 1
@@ -268,7 +244,7 @@ async def test_an_idle_connection_is_closed_after_the_keep_alive_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(_upstream, "KEEPALIVE_SECONDS", 0.05)
-    async with Upstream(_keep_alive_ok) as upstream, _pool() as pool:
+    async with _server(_keep_alive_ok) as upstream, _pool() as pool:
         await _post(pool, upstream.port, b"{}")
         for _ in range(1000):  # bounded: ~10 s (a loaded machine)
             if upstream.closed == 1:
@@ -283,7 +259,7 @@ async def test_a_connection_the_upstream_closed_while_idle_is_not_used_again() -
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         await writer.drain()
 
-    async with Upstream(one_then_close) as upstream, _pool() as pool:
+    async with _server(one_then_close) as upstream, _pool() as pool:
         assert await _post(pool, upstream.port, b"1") == b"1"
         for _ in range(1000):  # bounded (10 s): the pool hears the close
             if pool.idle_connections == 0:
@@ -305,7 +281,7 @@ async def test_max_connections_makes_a_request_wait_for_a_free_connection() -> N
             writer.write(b"0\r\n\r\n")
             await writer.drain()
 
-    async with Upstream(slow) as upstream, _pool(max_connections=1) as pool:
+    async with _server(slow) as upstream, _pool(max_connections=1) as pool:
         first = asyncio.create_task(_post(pool, upstream.port, b"{}"))
         await asyncio.sleep(0.1)
         second = asyncio.create_task(_post(pool, upstream.port, b"{}"))
@@ -333,7 +309,7 @@ async def test_an_answer_not_read_pauses_the_upstream_socket() -> None:
             await writer.drain()
             sent += len(piece)
 
-    async with Upstream(fire_hose) as upstream, _pool() as pool:
+    async with _server(fire_hose) as upstream, _pool() as pool:
         target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}")
         answer = await pool.request(target, "GET", "/", {})
         await asyncio.sleep(0.5)
@@ -364,7 +340,7 @@ async def test_an_answer_before_the_body_is_sent_ends_the_upload() -> None:
         await asyncio.sleep(3)  # reads nothing more, keeps the connection open
 
     body = b"a" * (64 * 1024 * 1024)
-    async with Upstream(refuse) as upstream, _pool() as pool:
+    async with _server(refuse) as upstream, _pool() as pool:
         target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}")
         fields = {"Content-Length": str(len(body))}
         pieces = [body[i : i + 262144] for i in range(0, len(body), 262144)]
@@ -384,7 +360,7 @@ async def test_silence_mid_answer_is_an_idle_read_timeout() -> None:
         await writer.drain()
         await asyncio.sleep(3)
 
-    async with Upstream(stall) as upstream, _pool(idle_read=0.2) as pool:
+    async with _server(stall) as upstream, _pool(idle_read=0.2) as pool:
         target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}")
         answer = await pool.request(target, "GET", "/", {})
         assert await answer.read() == b"abc"
@@ -399,7 +375,7 @@ async def test_a_close_mid_answer_is_an_answer_cut() -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
         await writer.drain()
 
-    async with Upstream(cut) as upstream, _pool() as pool:
+    async with _server(cut) as upstream, _pool() as pool:
         target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}")
         answer = await pool.request(target, "GET", "/", {})
         with pytest.raises(AnswerCut, match="mid-answer"):
@@ -412,7 +388,7 @@ async def test_a_close_before_the_head_is_a_server_disconnected() -> None:
     async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
 
-    async with Upstream(hang_up) as upstream, _pool() as pool:
+    async with _server(hang_up) as upstream, _pool() as pool:
         with pytest.raises(ServerDisconnected, match="before answering"):
             await _post(pool, upstream.port, b"{}")
         assert pool.connections_in_use == 0
@@ -424,14 +400,14 @@ async def test_a_bad_head_is_refused_in_our_words() -> None:
         writer.write(b"HTTP/1.1 200 OK\r\nX-Key: sk-" + b"s" * 9000 + b"\r\n\r\n")
         await writer.drain()
 
-    async with Upstream(secret) as upstream, _pool() as pool:
+    async with _server(secret) as upstream, _pool() as pool:
         with pytest.raises(BadResponseHead) as raised:
             await _post(pool, upstream.port, b"{}")
         assert "limit" in str(raised.value) and "sk-" not in str(raised.value)
 
 
 async def test_a_refused_connect_says_where() -> None:
-    async with Upstream(_keep_alive_ok) as upstream:
+    async with _server(_keep_alive_ok) as upstream:
         port = upstream.port
     async with _pool() as pool:
         with pytest.raises(ConnectFailed) as raised:
@@ -449,7 +425,7 @@ async def test_the_request_head_carries_the_fields_and_what_the_proxy_adds() -> 
         writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
         await writer.drain()
 
-    async with Upstream(record) as upstream, _pool() as pool:
+    async with _server(record) as upstream, _pool() as pool:
         target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}/base/")
         fields = {"X-Api-Key": "k", "Content-Length": "2"}
         path = target.request_target("/v1/messages", "beta=true")
@@ -498,7 +474,7 @@ async def test_https_upstreams_are_verified_and_kept_alive(tmp_path: Path) -> No
     cert, key = self_signed(tmp_path)
     server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server.load_cert_chain(cert, key)
-    async with Upstream(_keep_alive_ok, context=server) as upstream:
+    async with _server(_keep_alive_ok, context=server) as upstream:
         async with _pool() as pool:
             # The system's trust store does not know this certificate: refused.
             with pytest.raises(ConnectFailed, match="TLS certificate could not be verified"):
@@ -521,7 +497,7 @@ def test_the_pool_works_on_uvloop() -> None:
     uvloop = pytest.importorskip("uvloop")
 
     async def scenario() -> None:
-        async with Upstream(_keep_alive_ok) as upstream, _pool() as pool:
+        async with _server(_keep_alive_ok) as upstream, _pool() as pool:
             body = b"u" * (4 * 1024 * 1024)
             assert await _post(pool, upstream.port, body) == body
             assert await _post(pool, upstream.port, b"{}") == b"{}"
@@ -532,7 +508,7 @@ def test_the_pool_works_on_uvloop() -> None:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
             await writer.drain()
 
-        async with Upstream(cut) as upstream, _pool() as pool:
+        async with _server(cut) as upstream, _pool() as pool:
             with pytest.raises(AnswerCut):
                 await asyncio.wait_for(_post(pool, upstream.port, b"{}"), 5)
 
@@ -558,7 +534,7 @@ async def test_a_kept_connection_closed_unanswered_is_replaced_and_the_request_s
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()
 
-    async with Upstream(close_second) as upstream, _pool() as pool:
+    async with _server(close_second) as upstream, _pool() as pool:
         assert await _post(pool, upstream.port, b"1") == b"1"
         assert await _post(pool, upstream.port, b"2") == b"2"
         assert seen == [b"1", b"2", b"2"] and upstream.connections == 2
@@ -566,7 +542,7 @@ async def test_a_kept_connection_closed_unanswered_is_replaced_and_the_request_s
     async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
 
-    async with Upstream(never) as upstream, _pool() as pool:
+    async with _server(never) as upstream, _pool() as pool:
         with pytest.raises(ServerDisconnected):
             await _post(pool, upstream.port, b"{}")
         assert upstream.connections == 1  # a new connection: not tried again
@@ -586,7 +562,7 @@ async def test_a_408_on_a_kept_connection_is_not_the_answer() -> None:
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             await writer.drain()
 
-    async with Upstream(time_out_idle) as upstream, _pool() as pool:
+    async with _server(time_out_idle) as upstream, _pool() as pool:
         assert await _post(pool, upstream.port, b"1") == b"1"
         assert await _post(pool, upstream.port, b"2") == b"2"
         assert upstream.connections == 2
@@ -599,7 +575,7 @@ async def test_no_free_connection_in_time_is_the_pools_limit_not_the_upstreams()
         await writer.drain()
         await asyncio.sleep(3)
 
-    async with Upstream(hold) as upstream, _pool(max_connections=1) as pool:
+    async with _server(hold) as upstream, _pool(max_connections=1) as pool:
         target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}")
         holder = await pool.request(target, "GET", "/", {})
         with pytest.raises(PoolBusy, match="all 1 upstream connections are in use"):
@@ -618,7 +594,7 @@ async def test_a_waiter_cancelled_as_it_is_woken_passes_the_free_connection_on()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
             await writer.drain()
 
-    async with Upstream(answer_on_release) as upstream, _pool(max_connections=1) as pool:
+    async with _server(answer_on_release) as upstream, _pool(max_connections=1) as pool:
         first = asyncio.create_task(_post(pool, upstream.port, b"a"))
         await asyncio.sleep(0.05)
         second = asyncio.create_task(_post(pool, upstream.port, b"b"))
@@ -650,7 +626,7 @@ async def test_a_success_head_before_the_body_is_read_does_not_stop_the_upload()
         await writer.drain()
 
     body = b"b" * (16 * 1024 * 1024)
-    async with Upstream(stream_first) as upstream, _pool() as pool:
+    async with _server(stream_first) as upstream, _pool() as pool:
         assert await asyncio.wait_for(_post(pool, upstream.port, body), 10) == b"a"
     assert got == [len(body)]
 
@@ -669,7 +645,7 @@ def test_the_upstreams_keep_alive_timeout_bounds_the_idle_time(field: str, secon
 
 
 async def test_a_connection_the_upstream_keeps_a_second_or_less_is_not_kept() -> None:
-    async with Upstream(_echo(b"Keep-Alive: timeout=1\r\n")) as upstream, _pool() as pool:
+    async with _server(_echo(b"Keep-Alive: timeout=1\r\n")) as upstream, _pool() as pool:
         assert await _post(pool, upstream.port, b"1") == b"1"
         assert pool.idle_connections == 0
         assert await _post(pool, upstream.port, b"2") == b"2"
@@ -681,7 +657,7 @@ async def test_a_kept_connection_is_closed_a_keep_alive_time_after_its_last_use(
     used again before its deadline stays past it, then goes once idle that long."""
     # Each sleep is 0.8 s inside a deadline: a loaded machine's late wake-up is not a failure
     # (a late sleep only goes further past the first deadline, which the test needs anyway).
-    async with Upstream(_echo(b"Keep-Alive: timeout=3\r\n")) as upstream, _pool() as pool:
+    async with _server(_echo(b"Keep-Alive: timeout=3\r\n")) as upstream, _pool() as pool:
         assert await _post(pool, upstream.port, b"1") == b"1"  # kept for 2 s (3 less 1)
         await asyncio.sleep(1.2)
         assert await _post(pool, upstream.port, b"2") == b"2"  # the same connection
@@ -709,7 +685,7 @@ async def test_an_answer_with_gaps_under_the_idle_bound_never_times_out() -> Non
         writer.write(b"0\r\n\r\n")
         await writer.drain()
 
-    async with Upstream(trickle) as upstream, _pool(idle_read=0.4) as pool:
+    async with _server(trickle) as upstream, _pool(idle_read=0.4) as pool:
         assert await asyncio.wait_for(_post(pool, upstream.port, b"{}"), 10) == b"x" * 8
 
 
@@ -721,7 +697,7 @@ async def test_a_closed_connection_is_not_kept_alive_by_its_read_timer() -> None
         await asyncio.sleep(3)
 
     freed: list[str] = []
-    async with Upstream(stall) as upstream, _pool(idle_read=60) as pool:
+    async with _server(stall) as upstream, _pool(idle_read=60) as pool:
         target = UpstreamTarget(f"http://127.0.0.1:{upstream.port}")
         answer = await pool.request(target, "GET", "/", {})
         read = asyncio.create_task(answer.read())
@@ -754,7 +730,7 @@ async def test_a_host_name_is_resolved_once_per_ttl_and_every_address_failing_sa
 ) -> None:
     """Two addresses, both refusing: the error is the first address's (refused, in our
     words, naming the host); a second connect within the TTL asks no resolver."""
-    async with Upstream(_keep_alive_ok) as upstream:
+    async with _server(_keep_alive_ok) as upstream:
         port = upstream.port  # closed on leaving: both addresses refuse
     loop = asyncio.get_running_loop()
     asked: list[str] = []
