@@ -156,37 +156,33 @@ class FlowControl:
     waits for that.
     """
 
-    __slots__ = ("_drain_waiter", "_reading", "transport", "writing_paused")
+    __slots__ = ("_drain_waiter", "reading_paused", "transport", "writing_paused")
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self._reading = 0
+        # The reasons reading is paused, Paused bits (0: it is not); read it, do not set it.
+        self.reading_paused = 0
         self.writing_paused = False
         self._drain_waiter: asyncio.Future[None] | None = None
 
-    @property
-    def reading_paused(self) -> int:
-        """The reasons reading is paused, :class:`Paused` bits (0: it is not)."""
-        return self._reading
-
     def pause_reading(self, reason: int) -> None:
         """Add ``reason``; the transport stops reading on the first one."""
-        before = self._reading
+        before = self.reading_paused
         if reason & before:
             return
-        self._reading = before | reason
+        self.reading_paused = before | reason
         transport = self.transport
         if not before and transport is not None:
             transport.pause_reading()
 
     def resume_reading(self, reason: int = Paused.ANY) -> None:
         """Drop ``reason`` (default: every reason); the transport reads on without any."""
-        before = self._reading
+        before = self.reading_paused
         if not reason & before:
             return
-        self._reading = before & ~reason
+        self.reading_paused = before & ~reason
         transport = self.transport
-        if not self._reading and transport is not None and not transport.is_closing():
+        if not self.reading_paused and transport is not None and not transport.is_closing():
             transport.resume_reading()
 
     def pause_writing(self) -> None:
@@ -398,7 +394,9 @@ class ClientConnection(asyncio.Protocol):
 
     def body_drained(self) -> None:
         """The handler caught up with the body: read on."""
-        self._flow.resume_reading(Paused.BODY)
+        flow = self._flow
+        if flow.reading_paused & Paused.BODY:
+            flow.resume_reading(Paused.BODY)
 
     def _set_read_size(self, nbytes: int) -> None:
         transport = self.transport

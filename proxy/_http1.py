@@ -871,8 +871,15 @@ class ServerConnection:
         :attr:`_events`; else :data:`NEED_DATA` or :data:`PAUSED`."""
         self._events = ()
         self._next = 0
+        held = self._held
+        if not held:  # the usual end of a read: nothing left to parse
+            if len(self._ahead) > QUEUED_MAX and self._broken is None and self.state in _ANSWERING:
+                return PAUSED
+            if self.state is ServerState.IDLE and self._framing.in_head:
+                self._set(ServerState.IN_HEAD)  # a head begun while idle: its clock starts
+            return NEED_DATA
         # Bounded: each pass parses at least a slice of what is held.
-        for _ in range(len(self._held) // self._slice_bytes + 1):
+        for _ in range(len(held) // self._slice_bytes + 1):
             if self._broken is not None or self.state not in _READING:
                 return NEED_DATA
             if len(self._ahead) > QUEUED_MAX:
@@ -890,7 +897,9 @@ class ServerConnection:
         """Parse what is held: a declared body's rest in one piece (one body event), the
         rest :attr:`_slice_bytes` at a time."""
         held = self._held
-        end = max(self._body_left, self._slice_bytes)
+        left, end = self._body_left, self._slice_bytes
+        if left > end:
+            end = left
         if end >= len(held):
             piece, self._held = held, b""
         else:
