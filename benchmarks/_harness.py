@@ -50,6 +50,7 @@ __all__ = [
     "StreamCall",
     "StreamOutcome",
     "admin_exchanges",
+    "cpu_seconds",
     "free_port",
     "held_metrics",
     "median_rss",
@@ -146,6 +147,32 @@ def read_rss_kinds(pid: int) -> tuple[int, int]:
     return anon, file
 
 
+# Linux's CPU-time clock of another process: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) in
+# include/linux/posix-timers.h. It counts nanoseconds of every thread (dead ones too), where
+# /proc/PID/stat counts 10 ms ticks: a 20-request round of the naive proxy can read 0 ticks.
+_CPUCLOCK_SCHED: Final = 2
+
+
+def _process_cpu_clock(pid: int) -> int:
+    return ((~pid) << 3) | _CPUCLOCK_SCHED
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, in nanosecond resolution.
+
+    Reads the process's CPU-time clock (``clock_gettime``, Linux: the scheduler's
+    count that ``/proc/PID/stat`` rounds to ticks); where that clock is not
+    available, ``/proc/PID/stat`` via psutil (10 ms ticks, so a short burst may read
+    0 s: the tables then say ``n/a`` rather than a ratio). Raises ``psutil.NoSuchProcess``
+    when ``pid`` is gone.
+    """
+    try:
+        return time.clock_gettime(_process_cpu_clock(pid))
+    except (OSError, AttributeError):
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
+
+
 class RssSampler:
     """Samples the RSS of one process every ``interval`` seconds in a daemon thread.
 
@@ -154,10 +181,13 @@ class RssSampler:
     are parallel lists; :meth:`mark` records a named instant (a phase boundary)
     on the same clock. A thread rather than a task, so sampling goes on while
     the event loop of the benchmark is busy sending a large body.
+
+    ``also``: more processes (an nginx master's workers) whose figures are added
+    to ``pid``'s in every sample; :attr:`pids` lists them all, ``pid`` first.
     """
 
     __slots__ = (
-        "_proc",
+        "_procs",
         "_stop",
         "_thread",
         "anon",
@@ -165,15 +195,17 @@ class RssSampler:
         "interval",
         "marks",
         "pid",
+        "pids",
         "rss",
         "t0",
         "times",
     )
 
-    def __init__(self, pid: int, interval: float = 0.005) -> None:
+    def __init__(self, pid: int, interval: float = 0.005, *, also: Sequence[int] = ()) -> None:
         self.pid = pid
+        self.pids = (pid, *also)
         self.interval = interval
-        self._proc = psutil.Process(pid)
+        self._procs = [psutil.Process(p) for p in self.pids]
         self.t0 = time.monotonic()
         self.times: list[float] = []
         self.rss: list[int] = []
@@ -189,16 +221,16 @@ class RssSampler:
         return self
 
     def _run(self) -> None:
-        proc, times, rss, anon, file = self._proc, self.times, self.rss, self.anon, self.file
+        procs, times, rss, anon, file = self._procs, self.times, self.rss, self.anon, self.file
         while not self._stop.is_set():
             try:
-                value = proc.memory_info().rss
+                value = sum(proc.memory_info().rss for proc in procs)
             except psutil.Error:
                 return
-            kinds = read_rss_kinds(self.pid)
+            kinds = [read_rss_kinds(pid) for pid in self.pids]
             # Appended last-list-first: a reader zipping the lists never sees rss ahead.
-            file.append(kinds[1])
-            anon.append(kinds[0])
+            file.append(sum(kind[1] for kind in kinds))
+            anon.append(sum(kind[0] for kind in kinds))
             times.append(time.monotonic() - self.t0)
             rss.append(value)
             self._stop.wait(self.interval)
@@ -219,8 +251,8 @@ class RssSampler:
         return at
 
     def current(self) -> int:
-        """RSS in bytes right now (a direct read, not a sample)."""
-        value: int = self._proc.memory_info().rss
+        """RSS in bytes right now, of every process sampled (a direct read, not a sample)."""
+        value: int = sum(proc.memory_info().rss for proc in self._procs)
         return value
 
     def peak(self, since: float = 0.0, until: float = float("inf")) -> int:
@@ -431,12 +463,6 @@ def start_naive(
 
 # --------------------------------------------------------------------------- client side
 
-#: Bytes that end a complete answer, per protocol (the terminal SSE event).
-_TERMINAL: Final = {
-    BenchProtocol.CHAT: b"data: [DONE]",
-    BenchProtocol.RESPONSES: b"response.completed",
-    BenchProtocol.MESSAGES: b"message_stop",
-}
 _SEND_SLICE: Final = 256 * 1024
 _TAIL_KEEP: Final = 4096
 
@@ -526,7 +552,7 @@ class StreamCall:
                     out.received += len(chunk)
                     tail = (tail + chunk)[-_TAIL_KEEP:]
             out.done_at = self._clock()
-            out.complete = resp.status == 200 and _TERMINAL[self._protocol] in tail
+            out.complete = resp.status == 200 and self._protocol.terminal in tail
             if not out.complete:
                 out.error = f"status {resp.status}: {tail[-300:]!r}"
         except (aiohttp.ClientError, OSError) as exc:

@@ -78,6 +78,15 @@ class BenchProtocol(enum.Enum):
         message_start, content_block_start, ping, delta for Anthropic)."""
         return {BenchProtocol.CHAT: 2, BenchProtocol.RESPONSES: 5, BenchProtocol.MESSAGES: 4}[self]
 
+    @property
+    def terminal(self) -> bytes:
+        """Bytes of the SSE event that ends a complete answer (``[DONE]`` for chat)."""
+        return {
+            BenchProtocol.CHAT: b"data: [DONE]",
+            BenchProtocol.RESPONSES: b"response.completed",
+            BenchProtocol.MESSAGES: b"message_stop",
+        }[self]
+
     def headers(self) -> dict[str, str]:
         """Request headers a real client of this protocol sends (credentials are dummies)."""
         if self is BenchProtocol.MESSAGES:

@@ -53,6 +53,7 @@ from ._harness import (
     start_emulator,
     start_proxy,
 )
+from ._nginx import nginx_argv
 
 __all__ = ["ADMISSION_TARGET", "Options", "command", "main", "summary_table"]
 
@@ -204,10 +205,10 @@ async def _collect(args: Options, log_dir: Path) -> dict[str, Any]:
         ports = [int(s.url.rsplit(":", 1)[1]) for s in three]
         (nginx_dir / "nginx.conf").write_text(nginx_config(nginx_port, ports))
         nginx_proc = await asyncio.create_subprocess_exec(
-            nginx_bin, "-p", str(nginx_dir), "-e", str(nginx_dir / "nginx-error.log"),
-            "-c", str(nginx_dir / "nginx.conf"),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+            *nginx_argv(nginx_bin, nginx_dir, nginx_dir / "nginx.conf"),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         nginx_url = f"http://{HOST}:{nginx_port}"
         async with aiohttp.ClientSession() as http:
             for _ in range(200):  # bounded: 10 s

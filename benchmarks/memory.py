@@ -1,8 +1,11 @@
 """``context-proxy bench memory``: request-memory lifetime of this proxy against a naive one.
 
 For every body size (MiB) and protocol, a fresh process of this proxy per
-*variant* and a fresh naive baseline process each take ``--repeats`` large
-streamed requests, one after the other, after a small warm-up request. Each
+*variant*, a fresh naive baseline process and a fresh nginx (a reverse proxy
+that spools request bodies to a temporary file, :mod:`benchmarks._nginx`; its
+master and worker sampled together; left out, with a line saying so, when no
+nginx binary is found) each take ``--repeats`` large streamed requests, one
+after the other, after a small warm-up request. Each
 answer is held open by the emulator (``x-emulator: hold=KEY``) until the
 benchmark has sampled it, then released. Growth figures are RSS minus the
 process's idle RSS before its first large request, divided by the body size B.
@@ -17,6 +20,10 @@ it is). The naive baseline gets the same wait.
   ``/proc/PID/clear_refs``);
 * **mid-stream**: median RSS over 100 ms while the answer is held open;
 * **after**: median RSS over 100 ms, 200 ms after the answer ended.
+
+Each figure also in its anonymous (``RssAnon``) and file-backed (``RssFile``)
+parts, and per request the time to first byte and the CPU seconds the process
+spent (:attr:`Sample.ttfb_s`, :attr:`Sample.cpu_s`).
 
 Variants of this proxy (the naive baseline is the same in all):
 
@@ -34,6 +41,14 @@ Variants of this proxy (the naive baseline is the same in all):
   held after the first text delta of the refolded answer. Peak is over the
   whole exchange (both sends).
 
+With ``plain`` and ``heap`` selected, every case whose body is spooled gets
+their time to first byte and CPU per request side by side, as ratios
+(:func:`spool_costs`). ``--turns N`` (default 50; 0: skip) runs two more
+processes, the defaults and ``spool_above_bytes = 0``, side by side through
+``--repeats`` rounds of N streamed ~``--turn-kb`` KB Anthropic Messages turns
+(under the threshold: nothing should change) and reports their CPU per request
+(:func:`measure_turn_cpu`).
+
 With ``refold`` selected, the run also times one refold of each protocol's
 largest agent history in the benchmark process (``fold`` through the view,
 splice, digest and slices) against ``json.loads`` + ``json.dumps`` of the same
@@ -43,7 +58,8 @@ body (what a naive proxy does to edit it), in CPU seconds.
 one process per proxy and shows RSS after each (the allocator's retention).
 Outputs in ``--out`` (default ``bench-results/``): ``memory.json`` (every
 figure), ``memory.md`` (the tables), ``memory.png`` (RSS over time); with
-``--publish`` also ``docs/bench-memory.{json,png,md}``.
+``--publish`` also ``docs/bench-memory.{json,png,md}`` (``--publish-name`` replaces
+``bench-memory``: the spool's run is published as ``docs/bench-spool.*``).
 """
 
 from __future__ import annotations
@@ -79,6 +95,7 @@ from ._harness import (
     Service,
     StreamCall,
     admin_exchanges,
+    cpu_seconds,
     held_metrics,
     median_rss,
     open_client_and_emulator,
@@ -91,6 +108,7 @@ from ._harness import (
     start_proxy,
     wait_proxy_idle,
 )
+from ._nginx import BODY_BUFFER_BYTES, find_nginx, nginx_pids, start_nginx
 from ._workload import BenchProtocol, Corpus, MiB, build_agent_history, build_body
 
 __all__ = [
@@ -101,6 +119,8 @@ __all__ = [
     "ProcessRun",
     "Results",
     "Sample",
+    "SpoolCost",
+    "TurnCpu",
     "Variant",
     "build_tables",
     "collect",
@@ -108,12 +128,17 @@ __all__ = [
     "converted",
     "main",
     "measure_batch",
+    "measure_turn_cpu",
+    "no_worse",
     "open_bench",
     "out_option",
     "plot_document",
     "plot_memory",
     "run_json",
     "run_process",
+    "spool_cost_table",
+    "spool_costs",
+    "turn_cpu_table",
     "write_outputs",
 ]
 
@@ -134,6 +159,9 @@ _WINDOW: Final = 0.1
 _REQUEST_TIMEOUT: Final = 600.0
 _WARMUP_BYTES: Final = 64 * 1024
 _PHASES_OPEN: Final = frozenset({"sent", "accepted", "streaming"})
+#: Small turns each spool setting gets before the measured rounds (imports, pools, caches).
+_TURN_WARMUP: Final = 10
+_SPOOL_ENV: Final = "CONTEXT_PROXY_SPOOL_ABOVE_BYTES"
 #: Anonymous RSS growth limits (x B) for a body the spool takes: at the
 #: peak, and while the answer streams. Its pages are file-backed (RssFile) instead.
 ANON_PEAK_LIMIT: Final = 0.05
@@ -168,6 +196,9 @@ class Variant:
     #: ``None``: reported, no target (the heap path).
     anon_peak_limit: float | None = ANON_PEAK_LIMIT
     anon_mid_limit: float | None = ANON_MID_LIMIT
+    #: A shorter description for the plot's panel title, which must fit on one line
+    #: over its panel ("": the description).
+    short: str = ""
 
 
 VARIANTS: Final = {
@@ -182,7 +213,8 @@ VARIANTS: Final = {
         1.1,
         0.05,
         "plain with the spool off (spool_above_bytes=0): every body in the heap",
-        env=(("CONTEXT_PROXY_SPOOL_ABOVE_BYTES", "0"),),
+        env=((_SPOOL_ENV, "0"),),
+        short="plain with the spool off",
         anon_peak_limit=None,
         anon_mid_limit=None,
     ),
@@ -229,6 +261,7 @@ VARIANTS: Final = {
         "agent history refused with the context-overflow error, refolded by fold and resent",
         workload="agent",
         overflow=REFOLD_OVERFLOW,
+        short="context overflow, refolded by fold and resent",
     ),
 }
 
@@ -262,6 +295,11 @@ class Sample:
     t_held: float = math.nan
     t_release: float = math.nan
     t_end: float = math.nan
+    #: Seconds from the request's first byte sent to the first answer byte received
+    #: (for a batch: the last call's); CPU seconds (user + system) the process (for nginx:
+    #: master and workers) spent from the first byte sent to the answer's end.
+    ttfb_s: float = math.nan
+    cpu_s: float = math.nan
 
     def growth(self, rss: int) -> float:
         """``(rss - idle_rss) / body_bytes`` (a multiple of B)."""
@@ -351,6 +389,8 @@ class Bench:
     proxy_env: dict[str, str]
     proxy_module: str
     max_body: int
+    #: The nginx binary (None: not installed, no nginx column).
+    nginx: str | None = None
     keys: itertools.count[int] = dataclasses.field(default_factory=itertools.count)
 
     def key(self) -> str:
@@ -358,9 +398,12 @@ class Bench:
         return f"mem{next(self.keys)}"
 
     def start(self, proxy: str, variant: Variant | None, name: str) -> Service:
-        """Start a fresh process of ``proxy`` (``ours`` or ``naive``)."""
+        """Start a fresh process of ``proxy`` (``ours``, ``naive`` or ``nginx``)."""
         if proxy == "naive":
             return start_naive(self.emulator.url, self.log_dir, name=name)
+        if proxy == "nginx":
+            assert self.nginx is not None
+            return start_nginx(self.nginx, self.emulator.url, self.log_dir, name=name)
         assert variant is not None
         return start_proxy(
             self.emulator.url,
@@ -445,7 +488,9 @@ async def measure_batch(
     sample.before_rss = await median_rss(sampler, _WINDOW)
     key = bench.key()
     script = _script(protocol, key, hold, int(overflow * len(body)))
-    reset_vm_hwm(svc.pid)
+    for pid in sampler.pids:
+        reset_vm_hwm(pid)
+    cpu_before = sum(cpu_seconds(pid) for pid in sampler.pids)
     sample.t_start = sampler.mark("send")
     calls = [
         StreamCall(bench.session, svc.url, protocol, body, script=script, clock=sampler.now)
@@ -477,17 +522,23 @@ async def measure_batch(
         sample.t_release = sampler.mark("release")
         await bench.control.release(key)
         outcomes = [await call.result(_REQUEST_TIMEOUT) for call in calls]
+        sample.cpu_s = sum(cpu_seconds(pid) for pid in sampler.pids) - cpu_before
         failed = [o for o in outcomes if not o.complete]
         sample.complete = not failed
         sample.error = failed[0].error if failed else None
         sample.t_end = sampler.mark("end")
+        firsts = [o.first_byte_at for o in outcomes]
+        if not any(math.isnan(first) for first in firsts):
+            sample.ttfb_s = max(firsts) - sample.t_start
         if ours:
             await wait_proxy_idle(bench.session, svc.url)
             sample.held_after = sum((await held_metrics(bench.session, svc.url)).values())
         await asyncio.sleep(_SETTLE)
         sample.after_rss = await median_rss(sampler, _WINDOW)
         sample.peak_rss = sampler.peak(sample.t_start, sampler.now())
-        sample.hwm_rss = read_vm_hwm(svc.pid)
+        # Per process; summed, an upper bound of the processes' joint peak (nginx's
+        # master holds still while its worker works).
+        sample.hwm_rss = sum(read_vm_hwm(pid) for pid in sampler.pids)
         sample.peak_anon = sampler.peak_of(sampler.anon, sample.t_start, sample.t_end)
         sample.peak_file = sampler.peak_of(sampler.file, sample.t_start, sample.t_end)
     finally:
@@ -521,7 +572,9 @@ async def run_process(
     svc = bench.start(proxy, variant, name)
     async with svc:
         await svc.wait_ready(bench.session)
-        sampler = RssSampler(svc.pid, bench.interval).start()
+        # nginx: the master and its workers, all of them counted.
+        also = nginx_pids(svc.pid)[1:] if proxy == "nginx" else ()
+        sampler = RssSampler(svc.pid, bench.interval, also=also).start()
         try:
             ours = proxy == "ours"
             await _warm_up(bench, svc, sampler, protocol, warmup, hold, ours)
@@ -635,6 +688,15 @@ out_option: Final = click.option(
 )
 @click.option("--sequential-size", type=float, default=16.0, help="MiB per sequential request [16]")
 @click.option(
+    "--turns",
+    type=click.IntRange(min=0),
+    default=50,
+    help="small turns per round (--repeats rounds), CPU with the spool on and off (0: skip) [50]",
+)
+@click.option(
+    "--turn-kb", type=click.FloatRange(min=1), default=100.0, help="KB per small turn [100]"
+)
+@click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
 )
 @click.option(
@@ -643,6 +705,11 @@ out_option: Final = click.option(
     help="also write docs/bench-memory.png, .json and .md (for the README)",
 )
 @click.option("--publish-dir", type=click.Path(path_type=Path), default=Path("docs"), help="[docs]")
+@click.option(
+    "--publish-name",
+    default="bench-memory",
+    help="file name the published copies get in --publish-dir, before the suffix [bench-memory]",
+)
 @click.option(
     "--replot",
     type=click.Path(path_type=Path, exists=True, dir_okay=False),
@@ -686,6 +753,16 @@ class Case:
     ours: dict[str, ProcessRun] = dataclasses.field(default_factory=dict)
     naive: ProcessRun | None = None
     label: str = ""
+    #: nginx spooling bodies to a file (None: not installed, or not run).
+    nginx: ProcessRun | None = None
+    #: This proxy's ``spool_above_bytes`` in the run (0: never spool); bodies over it are
+    #: spooled by every variant but ``heap``.
+    spool_above: int = SPOOL_ABOVE_DEFAULT
+
+    @property
+    def spooled(self) -> bool:
+        """Whether this case's body goes to the spool (the variants that keep the default)."""
+        return 0 < self.spool_above < self.body_bytes
 
     @property
     def title(self) -> str:
@@ -704,6 +781,89 @@ class Results:
     wall_s: float
     started: datetime.datetime
     refold_cpu: list[RefoldCpu] = dataclasses.field(default_factory=list)
+    turn_cpu: TurnCpu | None = None
+    #: Why there is no nginx column (None: there is one).
+    nginx_skipped: str | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class TurnCpu:
+    """CPU per request of small turns below the spool threshold, spool on against off.
+
+    Two processes of this proxy, default settings (``on``) and ``spool_above_bytes = 0``
+    (``off``), each sent ``turns`` streamed requests of ``body_bytes`` one after the
+    other per round; ``on`` and ``off`` hold each round's CPU seconds per request
+    (user + system of the process), rounds alternating which process goes first.
+    """
+
+    protocol: str
+    body_bytes: int
+    turns: int
+    on: list[float] = dataclasses.field(default_factory=list)
+    off: list[float] = dataclasses.field(default_factory=list)
+    failures: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Median CPU per request with the spool on over the median with it off."""
+        return _ratio(rpt.stat(self.on), rpt.stat(self.off))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpoolCost:
+    """Time to first byte and CPU per request of one case's spooled bodies (the ``plain``
+    variant) against the same bodies in the heap (``heap``), from the same run.
+
+    Each :class:`~benchmarks._report.Stat` is over the case's complete samples, in
+    seconds (:attr:`Sample.ttfb_s`, :attr:`Sample.cpu_s`).
+    """
+
+    label: str
+    body_bytes: int
+    ttfb_spooled: rpt.Stat
+    ttfb_heap: rpt.Stat
+    cpu_spooled: rpt.Stat
+    cpu_heap: rpt.Stat
+
+    @property
+    def ttfb_ratio(self) -> float:
+        """Median time to first byte, spooled over heap."""
+        return _ratio(self.ttfb_spooled, self.ttfb_heap)
+
+    @property
+    def cpu_ratio(self) -> float:
+        """Median CPU seconds per request, spooled over heap."""
+        return _ratio(self.cpu_spooled, self.cpu_heap)
+
+
+def spool_costs(cases: Sequence[Case]) -> list[SpoolCost]:
+    """A :class:`SpoolCost` for every case whose body is spooled and that ran both the
+    ``plain`` and the ``heap`` variant."""
+    costs = []
+    for case in cases:
+        plain, heap = case.ours.get("plain"), case.ours.get("heap")
+        if plain is None or heap is None or not case.spooled:
+            continue
+        costs.append(
+            SpoolCost(
+                label=case.label or f"{case.size_mib:g} MiB {case.protocol.value}",
+                body_bytes=case.body_bytes,
+                ttfb_spooled=_stats(plain.samples, "ttfb_s"),
+                ttfb_heap=_stats(heap.samples, "ttfb_s"),
+                cpu_spooled=_stats(plain.samples, "cpu_s"),
+                cpu_heap=_stats(heap.samples, "cpu_s"),
+            )
+        )
+    return costs
+
+
+def no_worse(ours: rpt.Stat, base: rpt.Stat) -> str:
+    """PASS when ``ours``' median is at most ``base``'s, or within ``base``'s own spread
+    (at most its largest sample: a difference the repeats of one configuration show
+    too); MISS otherwise or when either has no samples."""
+    if not ours.n or not base.n:
+        return rpt.MISS
+    return rpt.PASS if ours.median <= base.max else rpt.MISS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -764,6 +924,51 @@ def measure_refold_cpu(protocol: BenchProtocol, body: bytes, repeats: int = 3) -
     )
 
 
+async def _send_turns(
+    bench: Bench, svc: Service, protocol: BenchProtocol, body: bytes, count: int
+) -> int:
+    """Send ``count`` streamed requests of ``body`` through ``svc`` one after the other,
+    each answer read to its end; returns how many did not answer 200."""
+    failures = 0
+    for _ in range(count):  # bounded: count requests of at most _REQUEST_TIMEOUT each
+        async with asyncio.timeout(_REQUEST_TIMEOUT):
+            async with bench.session.post(
+                svc.url + protocol.path, data=body, headers=protocol.headers()
+            ) as resp:
+                await resp.read()
+                failures += resp.status != 200
+    return failures
+
+
+async def measure_turn_cpu(
+    bench: Bench, protocol: BenchProtocol, body: bytes, turns: int, rounds: int
+) -> TurnCpu:
+    """CPU per request of ``body`` (under the spool threshold) with the spool on and off
+    (see :class:`TurnCpu`): both processes run side by side, ``rounds`` rounds of
+    ``turns`` requests each after a warm-up of :data:`_TURN_WARMUP`.
+
+    Raises:
+        ServiceError: a process did not start or died.
+        TimeoutError: a request hung past 10 minutes.
+    """
+    result = TurnCpu(protocol.value, len(body), turns)
+    on = bench.start("ours", VARIANTS["plain"], f"ours-turns-spool-on-{protocol.value}")
+    off = bench.start("ours", VARIANTS["heap"], f"ours-turns-spool-off-{protocol.value}")
+    async with on, off:
+        for svc in (on, off):
+            await svc.wait_ready(bench.session)
+            await _send_turns(bench, svc, protocol, body, _TURN_WARMUP)
+        for round_no in range(rounds):
+            # Alternate who goes first: a slow spell of the shared machine hits both.
+            for svc, into in ((on, result.on), (off, result.off))[:: 1 if round_no % 2 else -1]:
+                before = cpu_seconds(svc.pid)
+                result.failures += await _send_turns(bench, svc, protocol, body, turns)
+                into.append((cpu_seconds(svc.pid) - before) / turns)
+        on.check_alive()
+        off.check_alive()
+    return result
+
+
 async def collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path) -> Results:
     """Run the benchmark described by ``args`` (the options of :data:`command`).
 
@@ -777,20 +982,28 @@ async def collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path) 
     variants = [VARIANTS[v] for v in args.variants]
     biggest = max([*args.sizes, args.sequential_size if args.sequential else 0.0])
     seq_variants = [v for v in variants if v.name in ("plain", "plugin")]
-    steps = len(args.sizes) * len(protocols) * (len(variants) + 1)
+    nginx = find_nginx()
+    nginx_skipped = None if nginx else "nginx is not installed (PATH, /usr/sbin): no nginx column"
+    if nginx_skipped:
+        reporter.note(f"[yellow]skipped:[/yellow] {nginx_skipped}")
+    spool_above = int(dict(args.proxy_env).get(_SPOOL_ENV, SPOOL_ABOVE_DEFAULT))
+    steps = len(args.sizes) * len(protocols) * (len(variants) + 1 + bool(nginx))
     steps += (len(seq_variants) + 1) if args.sequential else 0
+    steps += bool(args.turns)
+    turn_cpu: TurnCpu | None = None
     corpus = Corpus.load()
     cases: list[Case] = []
     sequential: list[ProcessRun] = []
     refold_cpu: list[RefoldCpu] = []
     max_body = max(100 * MiB, int(biggest * MiB * 2))
     async with open_bench(args, log_dir, max_body) as bench:
+        bench.nginx = nginx
         with reporter.progress(steps, "memory") as progress:
             for size in args.sizes:
                 for protocol in protocols:
                     body = build_body(protocol, int(size * MiB), corpus)
                     warmup = build_body(protocol, _WARMUP_BYTES, corpus, seed=2)
-                    case = Case(size, protocol, len(body))
+                    case = Case(size, protocol, len(body), spool_above=spool_above)
                     cases.append(case)
                     bodies = [body] * args.repeats
                     agent: bytes | None = None
@@ -814,7 +1027,23 @@ async def collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path) 
                         bench, "naive", None, protocol, bodies, warmup, "delta"
                     )
                     progress.advance()
+                    if nginx:
+                        progress.describe(f"{size:g} MiB {protocol.value} nginx")
+                        await bench.control.reset()
+                        case.nginx = await run_process(
+                            bench, "nginx", None, protocol, bodies, warmup, "delta"
+                        )
+                        progress.advance()
                     del body, bodies
+            if args.turns:
+                # A Claude Code turn: an Anthropic messages request of ~100 KB, streamed.
+                progress.describe(f"{args.turn_kb:g} KB turns, spool on / off")
+                await bench.control.reset()
+                turn_body = build_body(BenchProtocol.MESSAGES, int(args.turn_kb * 1000), corpus)
+                turn_cpu = await measure_turn_cpu(
+                    bench, BenchProtocol.MESSAGES, turn_body, args.turns, args.repeats
+                )
+                progress.advance()
             if args.sequential:
                 protocol = protocols[0]
                 body = build_body(protocol, int(args.sequential_size * MiB), corpus)
@@ -837,7 +1066,14 @@ async def collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path) 
                     )
                     progress.advance()
     return Results(
-        cases, sequential, variants, time.monotonic() - started, started_wall, refold_cpu
+        cases,
+        sequential,
+        variants,
+        time.monotonic() - started,
+        started_wall,
+        refold_cpu,
+        turn_cpu=turn_cpu,
+        nginx_skipped=nginx_skipped,
     )
 
 
@@ -852,7 +1088,40 @@ def write_outputs(args: SimpleNamespace, results: Results, reporter: rpt.Reporte
         {**dataclasses.asdict(row), "ratio": row.ratio, "limit": REFOLD_CPU_LIMIT}
         for row in results.refold_cpu
     ]
+    costs = spool_costs(cases)
+    doc["spool_cost"] = [
+        {
+            "label": cost.label,
+            "body_bytes": cost.body_bytes,
+            **{
+                name: getattr(cost, name).as_dict()
+                for name in ("ttfb_spooled", "ttfb_heap", "cpu_spooled", "cpu_heap")
+            },
+            "ttfb_ratio": cost.ttfb_ratio,
+            "cpu_ratio": cost.cpu_ratio,
+            "ttfb_pass": no_worse(cost.ttfb_spooled, cost.ttfb_heap) == rpt.PASS,
+            "cpu_pass": no_worse(cost.cpu_spooled, cost.cpu_heap) == rpt.PASS,
+        }
+        for cost in costs
+    ]
+    turns = results.turn_cpu
+    doc["turn_cpu"] = (
+        None
+        if turns is None
+        else {
+            **dataclasses.asdict(turns),
+            "ratio": turns.ratio,
+            "pass": no_worse(rpt.stat(turns.on), rpt.stat(turns.off)) == rpt.PASS,
+        }
+    )
+    doc["nginx_skipped"] = results.nginx_skipped
     tables = build_tables(cases, sequential, variants, args.repeats)
+    if results.nginx_skipped:
+        tables[1].notes.append(f"Skipped: {results.nginx_skipped}.")
+    if costs:
+        tables.append(spool_cost_table(costs))
+    if turns is not None:
+        tables.append(turn_cpu_table(turns))
     if results.refold_cpu:
         tables.append(refold_cpu_table(results.refold_cpu))
     for table in tables:
@@ -867,7 +1136,7 @@ def write_outputs(args: SimpleNamespace, results: Results, reporter: rpt.Reporte
         docs: Path = args.publish_dir
         docs.mkdir(parents=True, exist_ok=True)
         for src in list(paths):
-            target = docs / f"bench-memory{src.suffix}"
+            target = docs / f"{args.publish_name}{src.suffix}"
             shutil.copyfile(src, target)
             paths.append(target)
     reporter.note(f"wall time {results.wall_s:.0f} s; wrote " + ", ".join(map(str, paths)))
@@ -919,8 +1188,8 @@ def _checks(case: Case, variant: Variant) -> list[tuple[str, str, rpt.Stat, floa
         ("mid-stream", f"<= {variant.mid_limit:g}", _stats(run.samples, "mid"), variant.mid_limit),
         ("after", f"<= {AFTER_LIMIT:g}", _stats(run.samples, "after"), AFTER_LIMIT),
     ]
-    # Anonymous memory targets apply to bodies the spool takes (over its default threshold).
-    if case.body_bytes > SPOOL_ABOVE_DEFAULT:
+    # Anonymous memory targets apply to bodies the spool takes (over its threshold).
+    if case.spooled:
         for figure, attr, limit in (
             ("anon peak", "anon_peak", variant.anon_peak_limit),
             ("anon mid-stream", "anon_mid", variant.anon_mid_limit),
@@ -953,7 +1222,7 @@ def build_tables(
             "figure",
             "ours",
             "naive",
-            "÷ naive",
+            "nginx",
             "target",
             "verdict",
         ),
@@ -975,6 +1244,7 @@ def build_tables(
         main_table.section(case.title)
         held_table.section(case.title)
         naive = case.naive.samples if case.naive else []
+        nginx = case.nginx.samples if case.nginx else None
         for variant in variants:
             run = case.ours[variant.name]
             for figure, target, value, limit in _checks(case, variant):
@@ -984,9 +1254,9 @@ def build_tables(
                     variant.name,
                     figure,
                     rpt.fmt_ratio(value),
-                    # Medians only for the naive proxy: its range is in the JSON.
+                    # Medians only for the naive proxy and nginx: their ranges are in the JSON.
                     rpt.fmt_ratio(naive_stat.median) if naive_stat.n else "n/a",
-                    rpt.fmt_ratio(_ratio(value, naive_stat)),
+                    _median_text(nginx, _FIGURE_ATTR[figure]),
                     target,
                     ok,
                 )
@@ -1013,7 +1283,7 @@ def build_tables(
                     info,
                     rpt.fmt_ratio(info_stat),
                     rpt.fmt_ratio(naive_info.median) if naive_info.n else "n/a",
-                    rpt.fmt_ratio(_ratio(info_stat, naive_info)),
+                    _median_text(nginx, attr),
                     "-",
                     "-",
                 )
@@ -1029,7 +1299,10 @@ def build_tables(
             "open by the upstream; after: 200 ms after the response ended. Growth is over the "
             "idle RSS of the same process before its first large request. anon / file: the "
             "anonymous (RssAnon) and file-backed (RssFile) parts of RSS, from /proc/PID/status: "
-            "a spooled body is read through a file mapping, which is RssFile.",
+            "a spooled body is read through a file mapping, which is RssFile. nginx: a "
+            "reverse proxy that spools request bodies over "
+            f"{BODY_BUFFER_BYTES // 1024} KiB to a temporary file (master and worker "
+            "counted; '-': nginx not run).",
             *(f"{v.name}: {v.description}." for v in variants),
         ]
     )
@@ -1078,6 +1351,88 @@ def build_tables(
     )
     tables.insert(0, summary)
     return tables
+
+
+def _median_text(samples: Sequence[Sample] | None, attr: str) -> str:
+    """The median of ``attr`` over ``samples`` as a table cell; ``-`` when not run."""
+    if samples is None:
+        return "-"
+    value = _stats(samples, attr)
+    return rpt.fmt_ratio(value.median) if value.n else "n/a"
+
+
+def _ms(value: rpt.Stat) -> str:
+    """Seconds as ``median [min, max]`` in milliseconds: three significant digits, whole
+    milliseconds from 100 ms."""
+    if not value.n:
+        return "n/a"
+    lo, mid, hi = (
+        f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+        for ms in (v * 1000 for v in (value.min, value.median, value.max))
+    )
+    return f"{mid} [{lo}, {hi}]"
+
+
+def spool_cost_table(costs: Sequence[SpoolCost]) -> rpt.Table:
+    """Time to first byte and CPU per request, spooled against heap bodies (same run)."""
+    table = rpt.Table(
+        title="Spooled bodies against heap bodies: time to first byte and CPU per request",
+        columns=("figure", "spooled", "heap", "÷ heap", "target", "verdict"),
+    )
+    for cost in costs:
+        table.section(f"{cost.label} (B = {cost.body_bytes:,} bytes)")
+        for figure, ours, base, ratio in (
+            ("TTFB, ms", cost.ttfb_spooled, cost.ttfb_heap, cost.ttfb_ratio),
+            ("CPU/request, ms", cost.cpu_spooled, cost.cpu_heap, cost.cpu_ratio),
+        ):
+            table.add(
+                figure,
+                _ms(ours),
+                _ms(base),
+                rpt.fmt_ratio(ratio),
+                "<= heap",
+                no_worse(ours, base),
+            )
+    table.notes.extend(
+        [
+            "median [min, max] of the repeats; spooled: the plain variant, heap: the same "
+            "bodies with spool_above_bytes = 0. TTFB (time to first byte): from the first "
+            "byte sent to the first answer byte (the whole upload, then the upstream's first "
+            "event). CPU: user + system seconds of the proxy process (its CPU-time clock, "
+            "what /proc/PID/stat counts in ticks) from the first byte sent to the answer's end.",
+            "verdict: PASS when the spooled median is at most the heap's largest sample "
+            "(within the heap path's own spread).",
+        ]
+    )
+    return table
+
+
+def turn_cpu_table(turns: TurnCpu) -> rpt.Table:
+    """CPU per small turn with the spool on against off (same run)."""
+    on, off = rpt.stat(turns.on), rpt.stat(turns.off)
+    table = rpt.Table(
+        title=(
+            f"Below the spool threshold: CPU per {turns.body_bytes / 1000:.0f} KB "
+            f"{turns.protocol} turn, spool on against off"
+        ),
+        columns=("figure", "spool on", "spool off", "÷ off", "target", "verdict"),
+    )
+    table.add(
+        "CPU/request, ms",
+        _ms(on),
+        _ms(off),
+        rpt.fmt_ratio(turns.ratio),
+        "<= off",
+        no_worse(on, off),
+    )
+    table.notes.append(
+        f"median [min, max] over {len(turns.on)} rounds of {turns.turns} streamed turns "
+        "one after the other, per process; spool on: the defaults (spool_above_bytes = "
+        f"{SPOOL_ABOVE_DEFAULT:,}), off: 0. CPU: user + system of the process. verdict: "
+        "PASS when on's median is at most off's largest round."
+        + (f" {turns.failures} request(s) failed." if turns.failures else "")
+    )
+    return table
 
 
 def refold_cpu_table(rows: Sequence[RefoldCpu]) -> rpt.Table:
@@ -1187,6 +1542,8 @@ def _document(
                 "body_bytes": case.body_bytes,
                 "ours": ours_docs,
                 "naive": run_json(case.naive),
+                "nginx": run_json(case.nginx),
+                "spool_above_bytes": case.spool_above,
             }
         )
     return {
@@ -1259,8 +1616,7 @@ def _timelines(
         return []
     biggest = _plotted_case(cases)
     runs = [biggest.ours[v.name] for v in variants]
-    if biggest.naive:
-        runs.append(biggest.naive)
+    runs.extend(run for run in (biggest.naive, biggest.nginx) if run is not None)
     return [_timeline(run) for run in runs if run.samples]
 
 
@@ -1268,7 +1624,7 @@ def plot_memory(
     path: Path,
     doc: Mapping[str, Any],
     *,
-    title: str = "context-proxy vs a naive proxy: request memory over time",
+    title: str = "context-proxy vs a naive proxy and nginx: request memory over time",
 ) -> None:
     """Save the PNG from a result document (``memory.json``, see :func:`_document`):
     RSS over time of the largest case per variant against the naive proxy, held-open
@@ -1279,6 +1635,7 @@ def plot_memory(
     panels: list[rpt.Panel] = []
     timelines: Sequence[Mapping[str, Any]] = doc["timelines"]
     naive = next((t for t in timelines if t["proxy"] == "naive"), None)
+    nginx = next((t for t in timelines if t["proxy"] == "nginx"), None)
     plain = next((t for t in timelines if t["variant"] == "plain"), None)
     for timeline in timelines:
         if timeline["proxy"] != "ours":
@@ -1305,11 +1662,25 @@ def plot_memory(
             series.append(_series("context-proxy (plain)", plain, _COLOURS["plain"]))
         if naive:
             series.append(_series("naive proxy", naive, _COLOURS["naive"]))
+        if nginx:
+            series.append(_series("nginx (spools to a file)", nginx, _COLOURS["nginx"]))
+            if name == "plain" and nginx.get("anon_growth_x_body"):
+                # Its split once, beside the plain path: the buffer is its own memory.
+                for kind, style in (("anon", ":"), ("file", "--")):
+                    series.append(
+                        rpt.Series(
+                            f"nginx: {'RssAnon' if kind == 'anon' else 'RssFile'}",
+                            nginx["t_s"],
+                            nginx[f"{kind}_growth_x_body"],
+                            colour=_COLOURS["nginx"],
+                            style=style,
+                        )
+                    )
         size = timeline["body_bytes"] / MiB
         panels.append(
             rpt.Panel(
                 title=f"RSS over time, {size:.0f} MiB {timeline['protocol']}: "
-                f"{name} ({variant['description']})",
+                f"{name} ({variant.get('short') or variant['description']})",
                 xlabel="seconds since the first large request",
                 ylabel=ylabel,
                 series=series,
@@ -1371,6 +1742,7 @@ _COLOURS: Final = {
     "refold": "#ff7f0e",
     "heap": "#8c564b",
     "naive": "#d62728",
+    "nginx": "#009e73",
 }
 
 
@@ -1410,7 +1782,7 @@ def _run(args: SimpleNamespace) -> int:
     if args.replot is not None:
         targets = [args.out / "memory.png"]
         if args.publish:
-            targets.append(args.publish_dir / "bench-memory.png")
+            targets.append(args.publish_dir / f"{args.publish_name}.png")
         for target in targets:
             replot(args.replot, target)
         print("wrote " + ", ".join(map(str, targets)))

@@ -28,6 +28,15 @@ the emulator's default 3-delta answer): the emulator **direct**, **this proxy**
   token), which lets this proxy's allocator trim after the burst
   (proxy/_alloc.py, ``quiet_after``); both proxies get the same wait.
   Target: at most ``IDLE_STREAM_TARGET_BYTES`` (24 KiB) per stream for this proxy.
+* **Slow streams** (``--slow-streams``, 4,000; 0 skips them): that many answers at
+  once through each target in turn (direct, this proxy, naive; ``--slow-rounds``
+  alternating rounds, pooled), each one text
+  delta every ``--slow-gap`` second, started evenly over ``--slow-ramp`` seconds
+  (benchmarks/_slow.py). Figures: streams complete, and the gap between a stream's
+  consecutive deltas as the client saw it, minus the scripted gap, at p50 / p99
+  while all streams are open, with a histogram in the JSON. Targets: every stream
+  completes; this proxy's p99 at most ``SLOW_GAP_ADDED_TARGET`` (25 ms) over
+  direct's, in the same run.
 
 Outputs in ``--out``: ``overhead.json``, ``overhead.md``.
 """
@@ -48,7 +57,6 @@ from typing import Any, Final
 
 import aiohttp
 import click
-import psutil  # type: ignore[import-untyped]  # as in _harness
 
 from . import _report as rpt
 from ._harness import (
@@ -57,6 +65,7 @@ from ._harness import (
     RssSampler,
     Service,
     StreamCall,
+    cpu_seconds,
     median_rss,
     open_client_and_emulator,
     raise_nofile_limit,
@@ -65,6 +74,7 @@ from ._harness import (
     start_naive,
     start_proxy,
 )
+from ._slow import SlowStreamFigures, run_slow_streams
 from ._workload import BenchProtocol, Corpus, build_body, build_small_body
 
 __all__ = [
@@ -73,6 +83,7 @@ __all__ = [
     "IDLE_STREAM_TARGET_BYTES",
     "RPS_RATIO_TARGET",
     "SEQUENTIAL_LATENCY_SLACK",
+    "SLOW_GAP_ADDED_TARGET",
     "command",
     "main",
 ]
@@ -87,6 +98,8 @@ RPS_RATIO_TARGET: Final = 1.0
 CPU_RATIO_TARGET: Final = 1.0
 #: Bytes of RSS one open idle stream may cost this proxy.
 IDLE_STREAM_TARGET_BYTES: Final = 24 * 1024
+#: Seconds this proxy's p99 gap between slow-stream events may exceed direct's.
+SLOW_GAP_ADDED_TARGET: Final = 0.025
 _THROUGHPUT_ROUNDS: Final = 4
 _SMALL_BYTES: Final = 2048
 _WARMUP: Final = 20
@@ -139,6 +152,36 @@ _SETTLE_S: Final = 2.5
 )
 @click.option(
     "--streams", type=click.IntRange(min=1), default=500, help="idle streams held open [500]"
+)
+@click.option(
+    "--slow-streams",
+    type=click.IntRange(min=0),
+    default=4000,
+    help="slow streams at once per target, 0: none [4000]",
+)
+@click.option(
+    "--slow-rounds",
+    type=click.IntRange(min=1),
+    default=2,
+    help="alternating rounds through the targets, gaps pooled [2]",
+)
+@click.option(
+    "--slow-deltas",
+    type=click.IntRange(min=2),
+    default=15,
+    help="text deltas per slow stream [15]",
+)
+@click.option(
+    "--slow-gap",
+    type=click.FloatRange(min=0.01, max=60),
+    default=1.0,
+    help="seconds between a slow stream's deltas [1.0]",
+)
+@click.option(
+    "--slow-ramp",
+    type=click.FloatRange(min=0, max=600),
+    default=4.0,
+    help="seconds over which the slow streams start [4.0]",
 )
 @click.option(
     "--protocol", type=click.Choice([p.value for p in BenchProtocol]), default="chat", help="[chat]"
@@ -263,31 +306,6 @@ class Throughput:
         return self.cpu_s / self.requests if self.requests else math.nan
 
 
-# Linux's CPU-time clock of another process: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED) in
-# include/linux/posix-timers.h. It counts nanoseconds of every thread (dead ones too), where
-# /proc/PID/stat counts 10 ms ticks: a 20-request round of the naive proxy can read 0 ticks.
-_CPUCLOCK_SCHED: Final = 2
-
-
-def _process_cpu_clock(pid: int) -> int:
-    return ((~pid) << 3) | _CPUCLOCK_SCHED
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far, in nanosecond resolution.
-
-    Reads the process's CPU-time clock (``clock_gettime``, Linux); where that clock is
-    not available, ``/proc/PID/stat`` via psutil (10 ms ticks, so a short burst may read
-    0 s: the tables then say ``n/a`` rather than a ratio). Raises ``psutil.NoSuchProcess``
-    when ``pid`` is gone.
-    """
-    try:
-        return time.clock_gettime(_process_cpu_clock(pid))
-    except (OSError, AttributeError):
-        times = psutil.Process(pid).cpu_times()
-        return float(times.user + times.system)
-
-
 async def _burst(
     session: aiohttp.ClientSession,
     svc: Service,
@@ -309,12 +327,12 @@ async def _burst(
                 await resp.read()
                 failures += resp.status != 200
 
-    cpu = _cpu_seconds(svc.pid)
+    cpu = cpu_seconds(svc.pid)
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(workers)))
     if into is not None:
         into.wall_s += time.perf_counter() - started
-        into.cpu_s += _cpu_seconds(svc.pid) - cpu
+        into.cpu_s += cpu_seconds(svc.pid) - cpu
         into.requests += count
         into.failures += failures
 
@@ -416,6 +434,7 @@ class Results:
     concurrent: dict[str, Timings]
     streams: list[StreamFigures]
     throughput: dict[str, dict[str, Throughput]]
+    slow: dict[str, SlowStreamFigures]
     wall_s: float
     started: datetime.datetime
 
@@ -431,7 +450,8 @@ async def _collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path)
     body = build_body(protocol, _SMALL_BYTES, corpus)
     async with open_client_and_emulator(log_dir) as (session, emulator):
         control = EmulatorControl(session, emulator.url)
-        with reporter.progress(1 + len(_TARGETS) + 2 + 2, "overhead") as steps:
+        slow_steps = len(_TARGETS) * args.slow_rounds if args.slow_streams else 0
+        with reporter.progress(1 + len(_TARGETS) + 2 + slow_steps + 2, "overhead") as steps:
             loop = args.event_loop
             ours = start_proxy(emulator.url, log_dir, name="proxy-latency", event_loop=loop)
             naive = start_naive(emulator.url, log_dir, name="naive-latency", event_loop=loop)
@@ -458,6 +478,7 @@ async def _collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path)
                     args.concurrency,
                     steps,
                 )
+                slow = await _slow_streams(args, urls, control, protocol, small, steps)
             streams = []
             for name, start in (("ours", start_proxy), ("naive", start_naive)):
                 steps.describe(f"{args.streams} idle streams: {name}")
@@ -469,8 +490,50 @@ async def _collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path)
                     )
                 steps.advance()
     return Results(
-        sequential, concurrent, streams, throughput, time.monotonic() - started, started_wall
+        sequential,
+        concurrent,
+        streams,
+        throughput,
+        slow,
+        time.monotonic() - started,
+        started_wall,
     )
+
+
+async def _slow_streams(
+    args: SimpleNamespace,
+    urls: dict[str, str],
+    control: EmulatorControl,
+    protocol: BenchProtocol,
+    body: bytes,
+    steps: rpt.Steps,
+) -> dict[str, SlowStreamFigures]:
+    """``args.slow_streams`` slow streams through each target in turn (none when 0), for
+    ``args.slow_rounds`` rounds: load from elsewhere that comes and goes hits every
+    target alike. Each target's rounds are pooled."""
+    results: dict[str, SlowStreamFigures] = {}
+    if not args.slow_streams:
+        return results
+    for _ in range(args.slow_rounds):
+        for name, url in urls.items():
+            steps.describe(f"{args.slow_streams} slow streams: {name}")
+            await control.reset()  # the emulator keeps a record per request: start empty
+            figures = await run_slow_streams(
+                name,
+                url,
+                protocol,
+                body,
+                streams=args.slow_streams,
+                deltas=args.slow_deltas,
+                gap=args.slow_gap,
+                ramp=args.slow_ramp,
+            )
+            if name in results:
+                results[name].add(figures)
+            else:
+                results[name] = figures
+            steps.advance()
+    return results
 
 
 def _ms(seconds: float) -> str:
@@ -629,6 +692,46 @@ def _streams_table(results: Results, args: SimpleNamespace) -> rpt.Table:
     return table
 
 
+def _slow_table(results: Results, args: SimpleNamespace) -> rpt.Table:
+    table = rpt.Table(
+        title=(
+            f"Slow streams: {args.slow_streams} at once, a delta every {args.slow_gap:g} s; "
+            "added gap, ms"
+        ),
+        columns=("target", "complete", "gaps", "p50", "p99", "max", "p99 - direct", "verdict"),
+    )
+    direct = results.slow.get("direct")
+    for name, figures in results.slow.items():
+        over_direct = math.nan
+        if direct is not None and name != "direct":
+            over_direct = figures.added(0.99) - direct.added(0.99)
+        verdict = ""
+        if name == "ours":
+            complete = figures.complete == figures.streams
+            verdict = rpt.verdict(over_direct, SLOW_GAP_ADDED_TARGET) if complete else rpt.MISS
+        table.add(
+            name,
+            f"{figures.complete}/{figures.streams}",
+            str(len(figures.gaps)),
+            _ms(figures.added(0.5)),
+            _ms(figures.added(0.99)),
+            _ms(figures.added(1.0)),
+            "" if name == "direct" else f"+{_ms(over_direct)}",
+            verdict,
+        )
+    errors = {name: f.errors for name, f in results.slow.items() if f.errors}
+    if errors:
+        table.notes.append(f"failed streams: {errors}")
+    table.notes.append(
+        "gaps: between consecutive deltas of a stream, counted while every stream was "
+        f"open, {args.slow_rounds} alternating rounds pooled; p50/p99/max of gap minus "
+        f"{args.slow_gap:g} s. Target: every stream "
+        f"complete, ours' p99 at most direct's + {SLOW_GAP_ADDED_TARGET * 1000:g} ms. "
+        "Histogram in overhead.json."
+    )
+    return table
+
+
 def _document(results: Results, args: SimpleNamespace, argv: Sequence[str]) -> dict[str, Any]:
     return {
         "benchmark": "overhead",
@@ -645,6 +748,12 @@ def _document(results: Results, args: SimpleNamespace, argv: Sequence[str]) -> d
             "added_latency_slack_s": ADDED_LATENCY_SLACK,
             "event_loop": args.event_loop,
             "idle_stream_target_bytes": IDLE_STREAM_TARGET_BYTES,
+            "slow_streams": args.slow_streams,
+            "slow_rounds": args.slow_rounds,
+            "slow_deltas": args.slow_deltas,
+            "slow_gap_s": args.slow_gap,
+            "slow_ramp_s": args.slow_ramp,
+            "slow_gap_added_target_s": SLOW_GAP_ADDED_TARGET,
         },
         "sequential": {name: t.summary() for name, t in results.sequential.items()},
         "concurrent": {name: t.summary() for name, t in results.concurrent.items()},
@@ -663,6 +772,7 @@ def _document(results: Results, args: SimpleNamespace, argv: Sequence[str]) -> d
         "idle_streams": [
             {**dataclasses.asdict(s), "per_stream_bytes": s.per_stream} for s in results.streams
         ],
+        "slow_streams": {name: f.summary() for name, f in results.slow.items()},
     }
 
 
@@ -677,9 +787,11 @@ def main(argv: list[str]) -> int:
 
 def _run(args: SimpleNamespace, argv: Sequence[str]) -> int:
     limits = raise_nofile_limit()
-    if limits[0] < 3 * args.streams + 200:
+    # The proxy holds two descriptors per open stream (client and upstream side).
+    held = max(args.streams, args.slow_streams)
+    if limits[0] < 2 * held + 200:
         print(
-            f"warning: open-file limit {limits[0]} may be too low for {args.streams} streams",
+            f"warning: open-file limit {limits[0]} may be too low for {held} streams",
             file=sys.stderr,
         )
     reporter = rpt.Reporter(quiet=args.quiet)
@@ -692,6 +804,8 @@ def _run(args: SimpleNamespace, argv: Sequence[str]) -> int:
         _throughput_table(results, args),
         _streams_table(results, args),
     ]
+    if results.slow:
+        tables.append(_slow_table(results, args))
     for table in tables:
         reporter.print_table(table)
     out.mkdir(parents=True, exist_ok=True)

@@ -64,11 +64,6 @@ __all__ = ["FATES", "Options", "command", "main", "rss_slope"]
 
 #: What a client does: read to the end, or hang up at one of four phases.
 FATES: Final = ("complete", "mid_body", "waiting_headers", "mid_stream", "after_last_byte")
-_TERMINAL: Final = {
-    BenchProtocol.CHAT: b"data: [DONE]",
-    BenchProtocol.RESPONSES: b"response.completed",
-    BenchProtocol.MESSAGES: b"message_stop",
-}
 _IO_TIMEOUT: Final = 60.0  # seconds for any one client step; a longer one is a failure
 _FD_SETTLE_S: Final = 20.0  # seconds the idle proxy gets to close pooled upstream connections
 _SESSIONS: Final = 64  # distinct session ids, so commits share session locks
@@ -291,7 +286,7 @@ async def _one(
             return fate, False
         status, chunked, length = await _read_head(reader)
         stop = {"mid_stream": "first", "after_last_byte": "terminal"}.get(fate, "end")
-        complete = await _read_body(reader, chunked, length, _TERMINAL[protocol], stop=stop)
+        complete = await _read_body(reader, chunked, length, protocol.terminal, stop=stop)
         complete = complete and status == 200
         return fate, complete
     finally:

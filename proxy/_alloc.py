@@ -147,6 +147,7 @@ class Allocator:
         "idle_after",
         "max_share",
         "min_interval",
+        "on_idle",
         "pending",
         "quiet_after",
         "trim_min_bytes",
@@ -187,6 +188,9 @@ class Allocator:
         self._quiet_mark = 0
         self.pending = 0
         self.trims = 0
+        #: Called (no arguments) when the idle trim runs: other work that is cheap
+        #: while the process is quiet (the server's idle garbage collection, proxy/_gc.py).
+        self.on_idle: Callable[[], object] | None = None
 
     @classmethod
     def for_process(cls) -> Allocator:
@@ -285,6 +289,8 @@ class Allocator:
         if left > 0:
             self._arm_idle(left)
             return
+        if self.on_idle is not None:
+            self.on_idle()
         self.trim()
 
     def trim(self) -> bool:

@@ -25,27 +25,23 @@ from . import _logs as logs
 from . import _protocols as protocols
 from . import _wire as wire
 from ._admin import admin_guard, admin_routes
+from ._admission import BodyAdmission, ReadingAccount, admit, admit_session
 from ._answer import SmallAnswer
-from ._body import (
-    BodyBusy,
-    BodyError,
-    BodyIncomplete,
-    BodyMemory,
-    check_content_length,
-    read_body,
-)
+from ._body import BodyIncomplete, read_body
 from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
-from ._exchange import Exchange, Outcome, Phase, Preparer, null_lock
+from ._exchange import Exchange
 from ._front import Answer, Request, StreamAnswer
 from ._headers import forward_headers
 from ._listener import FrontServer
-from ._plugins import PluginHost, load_plugins
+from ._phases import Phase
+from ._plugins import Outcome, PluginHost, load_plugins
+from ._prepare import Preparer, null_lock, prepare
 from ._protocols import Protocol
+from ._refusals import COMMIT_BACKLOG, Effect, Refusal, Shed, resolve
 from ._relay import ClientGone, Upstream, egress_problems, error_response, relay
 from ._session_ids import resolve_session_id
-from ._sessions import SessionClosed
-from ._spool import SpoolBusy, SpoolFile, SpoolFull, SpoolNoDescriptor
+from ._spool import SpoolFile
 from ._state import AppState
 from ._tracing import ExchangeTrace, start_tracing
 
@@ -56,16 +52,10 @@ __all__ = ["AppState", "ProxyApp", "build_app", "running", "serve"]
 
 log = logging.getLogger("context_proxy")
 
-#: The error code of a request refused because its session's commits are behind
-#: (``max_pending_commits``); such a refusal is not booked (see :func:`_book`).
-_COMMIT_BACKLOG: Final = "commit_backlog"
-
 #: Requests refused for want of memory: this line once per 10 s, then a count.
 _MEMORY_REFUSED: Final = (
     "request refused with 503: memory could not be reserved (an address-space limit?)"
 )
-
-_BODY_METHODS: Final = frozenset({"POST", "PUT", "PATCH"})
 
 #: Answered even on a connection accepted from the descriptor reserve (they need none).
 _PROBES: Final = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -103,119 +93,74 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
     plugins may already have shut down) or for its session's commit backlog.
     ``shed``: the connection came from the descriptor reserve; the request is
     refused with 503 ``fd_reserve`` before its body is read (and booked).
+    Every error is answered from one table (proxy/_refusals.py, :func:`_refuse`).
     """
-    settings = state.settings
     route = protocols.route(request.method, request.path, request.headers)
     if route is None:
         return error_response(Protocol.OPENAI, 404, f"unknown route {request.path}")
-    protocol = route.protocol
-    draining = state.draining
     ex = Exchange(
-        protocol=protocol,
+        protocol=route.protocol,
         method=request.method,
         path=request.path,
         query=request.query_string,
-        keep_for_resend=settings.fake_completion_retries > 0,
+        keep_for_resend=state.settings.fake_completion_retries > 0,
         on_release=state.allocator.released,
     )
     # Each request runs in a task of its own: the id marks this task's records only.
     logs.EXCHANGE_ID.set(ex.id)
     task = asyncio.current_task()
     assert task is not None
-    tracing = state.tracing
+    tracing = state.tracing  # a request refused during the drain is not traced (nor booked)
     trace = (
         None
-        if tracing is None or draining
+        if tracing is None or state.draining
         else tracing.exchange(ex, request.headers, _peername(request))
     )
     state.exchanges[ex.id] = ex
     state.handlers.add(task)
     state.metrics.in_flight.inc()
     try:
-        if draining:
-            # Refused, logged and counted like any refusal, but not booked (_book).
-            ex.conclude(503, Outcome.REJECTED, PROXY_SHUTDOWN.code)
-            return _reject(protocol, 503, PROXY_SHUTDOWN.message, state, code=PROXY_SHUTDOWN.code)
-        if shed:
-            return _shed(ex, state)
-        return await _run_exchange(request, state, ex, route.upstream, task, trace)
-    except BodyError as exc:
-        ex.conclude(exc.status, Outcome.REJECTED, exc.kind)
-        if exc.kind == "incomplete":
-            _gone_mid_body(state, ex)
-        elif isinstance(exc, BodyMemory):
-            _memory_refused(state)
-        elif isinstance(exc, SpoolFull):
-            state.metrics.spool_full.inc()
-        elif isinstance(exc, SpoolNoDescriptor):
-            state.metrics.fd_exhausted.inc()
-        # The rest of the body was never read: close rather than drain it.
-        return _reject(protocol, exc.status, exc.message, state, code=exc.kind, close=True)
-    except wire.WireError as exc:
-        ex.conclude(400, Outcome.REJECTED, "invalid_json")
-        return _reject(protocol, 400, str(exc), state, code="invalid_json")
-    except SessionClosed as exc:
-        ex.conclude(503, Outcome.REJECTED, "session_closed")
-        # Retrying is pointless until the tombstone expires: say when that is.
-        return _reject(
-            protocol,
-            503,
-            "session closed",
-            state,
-            code="session_closed",
-            retry_after=exc.retry_after_header,
-        )
+        return await _run_exchange(request, state, ex, route.upstream, task, trace, shed=shed)
     except ClientGone:
         _client_gone(state, ex)
-        # Raised, an ordinary hang-up would be logged by aiohttp as a server error with
-        # a traceback. The connection is closing: this answer is dropped without a word.
+        # The connection is closing: this answer is dropped without a word (raised, an
+        # ordinary hang-up would be logged as a server error with a traceback).
         return SmallAnswer(499, reason="Client Closed Request", close=True)
     except asyncio.CancelledError as exc:
-        reason = orderly_cancel_reason(exc)
-        if reason is not None:
-            if ex.phase is Phase.STREAMING:
-                raise  # the answer is out: nothing left to tell the client
-            # An orderly stop (session shutdown, drain) before the relay answered, e.g.
-            # in prepare: the client gets a 503 in its protocol, not a dropped connection.
-            task.uncancel()
-            ex.conclude(503, Outcome.CANCELLED, reason.message)
-            # Closing in READING: the rest of the body was never read.
-            return _reject(
-                protocol,
-                503,
-                reason.message,
-                state,
-                code=reason.code,
-                close=ex.phase is Phase.READING,
-            )
-        if ex.phase is Phase.READING:
-            _gone_mid_body(state, ex)
-        else:
-            _client_gone(state, ex)
-        raise
-    except MemoryError:
-        # Past the body read (its own MemoryError is a BodyMemory): parsing the body,
-        # a plugin's prepare, the relay. Pressure, not a bug: a 503 to retry.
-        return _out_of_memory(request, state, ex)
+        answer = _cancelled(state, ex, exc, task)
+        if answer is None:
+            raise
+        return answer
     except Exception as exc:
-        return _internal_error(request, state, ex, exc)
+        return _refuse(request, state, ex, exc)
     finally:
-        del state.exchanges[ex.id]
-        state.handlers.discard(task)
-        state.metrics.in_flight.dec()
-        _book(state, ex)
-        ex.close()
-        # After close: an exchange released only there is counted too.
-        state.metrics.finished(ex)
-        if trace is not None:
-            trace.end(ex)
-        if settings.access_log:
-            logs.log_access(
-                ex,
-                route=request.path,
-                peer=_peer(request),
-                user_agent=request.headers.get("User-Agent"),
-            )
+        _finish(request, state, ex, task, trace)
+
+
+def _finish(
+    request: Request,
+    state: AppState,
+    ex: Exchange,
+    task: asyncio.Task[object],
+    trace: ExchangeTrace | None,
+) -> None:
+    """The end of every exchange, whatever happened: unlisted, booked, closed, logged."""
+    del state.exchanges[ex.id]
+    state.handlers.discard(task)
+    state.metrics.in_flight.dec()
+    _book(state, ex)
+    ex.close()
+    # After close: an exchange released only there is counted too.
+    state.metrics.finished(ex)
+    if trace is not None:
+        trace.end(ex)
+    if state.settings.access_log:
+        logs.log_access(
+            ex,
+            route=request.path,
+            peer=_peer(request),
+            user_agent=request.headers.get("User-Agent"),
+        )
 
 
 def _book(state: AppState, ex: Exchange) -> None:
@@ -237,7 +182,7 @@ def _book(state: AppState, ex: Exchange) -> None:
     refused because the proxy drains (``proxy_shutdown``), and every exchange
     when no plugin has a ``commit`` hook (counted only).
     """
-    if ex.error == _COMMIT_BACKLOG:
+    if ex.error == COMMIT_BACKLOG:
         # Booking the refusal would queue one more record behind the session's
         # backlog, so the bound would not hold.
         ex.skip_commit()
@@ -269,32 +214,48 @@ def _peer(request: Request) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _internal_error(request: Request, state: AppState, ex: Exchange, exc: Exception) -> SmallAnswer:
-    """A bug or an unforeseen failure in the proxy's own code: 500, never a traceback page.
+def _refuse(request: Request, state: AppState, ex: Exchange, exc: Exception) -> SmallAnswer:
+    """The answer to ``exc`` from :data:`proxy._refusals.ANSWERS`; the exchange is concluded.
 
-    Logged once with the exception's class, the exchange id and the code location
-    (file, line, function) that raised, never the exception's text, which may
-    quote a header value or a piece of the body. Counted in
-    ``context_proxy_internal_errors``; the exchange is committed with outcome
-    ``error``. When the answer has already begun, a 500 can no longer be sent:
-    the connection is closed so the client sees a truncated answer, not a spliced one.
+    The row's side effect runs (:data:`_EFFECTS`); its outcome, status and code
+    are booked. When the answer has already begun and the row says ``cut``, a
+    status can no longer be sent: the connection is closed so the client sees a
+    truncated answer, not a spliced one (:func:`_cut`).
     """
+    refusal = resolve(exc, ex.id)
+    rule = refusal.rule
+    ex.conclude(refusal.status, rule.outcome, refusal.code)
+    _EFFECTS[rule.effect](state, ex, exc)
+    del exc  # its traceback holds the handler's frames (and the body they reach)
+    if rule.cut and ex.phase is Phase.STREAMING:
+        return _cut(request, refusal.status)
+    return _refusal_answer(ex.protocol, state, refusal)
+
+
+def _refusal_answer(protocol: Protocol, state: AppState, refusal: Refusal) -> SmallAnswer:
+    """``refusal`` as JSON in ``protocol``'s shape (a 503 with ``Retry-After``)."""
+    return _reject(
+        protocol,
+        refusal.status,
+        refusal.message,
+        state,
+        code=refusal.code,
+        retry_after=refusal.retry_after,
+        close=refusal.rule.close,
+    )
+
+
+def _internal_error(state: AppState, ex: Exchange, exc: BaseException) -> None:
+    """A bug or an unforeseen failure in the proxy's own code (answered 500, never a
+    traceback page): logged once with the exception's class, the exchange id and
+    the code location (file, line, function) that raised, never the exception's
+    text, which may quote a header value or a piece of the body; counted in
+    ``context_proxy_internal_errors``."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
     log.error("%s %s: internal error %s at %s", ex.id, ex.protocol, type(exc).__name__, where)
-    del frames, exc  # the traceback holds the handler's frames (and the body they reach)
+    del frames, exc
     state.metrics.internal_errors.labels(str(ex.protocol)).inc()
-    ex.conclude(500, Outcome.ERROR, "internal_error")
-    if ex.phase is Phase.STREAMING:
-        return _cut(request, 500)
-    # Closing: the request may not have been read to its end.
-    return error_response(
-        ex.protocol,
-        500,
-        f"internal proxy error (exchange {ex.id})",
-        code="internal_error",
-        close=True,
-    )
 
 
 def _cut(request: Request, status: int) -> SmallAnswer:
@@ -313,22 +274,6 @@ def _memory_refused(state: AppState) -> None:
     state.memory_refusals.event(_MEMORY_REFUSED, _MEMORY_REFUSED)
 
 
-def _out_of_memory(request: Request, state: AppState, ex: Exchange) -> SmallAnswer:
-    """A ``MemoryError`` in an exchange outside its body read: 503 with ``Retry-After``.
-
-    Counted and logged as :func:`_memory_refused`. The exchange's buffers go
-    with it (``ex.close()`` in the handler's ``finally``). Once the answer has
-    begun a status can no longer be sent: the connection is closed (a cut
-    answer, as after an internal error).
-    """
-    _memory_refused(state)
-    ex.conclude(503, Outcome.ERROR, BodyMemory.kind)
-    if ex.phase is Phase.STREAMING:
-        return _cut(request, 503)
-    # Closing: the request may not have been read to its end.
-    return _reject(ex.protocol, 503, BodyMemory().message, state, code=BodyMemory.kind, close=True)
-
-
 def _gone_mid_body(state: AppState, ex: Exchange) -> None:
     """The client hung up before its body completed (seen as a payload error or a cancel)."""
     log.warning("%s: client closed the connection before the body completed", ex.id)
@@ -342,82 +287,64 @@ def _client_gone(state: AppState, ex: Exchange) -> None:
     state.metrics.disconnects.labels(ex.phase.value).inc()
 
 
-def _over_reading_budget(state: AppState, declared: int) -> bool:
-    """Whether a body declaring ``declared`` bytes cannot fit in ``max_reading_bytes`` now.
+def _effect(state: AppState, ex: Exchange | None, exc: BaseException | None) -> None:
+    """Nothing beside the answer (:attr:`Effect.NONE`)."""
 
-    ``state.reading_bytes`` counts bytes *received* by the reads in progress (a
-    declaration reserves no memory, so it is not charged); a body whose declared
-    size would not fit next to them is refused before its upload. One body is
-    always admitted (the limit per body is ``max_body_bytes``).
+
+def _gone_effect(state: AppState, ex: Exchange | None, exc: BaseException | None) -> None:
+    assert ex is not None  # only an exchange's body is read
+    _gone_mid_body(state, ex)
+
+
+def _internal_effect(state: AppState, ex: Exchange | None, exc: BaseException | None) -> None:
+    assert ex is not None and exc is not None  # a bug is raised inside an exchange
+    _internal_error(state, ex, exc)
+
+
+#: What each :class:`~proxy._refusals.Effect` does: ``effect(state, exchange, error)``
+#: (``None``, ``None`` for a refusal outside an exchange: the descriptor reserve's).
+_EFFECTS: Final[
+    Mapping[Effect, Callable[[AppState, Exchange | None, BaseException | None], None]]
+] = {
+    Effect.NONE: _effect,
+    Effect.GONE_MID_BODY: _gone_effect,
+    Effect.MEMORY: lambda state, ex, exc: _memory_refused(state),
+    Effect.SPOOL_FULL: lambda state, ex, exc: state.metrics.spool_full.inc(),
+    Effect.FD_EXHAUSTED: lambda state, ex, exc: state.metrics.fd_exhausted.inc(),
+    Effect.INTERNAL: _internal_effect,
+}
+
+
+def _cancelled(
+    state: AppState, ex: Exchange, exc: asyncio.CancelledError, task: asyncio.Task[object]
+) -> SmallAnswer | None:
+    """The answer to a cancel of the handler, or ``None`` when it must propagate.
+
+    An orderly stop (session shutdown, drain) before the answer began, e.g. in
+    prepare: the client gets a 503 in its protocol, not a dropped connection
+    (the cancel is taken back). A client gone, or an orderly stop once the
+    answer is out, propagates (counted as a disconnect for a client gone).
     """
-    reading = state.reading_bytes
-    return reading > 0 and reading + declared > state.settings.max_reading_bytes
-
-
-def _shed(ex: Exchange, state: AppState) -> SmallAnswer:
-    """503 ``fd_reserve`` for a request on a connection from the descriptor reserve.
-
-    Counted in ``context_proxy_fd_exhausted_total``; the body is never read, so
-    the connection closes.
-    """
-    state.metrics.fd_exhausted.inc()
-    ex.conclude(503, Outcome.REJECTED, "fd_reserve")
-    return _reject(
-        ex.protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve", close=True
-    )
-
-
-def _busy(ex: Exchange, state: AppState, refusal: BodyError | None = None) -> SmallAnswer:
-    """503 + Retry-After before the body is read: ``max_reading_bytes`` (or ``refusal``'s
-    budget, e.g. ``max_spool_bytes``) cannot take it now."""
-    error = refusal if refusal is not None else BodyBusy()
-    ex.conclude(503, Outcome.REJECTED, error.kind)
-    # Closing: the body was never read.
-    return _reject(ex.protocol, 503, error.message, state, code=error.kind, close=True)
-
-
-class _ReadingAccount:
-    """Charges one body read's received heap bytes to the shared ``max_reading_bytes`` budget.
-
-    ``grow`` is the reader's ``on_growth`` callback: the bytes the body buffer
-    grew by are charged as they arrive, to the app's total and the exchange's
-    held bytes. Past the budget, a read that shares it with others ends with
-    :class:`~proxy._body.BodyBusy` (503); a read alone may grow to ``max_body_bytes``.
-    ``spooled`` is called when the body moves to the spool: what it charged is
-    returned and its later bytes are the spool's (``max_spool_bytes``), not the
-    heap budget's, since they no longer take memory. ``settle`` returns
-    everything charged (idempotent); call it in ``finally``.
-    """
-
-    __slots__ = ("_charged", "_ex", "_spooled", "_state")
-
-    def __init__(self, state: AppState, ex: Exchange) -> None:
-        self._state = state
-        self._ex = ex
-        self._charged = 0
-        self._spooled = False
-
-    def spooled(self) -> None:
-        """The body now lives in the spool: stop charging the heap budget for it."""
-        self._spooled = True
-        self.settle()
-
-    def grow(self, nbytes: int) -> None:
-        state = self._state
-        self._ex.count_received(nbytes)
-        if self._spooled:
-            return
-        self._charged += nbytes
-        state.reading_bytes += nbytes
-        if (
-            state.reading_bytes > state.settings.max_reading_bytes
-            and state.reading_bytes > self._charged
-        ):
-            raise BodyBusy()
-
-    def settle(self) -> None:
-        self._state.reading_bytes -= self._charged
-        self._charged = 0
+    reason = orderly_cancel_reason(exc)
+    if reason is not None:
+        if ex.phase is Phase.STREAMING:
+            return None  # the answer is out: nothing left to tell the client
+        task.uncancel()
+        ex.conclude(503, Outcome.CANCELLED, reason.message)
+        # Closing in READING: the rest of the body was never read.
+        return _reject(
+            ex.protocol,
+            503,
+            reason.message,
+            state,
+            code=reason.code,
+            close=ex.phase is Phase.READING,
+        )
+    if ex.phase is Phase.READING:
+        _gone_mid_body(state, ex)
+    else:
+        _client_gone(state, ex)
+    return None
 
 
 async def _run_exchange(
@@ -427,131 +354,34 @@ async def _run_exchange(
     upstream_name: str,
     task: asyncio.Task[object],
     trace: ExchangeTrace | None,
+    *,
+    shed: bool,
 ) -> Answer:
-    settings = state.settings
-    body_hint: str | None = None
-    opaque = False
-    if request.method in _BODY_METHODS or request.body_exists:
-        codings = request.headers.getall("Content-Encoding", [])
-        encoding = ", ".join(codings) if codings else None
-        check_content_length(request.content_length, encoding, settings.max_body_bytes)
-        declared = request.content_length or 0
-        spool = state.spool
-        # A body the spool takes from its first byte (a plain declared length over the
-        # threshold) never takes heap: max_spool_bytes admits it, not the heap budget.
-        spooled_at_once = encoding is None and spool.wants(declared)
-        if not spooled_at_once and _over_reading_budget(state, declared):
-            return _busy(ex, state)
-        if not spool.admits(declared):
-            spool.busy += 1
-            return _busy(ex, state, SpoolBusy())
-        if request.headers.get("Expect") is not None:
-            # RFC 9110 §10.1.1: the refusals above (413, 415, 503) went out instead
-            # of 100 (Continue), before the upload; now the client may send its body.
-            # Any other expectation never gets here (_refuse_expectation).
-            await request.send_continue()
-        ex.start_reading(declared)
-        account = _ReadingAccount(state, ex)
+    """Admit, read, find the session, then prepare and relay inside the session's admission.
 
-        def spill() -> SpoolFile:
-            # Owned by the exchange from its first byte: closed on every outcome.
-            file = ex.adopt_spool(spool.open())
-            state.metrics.spooled.inc()
-            account.spooled()
-            return file
-
-        try:
-            result = await read_body(
-                request.content,
-                content_length=request.content_length,
-                content_encoding=encoding,
-                limit=settings.max_body_bytes,
-                idle_timeout=settings.body_idle_timeout,
-                body_timeout=settings.body_timeout,
-                chunk_bytes=settings.body_chunk_bytes,
-                on_growth=account.grow,
-                spill=spill,
-                spill_above=settings.spool_above_bytes,
-            )
-        finally:
-            account.settle()
-            ex.end_reading()
-        # Every body byte went through a read piece that is freed heap now (proxy/_alloc.py).
-        state.allocator.released(result.wire_bytes)
-        try:
-            meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
-        except wire.WireError:
-            if ex.protocol.is_exchange:
-                raise
-            # A passthrough body need not be JSON (a multipart file upload): it goes
-            # upstream verbatim, described by its size and digest only, unprepared.
-            meta = wire.WireMetadata(
-                protocol=ex.protocol,
-                model=None,
-                stream=False,
-                message_count=0,
-                byte_length=len(result.buffer),
-                digest=result.digest,
-                comparable=False,
-                session_hint=None,
-            )
-            opaque = True
-        ex.attach_body(result.buffer, meta)
-        state.metrics.bodies_read.inc()
-        del result
-        body_hint = meta.session_hint
-    sid = resolve_session_id(
-        request.headers,
-        header_order=settings.session_headers,
-        body_hint=body_hint if settings.session_from_body else None,
-        from_bearer=settings.session_from_bearer,
-    )
-    logs.SESSION_ID.set(sid)
-    # Before admission: a request refused there (a closed session) is booked with it too.
-    ex.set_session(sid)
-    if sid is None and settings.require_session and ex.protocol.is_exchange:
-        ex.conclude(400, Outcome.REJECTED, "session_required")
-        return _reject(ex.protocol, 400, "a session id is required", state, code="session_required")
-    assert state.upstream is not None
-    backlog = settings.max_pending_commits
-    if (
-        sid is not None
-        and backlog
-        and state.commits.pending_for(sid) + state.registry.in_flight_of(sid) >= backlog
-    ):
-        # The session's commits are booked one at a time under its lock: a hook slower
-        # than the session's request rate would queue records without bound. Its
-        # exchanges in flight count too: each one's commit is on its way.
-        ex.conclude(503, Outcome.REJECTED, _COMMIT_BACKLOG)
-        return _reject(
-            ex.protocol,
-            503,
-            f"the session's bookkeeping is behind ({backlog} pending commit"
-            f"{'' if backlog == 1 else 's'})",
-            state,
-            code=_COMMIT_BACKLOG,
-        )
+    Raises whatever the table of proxy/_refusals.py answers (the caller does).
+    """
+    admission = admit(state, request.head, shed=shed)
+    preparable = admission is not None and await _read_body(request, state, ex, admission)
+    sid = _session_of(request, state, ex)
+    upstream = state.upstream
+    assert upstream is not None
     # Cluster admission (one Redis round trip), then the local one; both refuse a
     # tombstoned session. Nothing below, the stream included, calls Redis.
     async with state.admitted(sid, ex, task):
-        if ex.meta is not None and not opaque:
-            ex.bind_preparer(
-                Preparer(
-                    state.host,
-                    (lambda: state.registry.locked(sid)) if sid else null_lock,
-                    sid,
-                )
-            )
-            await ex.prepare()
+        if preparable:
+            lock = (lambda: state.registry.locked(sid)) if sid else null_lock
+            ex.bind_preparer(Preparer(state.host, lock, sid))
+            await prepare(ex)
         response = await relay(
             request,
             ex,
-            state.upstream,
+            upstream,
             # The target as the client sent it: decoding would turn %3F into a query,
             # %2F into a path separator, %0D%0A into nothing.
-            target=state.upstream.target(upstream_name, request.raw_path, request.query_string),
+            target=upstream.target(upstream_name, request.raw_path, request.query_string),
             headers=forward_headers(request.headers),
-            settings=settings,
+            settings=state.settings,
             trace=trace,
         )
         if isinstance(response, StreamAnswer):
@@ -563,6 +393,99 @@ async def _run_exchange(
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
         return response
+
+
+async def _read_body(
+    request: Request, state: AppState, ex: Exchange, admission: BodyAdmission
+) -> bool:
+    """Read the admitted body into the exchange (after ``100 Continue`` when the client
+    expects one); whether plugins may prepare it.
+
+    A passthrough body need not be JSON (a multipart file upload): it goes upstream
+    verbatim, described by its size and digest only, unprepared (``False``).
+
+    Raises:
+        proxy._body.BodyError: the read failed (limits, deadlines, a hang-up, budgets).
+        proxy._wire.WireError: an exchange route's body is not a JSON object.
+    """
+    if request.headers.get("Expect") is not None:
+        # RFC 9110 §10.1.1: a refusal of admit() went out instead of 100 (Continue),
+        # before the upload; now the client may send its body. Any other
+        # expectation never gets here (_refuse_expectation).
+        await request.send_continue()
+    settings, spool = state.settings, state.spool
+    ex.start_reading(admission.declared)
+    account = ReadingAccount(state, ex)
+
+    def spill() -> SpoolFile:
+        # Owned by the exchange from its first byte: closed on every outcome.
+        file = ex.adopt_spool(spool.open())
+        state.metrics.spooled.inc()
+        account.spooled()
+        return file
+
+    try:
+        result = await read_body(
+            request.content,
+            content_length=request.content_length,
+            content_encoding=admission.encoding,
+            limit=settings.max_body_bytes,
+            idle_timeout=settings.body_idle_timeout,
+            body_timeout=settings.body_timeout,
+            chunk_bytes=settings.body_chunk_bytes,
+            on_growth=account.grow,
+            spill=spill,
+            spill_above=settings.spool_above_bytes,
+        )
+    finally:
+        account.settle()
+        ex.end_reading()
+    # Every body byte went through a read piece that is freed heap now (proxy/_alloc.py).
+    state.allocator.released(result.wire_bytes)
+    preparable = True
+    try:
+        meta = wire.compute_wire_metadata(ex.protocol, result.buffer, result.digest)
+    except wire.WireError:
+        if ex.protocol.is_exchange:
+            raise
+        meta = wire.WireMetadata(
+            protocol=ex.protocol,
+            model=None,
+            stream=False,
+            message_count=0,
+            byte_length=len(result.buffer),
+            digest=result.digest,
+            comparable=False,
+            session_hint=None,
+        )
+        preparable = False
+    ex.attach_body(result.buffer, meta)
+    state.metrics.bodies_read.inc()
+    return preparable
+
+
+def _session_of(request: Request, state: AppState, ex: Exchange) -> str | None:
+    """The request's session id (headers, then the body's hint, then the bearer), admitted.
+
+    Set on the exchange before the session's admission: a request refused there
+    (a closed session, a backlog) is booked with it too.
+
+    Raises:
+        proxy._refusals.SessionRequired, proxy._refusals.CommitBacklog: see
+            :func:`proxy._admission.admit_session`.
+    """
+    settings = state.settings
+    hint = ex.meta.session_hint if ex.meta is not None else None
+    sid = resolve_session_id(
+        request.headers,
+        header_order=settings.session_headers,
+        body_hint=hint if settings.session_from_body else None,
+        from_bearer=settings.session_from_bearer,
+    )
+    logs.SESSION_ID.set(sid)
+    ex.set_session(sid)
+    admit_session(state, ex.protocol, sid)
+    return sid
 
 
 def _path_protocol(path: str) -> Protocol:
@@ -662,11 +585,10 @@ class ProxyApp:
             return self.dispatch(request)
         if request.path.startswith("/v1/"):
             return handle_exchange(request, state, shed=True)  # booked, as every exchange
-        state.metrics.fd_exhausted.inc()
-        protocol = _path_protocol(request.path)
-        return _answer(
-            _reject(protocol, 503, fdlimit.EXHAUSTED_MESSAGE, state, code="fd_reserve", close=True)
-        )
+        # No exchange to book: the Shed row's answer and counter, as for a /v1/ request.
+        refusal = resolve(Shed(), "")
+        _EFFECTS[refusal.rule.effect](state, None, None)
+        return _answer(_refusal_answer(_path_protocol(request.path), state, refusal))
 
     def upstream_sockets(self) -> int:
         """Upstream sockets the pool holds (in use or idle): descriptors already spent."""

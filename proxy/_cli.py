@@ -16,6 +16,7 @@ from typing import Any, Final
 import click
 
 from ._config import ConfigError, Settings, load_settings
+from ._gc import tune_collector
 from ._logs import setup_logging
 from ._loops import run as run_loop
 from ._plugins import PluginError, discover_plugins
@@ -128,6 +129,8 @@ def serve(config: str | None, plugins: tuple[str, ...], **flags: Any) -> None:
         flags["plugins"] = list(plugins)
     settings = _settings(config, **flags)
     setup_logging(settings.log_level, settings.log_format)
+    # After the server's imports: what they made is frozen out of every collection.
+    tune_collector()
     try:
         run_loop(serve_app(settings), settings.event_loop)
     except PluginError as exc:
@@ -162,6 +165,9 @@ def emulate(host: str, port: int, context_window_tokens: int | None, prompt_cach
     from ._emulator_script import Script, window_script
 
     setup_logging("INFO")
+    # The same collector settings as serve: a benchmark's direct figures are then the
+    # emulator's own, not its full collections while thousands of streams open.
+    tune_collector()
     script = None
     if context_window_tokens is not None:
         script = window_script(context_window_tokens, prompt_cache=prompt_cache)

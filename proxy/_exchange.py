@@ -1,254 +1,57 @@
 """The exchange: the one owner of every buffer of one request (docs/design.md §1 and §2).
 
-Every buffer an exchange holds is dropped in this file, and only here:
-
-==========  ==============================================  ==========================
-buffer      held from                                       dropped by
-==========  ==============================================  ==========================
-raw         :meth:`Exchange.attach_body` (the wire bytes)   :meth:`_drop_raw` (via
-                                                            prepare, release, close)
-draft       :meth:`Exchange._prepare_at` (the body as       the end of
-            plugins see it during one prepare run: the      :meth:`_prepare_at`
-            structural view, or the parsed object)
-parsed      :meth:`Exchange._prepare_at` (only when a       :meth:`release`, :meth:`close`
-            plugin took the whole object and changed it)
-outbound    raw itself; a :class:`~proxy._structure.Splice` :meth:`release` unless a
-            (slices of raw plus replacement pieces: raw     resend is still possible;
-            lives while it does); or the re-serialized      :meth:`drop_outbound`,
-            body (whole-object path)                        :meth:`close`
-preparer    :meth:`Exchange.bind_preparer`                  :meth:`release`, :meth:`close`
-headers     :meth:`Exchange.attach_headers` (the header     with the outbound body:
-            fields to send upstream, a copy built from      :meth:`release` unless a
-            the client's; a resend sends them again)        resend is still possible;
-                                                            :meth:`drop_outbound`,
-                                                            :meth:`close`
-head        the upstream answer's header fields (in the     :meth:`mark_streaming`,
-            client's ``UpstreamAnswer``): read to build     through the answer's
-            the client's response head, never again         ``drop_head()``
-response    the relay's held stream head, JSON head and     the relay; accounted here
-            partial-event tail (:meth:`hold_response`)      (``held_bytes().response``)
-spool       :meth:`Exchange.adopt_spool` (a body over       :meth:`_settle_spool`, once
-            ``spool_above_bytes``: its anonymous file from  neither raw nor the outbound
-            the first byte; raw is then a view of its       body is a view of it (release,
-            read-only mapping)                              drop_outbound, close)
-==========  ==============================================  ==========================
-
-``release()`` is the boundary: as soon as no refold can follow (the upstream
-accepted the request: 2xx headers and, for Responses, output started; or it
-answered an error that no refold can cure; or the fold levels are used up,
-before the last send) the raw buffer, the parsed body
-and the preparer go. It is idempotent, counts whether it really ran (exactly
-once per exchange), and :meth:`Exchange.close`, which the handler calls in
-``finally``, runs it on every early exit. Buffers live in small weak-referenceable
-holders (``bytes``, ``bytearray`` and ``dict`` cannot be weak-referenced) so
-tests can put a finalizer on them.
-
-The phase is a state machine: :data:`TRANSITIONS` lists every legal move and
-any other raises :class:`IllegalTransition`. The bookkeeping scalars (status,
-outcome, error, byte counts, usage, retries) are written only through the
-named methods in the "bookkeeping" section below, never assigned from outside.
+Every buffer an exchange holds is dropped in this file, and only here (docs/design.md
+§2, "Who drops what"). ``release()`` is the boundary: once no refold can follow (the
+upstream accepted the request, or answered an error no refold can cure, or the fold
+levels are used up before the last send) the raw buffer, the parsed body and the
+preparer go; it runs exactly once, and :meth:`Exchange.close` (the handler's
+``finally``) runs it on every early exit. The phases move along
+:data:`proxy._phases.TRANSITIONS`; the scalars and the commit record are the
+exchange's base (:class:`proxy._books.Books`). Running the ``prepare`` hooks
+(:mod:`proxy._prepare`) and slicing the outbound body (:mod:`proxy._slices`) happen
+elsewhere, and hand every buffer they make to the methods here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import enum
-import itertools
-import logging
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, MutableMapping
-from contextlib import AbstractAsyncContextManager
-from typing import Final
+from collections.abc import AsyncIterator, Callable, MutableMapping
 
 import xxhash
 
 from . import _wire as wire
-from ._coding import io_piece_bytes
-from ._plugins import ExchangeRecord, PluginHost, PrepareContext
-from ._plugins import Outcome as Outcome  # re-exported: the exchange machine sets it
-from ._protocols import Protocol, UsageReport
+from ._books import Books
+from ._holders import BodyHolder, HeadHolder, HeldBytes, heap_parts, on_view
+from ._phases import TRANSITIONS, IllegalTransition, Phase
+from ._plugins import ExchangeRecord
+from ._protocols import Protocol
+from ._slices import body_slices, send_slice_bytes
 from ._spool import FileSlice, SpoolFile
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
 
-__all__ = [
-    "SEND_SLICE_MAX_BYTES",
-    "TRANSITIONS",
-    "BodyHolder",
-    "Exchange",
-    "HeadHolder",
-    "HeldBytes",
-    "IllegalTransition",
-    "Observer",
-    "Outcome",
-    "ParsedHolder",
-    "Phase",
-    "Preparer",
-    "send_slice_bytes",
-]
-
-log = logging.getLogger("context_proxy.exchange")
-
-# What wire.encode_body raises for an object JSON cannot carry (UnicodeEncodeError is a ValueError).
-_UNENCODABLE: Final = (TypeError, ValueError, RecursionError, OverflowError)
-
-_ids = itertools.count(1)
-
-#: Largest slice of the outbound body sent upstream at once. Python 3.11's socket
-#: transport copies whatever it cannot send at once into its own buffer, so one
-#: large ``bytes`` would be copied whole; slices bound that copy to one slice, and
-#: a smaller body gets smaller slices (:func:`send_slice_bytes`).
-SEND_SLICE_MAX_BYTES: Final = 256 * 1024
-
-
-def send_slice_bytes(body_bytes: int) -> int:
-    """Bytes per slice when sending a ``body_bytes``-byte outbound body upstream.
-
-    1/64 of the body within [16 KiB, :data:`SEND_SLICE_MAX_BYTES`]
-    (:func:`proxy._coding.io_piece_bytes`): the transport's copy of an unsent
-    slice then costs at most 1/64 of the body.
-    """
-    return io_piece_bytes(body_bytes, SEND_SLICE_MAX_BYTES)
-
-
-class Phase(enum.Enum):
-    """Where an exchange is in its life.
-
-    Phases move forward in the order listed, with two loops back: a refold
-    goes from ``sent`` to ``prepared`` again, and a fake-completion resend
-    from ``accepted`` to ``sent``.
-    """
-
-    READING = "reading"
-    PARSED = "parsed"
-    PREPARED = "prepared"
-    SENT = "sent"
-    ACCEPTED = "accepted"
-    STREAMING = "streaming"
-    COMMITTED = "committed"
-    CLOSED = "closed"
-
-    # Members are singletons compared by identity: object's hash (C) instead of
-    # Enum's (a Python call), as every phase move looks the table up.
-    __hash__ = object.__hash__
-
-
-_EARLY_END: Final = frozenset({Phase.COMMITTED, Phase.CLOSED})
-
-#: Every legal phase move: ``TRANSITIONS[old]`` is the set of phases ``old`` may go to.
-#: Forward along the list, plus the loops: ``sent → prepared`` (a refold re-runs
-#: prepare after an overflow), ``accepted → sent`` (a fake-completion resend of an
-#: accepted stream) and ``sent → sent`` (a resend of a Responses stream held before
-#: acceptance). A request without a body goes from ``reading`` straight to ``sent``,
-#: a passthrough body from ``parsed``. A refold that shrank nothing goes from
-#: ``prepared`` to ``accepted``: the upstream's answer to the last send stands
-#: (its error goes to the client). Any phase before ``committed`` may end early
-#: (an error answer, a client gone) in ``committed`` or ``closed``.
-TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = {
-    Phase.READING: frozenset({Phase.PARSED, Phase.SENT}) | _EARLY_END,
-    Phase.PARSED: frozenset({Phase.PREPARED, Phase.SENT}) | _EARLY_END,
-    Phase.PREPARED: frozenset({Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
-    Phase.SENT: frozenset({Phase.PREPARED, Phase.SENT, Phase.ACCEPTED}) | _EARLY_END,
-    Phase.ACCEPTED: frozenset({Phase.SENT, Phase.STREAMING}) | _EARLY_END,
-    Phase.STREAMING: _EARLY_END,
-    Phase.COMMITTED: frozenset({Phase.CLOSED}),
-    Phase.CLOSED: frozenset(),
-}
-
-
-class IllegalTransition(RuntimeError):
-    """A phase move that :data:`TRANSITIONS` does not allow (a bug in the caller)."""
-
-    def __init__(self, exchange_id: str, old: Phase, new: Phase) -> None:
-        super().__init__(f"{exchange_id}: illegal phase move {old.value} -> {new.value}")
-        self.old = old
-        self.new = new
-
-
-class HeadHolder(typing.Protocol):
-    """What holds the upstream answer's head (``proxy._upstream.UpstreamAnswer``)."""
-
-    def drop_head(self) -> None:
-        """Forget the header fields (idempotent)."""
-
+__all__ = ["Exchange", "Observer", "Preparing"]
 
 #: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
 Observer = Callable[["Exchange", Phase, Phase], object]
 
 
-class BodyHolder:
-    """Weak-referenceable owner of one body buffer (``bytes``, ``bytearray``, or the
-    read-only ``memoryview`` of a spooled body's mapping)."""
+class Preparing(typing.Protocol):
+    """The prepare closure kept until release (``proxy._prepare.Preparer``, not imported)."""
 
-    __slots__ = ("__weakref__", "data")
-
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        self.data = data
-
-    def __len__(self) -> int:
-        return len(self.data)
+    session_id: str | None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class HeldBytes:
-    """Bytes an exchange holds right now, by kind. ``parsed`` is an estimate.
+class Exchange(Books):
+    """One request's buffers and phase, over its bookkeeping scalars (:class:`Books`).
 
-    ``response`` is what the response side holds (the stream head held while a
-    refold or resend is possible, the JSON head kept for usage, the partial-event
-    tail), as last reported through :meth:`Exchange.hold_response`.
-
-    ``spooled`` is the body bytes in the exchange's spool file (docs/design.md
-    §2, "the spool"): file-backed, not process memory, so not in ``total``; a
-    spooled raw body counts there and not in ``raw``.
-    """
-
-    raw: int
-    parsed: int
-    outbound: int
-    response: int = 0
-    spooled: int = 0
-
-    @property
-    def total(self) -> int:
-        """``raw + parsed + outbound + response`` in bytes (memory; ``spooled`` apart)."""
-        return self.raw + self.parsed + self.outbound + self.response
-
-
-class Preparer:
-    """The prepare closure: what an exchange needs to run ``prepare`` hooks again.
-
-    ``lock`` returns the session's lock context (or a null context when the
-    request has no session); prepare hooks run inside it (docs/design.md §6,
-    rule 2). Dropped at release so nothing it reaches outlives the boundary.
-    """
-
-    __slots__ = ("host", "lock", "session_id")
-
-    def __init__(
-        self,
-        host: PluginHost,
-        lock: Callable[[], AbstractAsyncContextManager[object]],
-        session_id: str | None,
-    ) -> None:
-        self.host = host
-        self.lock = lock
-        self.session_id = session_id
-
-
-class Exchange:
-    """One request's buffers, phase and bookkeeping scalars.
-
-    Built by the app when a request arrives; driven by the relay; closed in the
-    handler's ``finally``. All sizes are bytes, times seconds (monotonic unless
-    named ``*_wall``).
+    Built by the app, driven by the relay, closed in the handler's ``finally``.
+    Sizes are bytes. A phase move :data:`TRANSITIONS` does not allow raises
+    :class:`IllegalTransition` from any method.
 
     Args:
-        protocol: the request's protocol.
-        method: HTTP method.
-        path: request path (no query string).
-        query: the raw query string ('' when none), forwarded unchanged.
+        protocol, method, path, query: the request's (see :class:`Books`).
         keep_for_resend: keep the outbound body after release while a
             fake-completion retry may still resend it.
         on_release: called with the number of bytes each drop let go (the
@@ -256,14 +59,9 @@ class Exchange:
             go back to the OS).
         observer: called as ``observer(exchange, old_phase, new_phase)`` after
             every phase move (tests watch an exchange through it).
-
-    Raises:
-        IllegalTransition: from any method whose phase move
-            :data:`TRANSITIONS` does not allow.
     """
 
     __slots__ = (
-        "_complete",
         "_draft",
         "_headers",
         "_outbound",
@@ -272,36 +70,10 @@ class Exchange:
         "_preparer",
         "_raw",
         "_spool",
-        "declared_bytes",
-        "error",
-        "fold_level",
-        "id",
         "keep_for_resend",
-        "meta",
-        "method",
         "observer",
         "on_release",
-        "outbound_digest",
-        "outbound_size",
-        "outcome",
-        "path",
-        "protocol",
-        "query",
-        "reading_bytes",
-        "received_bytes",
-        "refolds",
         "releases",
-        "response_bytes",
-        "response_held",
-        "retries",
-        "session_id",
-        "started",
-        "started_wall",
-        "status",
-        "ttfb",
-        "upstream_s",
-        "upstream_status",
-        "usage",
     )
 
     def __init__(
@@ -315,54 +87,19 @@ class Exchange:
         on_release: Callable[[int], object] | None = None,
         observer: Observer | None = None,
     ) -> None:
-        self.id: Final = f"ex-{next(_ids)}"
-        self.protocol: Final = protocol
-        self.method: Final = method
-        self.path: Final = path
-        self.query: Final = query
+        super().__init__(protocol, method, path, query)
         self.keep_for_resend = keep_for_resend
         self.on_release = on_release
         self.observer = observer
-        #: While reading: the body's declared Content-Length (0: none), and the
-        #: bytes received so far, which :meth:`held_bytes` counts as ``raw``.
-        self.declared_bytes = 0
-        self.reading_bytes = 0
-        #: Once the read settled: the decoded body bytes received (0: no body), whether
-        #: or not they made a request (invalid JSON, a body cut short are booked too).
-        self.received_bytes = 0
         self._phase = Phase.READING
-        self.started: Final = time.monotonic()
-        self.started_wall: Final = time.time()
         self._raw: BodyHolder | None = None
         self._parsed: ParsedHolder | None = None
         self._draft: Draft | None = None
         self._outbound: BodyHolder | Splice | None = None
         self._headers: MutableMapping[str, str] | None = None
-        self._preparer: Preparer | None = None
+        self._preparer: Preparing | None = None
         self._spool: SpoolFile | None = None
-        self.meta: WireMetadata | None = None
-        self.session_id: str | None = None
-        self.fold_level = 0
-        self.refolds = 0
-        self.retries = 0
         self.releases = 0
-        self.outbound_size = 0
-        self.outbound_digest: str | None = None
-        self.status = 0
-        self.outcome = Outcome.OK
-        self.error: str | None = None
-        self._complete = False
-        self.response_bytes = 0
-        #: Bytes the response side holds now (see :meth:`hold_response`).
-        self.response_held = 0
-        self.ttfb: float | None = None
-        #: The last upstream attempt's HTTP status and seconds from send to its
-        #: response head; ``None`` while nothing came back from upstream.
-        self.upstream_status: int | None = None
-        self.upstream_s: float | None = None
-        self.usage = UsageReport()
-
-    # -------------------------------------------------------------------- phase
 
     @property
     def phase(self) -> Phase:
@@ -370,11 +107,7 @@ class Exchange:
         return self._phase
 
     def _move(self, new: Phase) -> None:
-        """Go to ``new`` if :data:`TRANSITIONS` allows it, then tell the observer.
-
-        Raises:
-            IllegalTransition: the move is not in the table.
-        """
+        """Go to ``new`` (:meth:`_check` first), then tell the observer."""
         old = self._phase
         self._check(new)
         self._phase = new
@@ -382,49 +115,26 @@ class Exchange:
             self.observer(self, old, new)
 
     def _check(self, new: Phase) -> None:
-        """Raise before any work when the move to ``new`` is not in the table.
-
-        Raises:
-            IllegalTransition: the move is not in the table.
-        """
+        """Raise :class:`IllegalTransition`, before any work, if ``new`` is no legal move."""
         if new not in TRANSITIONS[self._phase]:
             raise IllegalTransition(self.id, self._phase, new)
-
-    # ------------------------------------------------------------------ reading
 
     def start_reading(self, declared_bytes: int) -> None:
         """The body is being read; ``declared_bytes`` is its Content-Length (0: none).
 
-        A declaration reserves no memory (docs/design.md §2, "reading"), so it does
-        not count as held: only bytes received (:meth:`count_received`) count as ``raw``.
-
-        Raises:
-            IllegalTransition: not in the ``reading`` phase.
+        A declaration reserves no memory (docs/design.md §2): only bytes received
+        (``count_received``) count as ``raw``. Raises ``IllegalTransition`` past ``reading``.
         """
         if self._phase is not Phase.READING:
             raise IllegalTransition(self.id, self._phase, Phase.READING)
         self.declared_bytes = declared_bytes
         self.reading_bytes = 0
 
-    def count_received(self, nbytes: int) -> None:
-        """The body buffer grew by ``nbytes`` bytes; they count as ``raw`` while reading."""
-        self.reading_bytes += nbytes
-
-    def end_reading(self) -> None:
-        """The read settled (body, error or cancel): the bytes being read no longer count.
-
-        They are kept as :attr:`received_bytes` (the access line's ``request_bytes``).
-        """
-        self.received_bytes = self.reading_bytes
-        self.reading_bytes = 0
-
     def adopt_spool(self, spool: SpoolFile) -> SpoolFile:
         """Own the spool file of the body being read, from its first byte; returns it.
 
-        From here on the exchange closes it, whatever happens: at the release
-        boundary (or when the outbound body that is a view of it goes), or in
-        :meth:`close`.
-        """
+        The exchange closes it whatever happens: when neither raw nor the outbound
+        body is a view of it any more, or in :meth:`close`."""
         self._spool = spool
         return spool
 
@@ -434,15 +144,9 @@ class Exchange:
         return self._spool
 
     def attach_body(self, buffer: bytearray | memoryview, meta: WireMetadata) -> None:
-        """Take ownership of the body read from the wire and its metadata.
-
-        The raw buffer is the outbound body until a plugin changes the body. A
-        spooled body is the read-only view of its spool file's mapping
-        (:meth:`adopt_spool` came first).
-
-        Raises:
-            IllegalTransition: not in the ``reading`` phase.
-        """
+        """Take the body read from the wire (for a spooled body, the read-only view of
+        its file's mapping) and its metadata; raw is the outbound body until a plugin
+        changes the body. Raises ``IllegalTransition`` past ``reading``."""
         self._check(Phase.PARSED)
         self._raw = BodyHolder(buffer)
         self._outbound = self._raw
@@ -451,7 +155,7 @@ class Exchange:
         self.meta = meta
         self._move(Phase.PARSED)
 
-    def bind_preparer(self, preparer: Preparer) -> None:
+    def bind_preparer(self, preparer: Preparing) -> None:
         """Set the prepare closure used at fold level 0 and by every refold."""
         self._preparer = preparer
         self.session_id = preparer.session_id
@@ -475,10 +179,8 @@ class Exchange:
         return self._preparer is not None and self.meta is not None
 
     def attach_headers(self, headers: MutableMapping[str, str]) -> None:
-        """Take the header fields to send upstream (every send uses them, a resend too).
-
-        They go with the outbound body: an idle open stream keeps neither.
-        """
+        """Take the header fields to send upstream (every send, a resend too); they go
+        with the outbound body, so an idle open stream keeps neither."""
         self._headers = headers
 
     @property
@@ -492,105 +194,53 @@ class Exchange:
         re-serialized body's holder), or ``None`` once dropped."""
         return self._outbound
 
-    # ---------------------------------------------------------------- preparing
+    @property
+    def preparer(self) -> Preparing | None:
+        """The prepare closure (``proxy._prepare.Preparer``), ``None`` once released."""
+        return self._preparer
 
-    async def prepare(self) -> None:
-        """Run the prepare hooks at fold level 0.
+    def begin_prepare(self, level: int) -> WireMetadata:
+        """A prepare run at fold ``level`` starts (``proxy._prepare``); returns the metadata.
 
         Raises:
-            RuntimeError: called without a body or after release.
-            wire.WireError: a plugin wanted the body and it is not a JSON object.
+            RuntimeError: no body was read, or it was released.
+            IllegalTransition: the phase cannot move to ``prepared``.
         """
-        await self._prepare_at(0)
-
-    async def refold(
-        self, *, prompt_tokens: int | None = None, window_tokens: int | None = None
-    ) -> bool:
-        """Re-run prepare at the next fold level after a context overflow.
-
-        ``prompt_tokens`` and ``window_tokens`` are what the upstream's error
-        stated (``None`` where it states nothing); the hooks see them, and the
-        size of the body just rejected (bytes), on their :class:`PrepareContext`.
-
-        Returns ``True`` when the outbound body changed and is smaller than
-        before, i.e. a resend may succeed; ``False`` when nothing shrank (the
-        caller then relays the upstream's error unchanged). ``refolds`` counts
-        only the refolds that shrank the body, so upstream requests = 1 +
-        ``refolds`` + ``retries``; ``fold_level`` counts every prepare run.
-        """
-        before = self.outbound_size
-        overflow = (before, prompt_tokens, window_tokens)
-        changed = await self._prepare_at(self.fold_level + 1, overflow)
-        shrank = changed and self.outbound_size < before
-        if shrank:
-            self.refolds += 1
-        return shrank
-
-    async def _prepare_at(
-        self, level: int, overflow: tuple[int, int | None, int | None] | None = None
-    ) -> bool:
-        preparer, meta = self._preparer, self.meta
-        if preparer is None or meta is None or self._outbound is None:
+        meta = self.meta
+        if self._preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
         self._check(Phase.PREPARED)
+        if self._raw is None and self._parsed is None:
+            raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
         self.fold_level = level
-        host = preparer.host
-        wants = host.wants_body(meta, level)
-        if all(granted is None for granted in wants):
-            # Every plugin declined this run (or none prepares): nothing can change the
-            # body, so no lock, no draft and no hook call; the body goes on as it is.
-            if self._raw is None and self._parsed is None:
-                raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
-            self._move(Phase.PREPARED)
-            return False
-        async with preparer.lock():
-            # Each run starts from the body as received (raw), or from the object a
-            # whole-object plugin changed at an earlier level (raw is gone then).
-            if self._raw is not None:
-                draft = Draft(meta.protocol, base=self._raw.data)
-            elif self._parsed is not None:
-                draft = Draft(meta.protocol, obj=self._parsed)
-            else:
-                raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
-            self._draft = draft
-            ctx = PrepareContext(
-                meta=meta,
-                fold_level=level,
-                session_id=preparer.session_id,
-                path=self.path,
-                draft=draft,
-                overflow=overflow,
-            )
-            try:
-                reported = await host.run_prepare(ctx, wants)
-                result = draft.result(reported)
-            finally:
-                ctx._close()
-                self._draft = None
-                draft.release()
-                del draft
-        if isinstance(result, Splice):
-            self._adopt_splice(result)
-        elif result is not None:
-            try:
-                self._reserialize(result)
-            except _UNENCODABLE as exc:
-                # A plugin put something JSON cannot carry into ctx.body (a lone
-                # surrogate, a set, a cycle). The object was changed in place, so
-                # there is no "before that plugin" to return to: the edits of
-                # this run are dropped and the body goes on as it was before it.
-                host.whole_body_edit_failed(wants, exc)
-                self._discard_object(result)
-                result = None
-        self._move(Phase.PREPARED)
-        return result is not None
+        return meta
 
-    def _adopt_splice(self, splice: Splice) -> None:
+    def open_draft(self) -> Draft:
+        """The body as plugins see it during one run, until :meth:`close_draft`: the body
+        as received (raw), or the object a whole-object edit of an earlier level made."""
+        if self._raw is not None:
+            draft = Draft(self.protocol, base=self._raw.data)
+        else:
+            assert self._parsed is not None  # begin_prepare checked one of them is there
+            draft = Draft(self.protocol, obj=self._parsed)
+        self._draft = draft
+        return draft
+
+    def close_draft(self) -> None:
+        """The run's hooks are done: the draft and what it decoded go."""
+        draft, self._draft = self._draft, None
+        if draft is not None:
+            draft.release()
+
+    def end_prepare(self) -> None:
+        """The prepare run is over: the phase becomes ``prepared``."""
+        self._move(Phase.PREPARED)
+
+    def adopt_splice(self, splice: Splice) -> None:
         """Edits made through the view: the splice over raw becomes the outbound body.
 
-        Raw stays (the splice's slices are views of it; a refold builds a new
-        splice from it); only the previous outbound body goes.
-        """
+        Raw stays (the splice is views of it; a refold splices it anew); the
+        previous outbound body goes."""
         before = self._held_total()
         self._outbound = splice
         self.outbound_size = splice.nbytes
@@ -598,7 +248,7 @@ class Exchange:
         self._freed(before)
         self._settle_spool()
 
-    def _reserialize(self, parsed: ParsedHolder) -> None:
+    def adopt_object(self, parsed: ParsedHolder) -> None:
         """A plugin changed the whole parsed object: it becomes the outbound body.
 
         When :func:`wire.encodes_plainly` vouches for the object, the raw buffer
@@ -625,14 +275,10 @@ class Exchange:
         self.outbound_size = len(data)
         self.outbound_digest = xxhash.xxh3_128_hexdigest(data)
 
-    def _discard_object(self, parsed: ParsedHolder) -> None:
-        """Forget a whole-object edit that could not be serialized.
-
-        The outbound body stays as before the run. When ``parsed`` is the object
-        kept from an earlier level it was changed in place, so later refolds
-        start from the outbound body of that level instead (it is that object's
-        serialization, a :class:`BodyHolder`).
-        """
+    def discard_object(self, parsed: ParsedHolder) -> None:
+        """Forget a whole-object edit that could not be serialized; the outbound body
+        stays as before the run. The object kept from an earlier level was changed in
+        place, so later refolds start from that level's serialization instead."""
         if parsed is not self._parsed:
             return  # a fresh decode of raw, held by nobody else
         before = self._held_total()
@@ -649,11 +295,7 @@ class Exchange:
 
     def _on_spool(self, holder: BodyHolder | Splice | None) -> bool:
         """Whether ``holder`` is (or is spliced from) the spool file's mapping."""
-        if holder is None or self._raw_view is None:
-            return False
-        if isinstance(holder, Splice):
-            return holder.base is self._raw_view
-        return holder.data is self._raw_view
+        return on_view(holder, self._raw_view)
 
     @property
     def _raw_view(self) -> memoryview | None:
@@ -661,12 +303,8 @@ class Exchange:
         return self._spool.view if self._spool is not None else None
 
     def _settle_spool(self, *, closing: bool = False) -> None:
-        """Close the spool file once neither raw nor the outbound body is a view of it.
-
-        The one place it closes (the release boundary for the spooled bytes):
-        the mapping and the descriptor go, and with them the disk space. While
-        the body is still being read only ``closing`` (:meth:`close`) closes it.
-        """
+        """Close the spool file (mapping, descriptor, disk space) once neither raw nor
+        the outbound body is a view of it; while it is being read, only ``closing``."""
         spool = self._spool
         if spool is None or self._on_spool(self._raw) or self._on_spool(self._outbound):
             return
@@ -680,14 +318,9 @@ class Exchange:
             # trim a heap body's release brings (proxy/_alloc.py).
             self.on_release(spool.size)
 
-    # ------------------------------------------------------------------ sending
-
     async def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
-        """The outbound body as ``memoryview`` slices of :func:`send_slice_bytes`, no copy.
-
-        Each call starts a fresh pass (a resend sends the same bytes again). The
-        parts that are a spooled body's bytes come as :class:`~proxy._spool.FileSlice`
-        ranges of its file (sent with ``sendfile`` where the connection allows).
+        """The outbound body in slices (:func:`proxy._slices.body_slices`), no copy; each
+        call starts a fresh pass (a resend sends the same bytes again).
 
         Raises:
             RuntimeError: the outbound body was already released.
@@ -695,39 +328,14 @@ class Exchange:
         holder = self._outbound
         if holder is None:
             raise RuntimeError(f"{self.id}: outbound body already released")
-        piece = send_slice_bytes(self.outbound_size)
-        spool = self._spool
-        if spool is not None and self._on_spool(holder):
-            del holder
-            for chunk in self._spool_chunks(spool, piece):
-                yield chunk
-            return
-        if isinstance(holder, Splice):
-            # Segment by segment, never joined; the slices are views of raw.
-            for chunk in holder.chunks(piece):
-                yield chunk
-            return
-        view = memoryview(holder.data)
-        del holder
+        spool = self._spool if self._on_spool(holder) else None
+        slices = body_slices(holder, spool, send_slice_bytes(self.outbound_size))
+        del holder, spool
         try:
-            for start in range(0, len(view), piece):
-                yield view[start : start + piece]
+            for chunk in slices:
+                yield chunk
         finally:
-            view.release()
-
-    def _spool_chunks(self, spool: SpoolFile, piece: int) -> Iterator[memoryview | FileSlice]:
-        """The outbound body that is (or is spliced from) the spool file, in order."""
-        out = self._outbound
-        if not isinstance(out, Splice):
-            yield from spool.slices(0, spool.size, piece)
-            return
-        for segment, offset in zip(out.segments, out.offsets, strict=True):
-            if offset is None:
-                view = memoryview(segment)
-                for start in range(0, len(view), piece):
-                    yield view[start : start + piece]
-            else:
-                yield from spool.slices(offset, offset + len(segment), piece)
+            slices.close()
 
     def mark_sent(self) -> None:
         """The request went upstream (again, after a refold or retry)."""
@@ -735,9 +343,7 @@ class Exchange:
 
     def accept(self) -> None:
         """The release boundary: the upstream accepted the request; no refold can follow.
-
-        Idempotent once accepted (a gated stream accepts again when its gate opens).
-        """
+        Idempotent once accepted (a gated stream accepts again when its gate opens)."""
         if self._phase is Phase.ACCEPTED:
             self.release()
             return
@@ -747,10 +353,7 @@ class Exchange:
 
     def mark_streaming(self, *, upstream_head: HeadHolder | None = None) -> None:
         """The first response byte is going to the client; no resend can follow.
-
-        ``upstream_head``, the upstream's answer whose head the client's response
-        head was built from, forgets its header fields here.
-        """
+        ``upstream_head`` (the answer the client's head was built from) forgets its fields."""
         self._check(Phase.STREAMING)
         if self._outbound is not None or self._headers is not None:
             self.drop_outbound()
@@ -760,18 +363,13 @@ class Exchange:
             self.ttfb = time.monotonic() - self.started
         self._move(Phase.STREAMING)
 
-    # ---------------------------------------------------------------- releasing
-
     def release(self, *, keep_outbound: bool = False) -> None:
         """Drop the raw buffer, the parsed body and the preparer; idempotent.
 
-        Called as soon as no refold can follow: before the last send when the
-        fold levels are used up (``keep_outbound=True``: that send still needs
-        the outbound body), else at :meth:`accept`. The outbound body and its
-        header fields survive only while ``keep_outbound`` or ``keep_for_resend`` is set (a
-        fake-completion retry may still resend it); a later call without them
-        drops it. Its digest and size stay as scalars either way. ``releases``
-        is 1 once the drop has run, and never more.
+        Called once no refold can follow: at :meth:`accept`, or before the last send
+        when the fold levels are used up (``keep_outbound``: that send needs the body).
+        The outbound body and its fields survive only while ``keep_outbound`` or
+        ``keep_for_resend`` is set; their size and digest stay. ``releases`` is 1 after.
         """
         before = self._held_total()
         if not (self.keep_for_resend or keep_outbound):
@@ -796,10 +394,7 @@ class Exchange:
         self._settle_spool()
 
     def close(self) -> None:
-        """Final cleanup in the handler's ``finally``: nothing is held afterwards.
-
-        Idempotent: closing a closed exchange does nothing.
-        """
+        """Final cleanup in the handler's ``finally``: nothing is held afterwards (idempotent)."""
         if self._phase is Phase.CLOSED:
             return
         self.keep_for_resend = False
@@ -814,38 +409,19 @@ class Exchange:
         self._settle_spool(closing=True)
         self._move(Phase.CLOSED)
 
+    def _heap(self) -> tuple[int, int, int]:
+        """Heap bytes held: ``(raw, parsed, outbound beyond raw)``, see ``heap_parts``."""
+        raw, parsed, out, view = self._raw, self.parsed_holder, self._outbound, self._raw_view
+        return heap_parts(raw, parsed, out, view, self._spool is not None, self.reading_bytes)
+
     def _held_total(self) -> int:
-        return self._held_sum() if self.on_release is not None else 0
-
-    def _held_sum(self) -> int:
-        """``held_bytes().total`` without building the record (several calls per exchange)."""
-        return self._raw_heap() + self._parsed_estimate() + self._outbound_extra()
-
-    def _raw_heap(self) -> int:
-        """Heap bytes of the raw body: its buffer, or what is being read (0 when spooled)."""
-        if self._spool is not None:
-            return 0
-        return len(self._raw) if self._raw is not None else self.reading_bytes
-
-    def _parsed_estimate(self) -> int:
-        """The parsed object's estimate: the kept one, or the one a plugin took in prepare."""
-        parsed = self.parsed_holder
-        return parsed.estimate if parsed is not None else 0
-
-    def _outbound_extra(self) -> int:
-        """Bytes the outbound body holds beyond the raw buffer (which counts once)."""
-        out, raw = self._outbound, self._raw
-        if out is None or out is raw:
-            return 0
-        if isinstance(out, Splice):
-            on_raw = (raw is not None and out.base is raw.data) or self._on_spool(out)
-            return out.owned_bytes + (0 if on_raw else out.base_bytes)
-        return 0 if self._on_spool(out) else len(out)
+        """``held_bytes().total`` when drops are reported (else 0: nothing compares it)."""
+        return sum(self._heap()) if self.on_release is not None else 0
 
     def _freed(self, before: int) -> None:
         """Tell ``on_release`` how many bytes the last drop let go (if any)."""
         if self.on_release is not None:
-            freed = before - self._held_sum()
+            freed = before - sum(self._heap())
             if freed > 0:
                 self.on_release(freed)
 
@@ -853,149 +429,18 @@ class Exchange:
         """What this exchange holds now, by kind (the raw buffer counts once even
         when it is also the outbound body)."""
         spooled = self._spool.size if self._spool is not None else 0
-        return HeldBytes(
-            self._raw_heap(),
-            self._parsed_estimate(),
-            self._outbound_extra(),
-            self.response_held,
-            spooled,
-        )
-
-    # ------------------------------------------------------------- bookkeeping
-
-    def set_session(self, session_id: str | None) -> None:
-        """The session this exchange belongs to (``None``: none), known once its body is read."""
-        self.session_id = session_id
-
-    def upstream_answered(self, status: int, wait_s: float | None = None) -> None:
-        """The upstream's HTTP status for the current attempt (a refold or resend answers anew).
-
-        ``wait_s``: seconds from send to the response head, for the access log.
-        """
-        self.status = status
-        self.upstream_status = status
-        self.upstream_s = wait_s
-
-    def conclude(self, status: int, outcome: Outcome, error: str | None = None) -> None:
-        """The final status, outcome and error when the proxy answers itself (a 4xx/5xx of ours)."""
-        self.status = status
-        self.outcome = outcome
-        self.error = error
-
-    def set_outcome(self, outcome: Outcome, error: str | None = None) -> None:
-        """The outcome (and error message) without touching the status."""
-        self.outcome = outcome
-        self.error = error
-
-    def response_complete(self) -> None:
-        """Every byte of the answer was handed to the client's connection.
-
-        After this a hang-up is no longer a failure of this exchange (see :meth:`client_gone`).
-        """
-        self._complete = True
-
-    @property
-    def answered(self) -> bool:
-        """Whether :meth:`response_complete` was called."""
-        return self._complete
-
-    def client_gone(self) -> None:
-        """The client hung up: the outcome becomes ``client_gone`` unless the answer was
-        already complete, or the outcome already names a failure of the proxy's own side
-        (an upstream that failed, a cancel, a rejection) that says more."""
-        if not self._complete and self.outcome in (Outcome.OK, Outcome.UPSTREAM_ERROR):
-            self.outcome = Outcome.CLIENT_GONE
-
-    def count_retry(self) -> None:
-        """One more fake-completion resend."""
-        self.retries += 1
-
-    def count_response_bytes(self, nbytes: int) -> None:
-        """``nbytes`` more response bytes went to the client."""
-        self.response_bytes += nbytes
-
-    def set_usage(self, tokens: UsageReport) -> None:
-        """Token usage the upstream reported (``None`` for a count it did not report),
-        as :meth:`protocols.UsageMeter.totals` gives it."""
-        self.usage = tokens
-
-    def hold_response(self, nbytes: int) -> None:
-        """The response side holds ``nbytes`` bytes now (stream head, JSON head,
-        partial-event tail together); shown as ``held_bytes().response``."""
-        self.response_held = nbytes
+        return HeldBytes(*self._heap(), self.response_held, spooled)
 
     def begin_commit(self) -> ExchangeRecord:
-        """Enter the committed phase and return the record for the ``commit`` hooks.
-
-        Raises:
-            IllegalTransition: already committed or closed (a commit runs once).
-        """
+        """Enter the committed phase; the record for the ``commit`` hooks. Raises
+        :class:`IllegalTransition` when already committed or closed (a commit runs once)."""
         self._move(Phase.COMMITTED)
         return self.commit_record()
 
     def skip_commit(self) -> None:
-        """Enter the committed phase without a record (no plugin has a ``commit`` hook).
-
-        Raises:
-            IllegalTransition: already committed or closed (a commit runs once).
-        """
+        """Enter the committed phase without a record (no plugin has a ``commit`` hook);
+        raises as :meth:`begin_commit`."""
         self._move(Phase.COMMITTED)
-
-    def commit_record(self) -> ExchangeRecord:
-        """The scalars-only record for ``commit`` hooks as of now (no phase change).
-
-        Only an exchange route's parsed body has a digest (docs/plugins.md,
-        "ExchangeRecord fields"): a request refused before its body was parsed,
-        and a passthrough route (whose body is opaque to the proxy), get
-        ``wire_digest`` ``""`` and ``outbound_digest`` ``None``, so no ledger gate
-        compares them with a conversation's history. ``request_bytes`` is then the
-        decoded body bytes received before the exchange ended (0 when none were).
-        """
-        meta = self.meta
-        tokens = self.usage
-        digest = meta.digest if meta is not None and self.protocol.is_exchange else ""
-        return ExchangeRecord(
-            exchange_id=self.id,
-            session_id=self.session_id,
-            protocol=self.protocol,
-            path=self.path,
-            model=meta.model if meta else None,
-            stream=meta.stream if meta else False,
-            wire_digest=digest,
-            comparable=meta.comparable if meta else False,
-            message_count=meta.message_count if meta else 0,
-            request_bytes=meta.byte_length if meta else self.received_bytes,
-            outbound_bytes=self.outbound_size,
-            outbound_digest=self.outbound_digest if digest else None,
-            status=self.status,
-            outcome=self.outcome,
-            fold_level=self.fold_level,
-            refolds=self.refolds,
-            retries=self.retries,
-            input_tokens=tokens.input_tokens,
-            output_tokens=tokens.output_tokens,
-            cache_read_tokens=tokens.cache_read_tokens,
-            cache_write_tokens=tokens.cache_write_tokens,
-            cache_write_5m_tokens=tokens.cache_write_5m_tokens,
-            cache_write_1h_tokens=tokens.cache_write_1h_tokens,
-            response_bytes=self.response_bytes,
-            started_at=self.started_wall,
-            ttfb_s=self.ttfb,
-            duration_s=time.monotonic() - self.started,
-            error=self.error,
-        )
-
-    def age(self) -> float:
-        """Seconds since the request arrived."""
-        return time.monotonic() - self.started
 
     def __repr__(self) -> str:
         return f"<Exchange {self.id} {self.protocol} {self._phase.value} held={self.held_bytes()}>"
-
-
-_NULL_LOCK: Final = contextlib.nullcontext()  # stateless: one serves every exchange
-
-
-def null_lock() -> AbstractAsyncContextManager[object]:
-    """The lock context for a request without a session."""
-    return _NULL_LOCK

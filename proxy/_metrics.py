@@ -35,8 +35,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ._exchange import Phase
 from ._fdlimit import EXHAUSTED_MESSAGE
+from ._phases import Phase
 from ._protocols import Protocol as ApiProtocol
 from ._tally import CounterTally, GaugeTally, HistogramSeries, HistogramTally, Tally, TallyCollector
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import ssl
@@ -28,11 +29,13 @@ from ._cancel import orderly_cancel_reason
 from ._coding import BodyError, ContentDecoder, parse_content_encoding
 from ._config import Settings
 from ._egress import EgressError, choose_proxy
-from ._exchange import Exchange, Outcome
+from ._exchange import Exchange
 from ._fdlimit import EXHAUSTED_MESSAGE, is_fd_exhaustion
 from ._front import Answer, Request, StreamAnswer
 from ._headers import response_headers
 from ._logs import LogLimiter
+from ._plugins import Outcome
+from ._prepare import refold
 from ._protocols import Protocol
 from ._stream import (
     Accept,
@@ -353,7 +356,17 @@ def _finishes(actions: list[Action], start: int) -> bool:
     return all(isinstance(a, (Usage, Linger)) for a in actions[start:-1])
 
 
-_Verdict = str  # "done" | "refold" | "retry"
+class _Verdict(enum.Enum):
+    """How one upstream answer ended, for the attempt loop (:meth:`_Relay.run`)."""
+
+    #: The answer went to the client (or the client's answer is decided): no new attempt.
+    DONE = "done"
+    #: The exchange was re-prepared at the next fold level: send the smaller body.
+    REFOLD = "refold"
+    #: A fake-completion resend of the same body.
+    RETRY = "retry"
+
+
 # Gate states after which nothing more may be fed: the driver acts on what it has first.
 _DECIDING: Final = (GateState.DONE, GateState.REFOLDING)
 
@@ -510,7 +523,7 @@ class _Relay:
                 finally:
                     if attempt is not None:
                         attempt.end()
-                if verdict == "done":
+                if verdict is _Verdict.DONE:
                     if self.rejection is not None:
                         return self.rejection
                     assert self.client is not None
@@ -518,11 +531,11 @@ class _Relay:
                 # A new attempt: what the last gate held (the head of a refolded answer) goes.
                 self.gate = None
                 ex.hold_response(0)
-                if verdict == "retry":
+                if verdict is _Verdict.RETRY:
                     ex.count_retry()
                     attempt_reason = "resend"
                 else:
-                    # "refold": the exchange already re-prepared itself; send again.
+                    # _Verdict.REFOLD: the exchange was already re-prepared (_refold); send again.
                     attempt_reason = "refold"
         except asyncio.CancelledError as exc:
             reason = orderly_cancel_reason(exc)
@@ -548,7 +561,7 @@ class _Relay:
         return error_response(ex.protocol, 503, message, code=code, headers=retry)
 
     async def _answer(self, resp: UpstreamAnswer) -> _Verdict:
-        """Drive one upstream answer through a fresh gate: ``done``, ``refold`` or ``retry``."""
+        """Drive one upstream answer through a fresh gate to its :class:`_Verdict`."""
         ex = self.ex
         ex.upstream_answered(resp.status, resp.wait_s)
         meta = ex.meta
@@ -561,7 +574,7 @@ class _Relay:
             ex.conclude(502, Outcome.UPSTREAM_ERROR, message)
             log.warning("%s %s: %s", ex.id, ex.protocol, message)
             self.rejection = error_response(ex.protocol, 502, message)
-            return "done"
+            return _Verdict.DONE
         # Each attempt starts clean: a refold or resend discards what the last one saw.
         gate = self.gate = StreamGate(
             ex.protocol,
@@ -689,7 +702,7 @@ class _Relay:
                         if isinstance(rest, Usage):
                             ex.set_usage(rest.tokens)
                     await self._write_last(data)
-                    return "done"
+                    return _Verdict.DONE
                 client = self.client
                 assert client is not None
                 try:
@@ -711,24 +724,24 @@ class _Relay:
             elif isinstance(action, Usage):
                 ex.set_usage(action.tokens)
             elif isinstance(action, Finish):
-                return "done"
+                return _Verdict.DONE
             elif isinstance(action, Fail):
                 self._send_head()
                 self._fail(action, outcome)
-                return "done"
+                return _Verdict.DONE
             elif isinstance(action, Refold):
                 return await self._refold(action, resp)
             elif isinstance(action, Resend):
                 if self.request.client_gone():
                     raise ClientGone
                 log.info("%s: empty completion; resending (retry %d)", ex.id, ex.retries + 1)
-                return "retry"
+                return _Verdict.RETRY
             else:
                 assert isinstance(action, Reject)
                 ex.conclude(action.status, Outcome.UPSTREAM_ERROR, action.message)
                 log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
                 self.rejection = error_response(ex.protocol, action.status, action.message)
-                return "done"
+                return _Verdict.DONE
         if send_head:
             self._send_head()
         return None
@@ -742,9 +755,9 @@ class _Relay:
         ex = self.ex
         if self.request.client_gone():
             raise ClientGone
-        if await ex.refold(prompt_tokens=action.prompt_tokens, window_tokens=action.window_tokens):
+        if await refold(ex, prompt_tokens=action.prompt_tokens, window_tokens=action.window_tokens):
             log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
-            return "refold"
+            return _Verdict.REFOLD
         assert self.gate is not None
         return await self._perform(self.gate.refold_declined(), resp=resp)
 

@@ -21,6 +21,7 @@ from ._cancel import SHUTDOWN_CANCEL
 from ._commits import CommitTracker
 from ._config import Settings
 from ._exchange import Exchange
+from ._gc import IdleCollector
 from ._logs import LogLimiter
 from ._metrics import Metrics
 from ._plugins import ExchangeRecord, Outcome, PluginHost
@@ -118,6 +119,8 @@ class AppState:
         )
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
+        # A full garbage collection while quiet, when it visits few objects (proxy/_gc.py).
+        self.allocator.on_idle = IdleCollector(lambda: self.registry.in_flight_total)
         self.metrics: Final = Metrics(self)  # it reads the state when registering
         #: Requests refused for want of memory (503): one WARNING, then a count per 10 s.
         self.memory_refusals: Final = LogLimiter(log)

@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from benchmarks import _harness, memory, overhead
 from benchmarks import _report as rpt
-from benchmarks import memory, overhead
 from benchmarks._workload import (
     BenchProtocol,
     Corpus,
@@ -306,16 +306,32 @@ def test_overhead_benchmark_runs_and_its_tables_fit_80_columns(
         "--concurrent-requests", "10",
         "--throughput-requests", "20",
         "--streams", "5",
+        "--slow-streams", "4",
+        "--slow-deltas", "3",
+        "--slow-gap", "0.1",
+        "--slow-ramp", "0",
+        "--slow-rounds", "2",
         "--out", str(tmp_path),
         "--quiet",
     ]  # fmt: skip
     assert overhead.main(argv) == 0
     printed = capsys.readouterr().out
-    for title in ("Latency of small streamed requests", "Throughput:", "Memory per open idle"):
+    titles = (
+        "Latency of small streamed requests",
+        "Throughput:",
+        "Memory per open idle",
+        "Slow streams: 4 at once",
+    )
+    for title in titles:
         assert title in printed
     assert "5/5" in printed  # every idle stream opened, for both proxies
     assert 40 < _widest_table(printed) <= 80, printed
-    assert (tmp_path / "overhead.json").stat().st_size > 0
+    doc = json.loads((tmp_path / "overhead.json").read_text())
+    slow = doc["slow_streams"]
+    assert list(slow) == ["direct", "ours", "naive"]
+    # Every slow stream of both rounds through every target completed, each with its 2
+    # gaps counted.
+    assert [(s["complete"], s["gaps"], s["errors"]) for s in slow.values()] == [(8, 16, {})] * 3
 
 
 def test_throughput_table_says_n_a_when_the_naive_proxy_cpu_reads_zero() -> None:
@@ -328,6 +344,7 @@ def test_throughput_table_says_n_a_when_the_naive_proxy_cpu_reads_zero() -> None
         concurrent={},
         streams=[],
         throughput={"json": {"ours": ours, "naive": naive}},
+        slow={},
         wall_s=1.0,
         started=datetime.datetime.now(datetime.UTC),
     )
@@ -364,11 +381,11 @@ def test_cpu_seconds_of_another_process_resolves_less_than_a_tick() -> None:
     assert child.stdin is not None and child.stdout is not None
     try:
         assert child.stdout.readline() == "ready\n"
-        before = overhead._cpu_seconds(child.pid)
+        before = _harness.cpu_seconds(child.pid)
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline() == "done\n"
-        spent = overhead._cpu_seconds(child.pid) - before
+        spent = _harness.cpu_seconds(child.pid) - before
         assert 0.005 <= spent < 0.0095, spent
     finally:
         child.stdin.close()

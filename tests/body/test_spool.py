@@ -37,7 +37,9 @@ from plugins.fold import FoldPlugin
 from proxy._check import check_config
 from proxy._config import ConfigError
 from proxy._emulator import EmulatorServer
-from proxy._exchange import Exchange, HeldBytes, Phase
+from proxy._exchange import Exchange
+from proxy._holders import HeldBytes
+from proxy._phases import Phase
 from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
 from proxy._protocols import Protocol
 from proxy._spool import FileSlice, Spool, SpoolFile, SpoolFull, open_anonymous, spool_dir_problem

@@ -3,7 +3,7 @@
 The Lua scripts run in Redis itself (fakeredis would need lupa to run them, and
 its Lua is not Redis's), so these tests start a redis-server on a loopback port
 per test. Nodes here are :class:`ClusterNode` objects in this process with
-registries of their own; the HTTP layer is tested in test_cluster_e2e.py.
+registries of their own; the HTTP layer is tested in tests/cluster/test_e2e.py.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from aiohttp import web
 
 from proxy import Plugin
 from proxy._emulator import DEFAULT_TEXT, start_emulator
-from proxy._exchange import Phase
+from proxy._phases import Phase
 from proxy._plugins import PrepareContext
 from proxy._relay import ClientGone
 from proxy._wire import WireMetadata

@@ -14,16 +14,10 @@ import itertools
 import pytest
 
 from proxy import _wire as wire
-from proxy._exchange import (
-    TRANSITIONS,
-    Exchange,
-    IllegalTransition,
-    Outcome,
-    Phase,
-    Preparer,
-    null_lock,
-)
-from proxy._plugins import PluginHost
+from proxy._exchange import Exchange
+from proxy._phases import TRANSITIONS, IllegalTransition, Phase
+from proxy._plugins import Outcome, PluginHost
+from proxy._prepare import Preparer, null_lock, prepare, refold
 from proxy._protocols import Protocol, UsageReport
 
 BODY = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
@@ -57,9 +51,9 @@ def _enter(ex: Exchange, target: Phase) -> None:
         _attach(ex)
     elif target is Phase.PREPARED:
         if ex.phase is Phase.SENT:
-            asyncio.run(ex.refold())
+            asyncio.run(refold(ex))
         else:
-            asyncio.run(ex.prepare())
+            asyncio.run(prepare(ex))
     elif target is Phase.SENT:
         ex.mark_sent()
     elif target is Phase.ACCEPTED:
@@ -265,10 +259,10 @@ def test_a_prepare_run_every_plugin_declines_takes_no_lock_and_keeps_the_body() 
     ex.attach_body(buffer, meta)
     ex.bind_preparer(Preparer(PluginHost([FoldPlugin()], timeout=1.0), lock, "s"))
     raw = ex.raw_holder
-    asyncio.run(ex.prepare())
+    asyncio.run(prepare(ex))
     assert locks == [] and ex.fold_level == 0
     assert ex.phase is Phase.PREPARED and moves[-1] == (Phase.PARSED, Phase.PREPARED)
     assert ex.outbound_holder is raw and ex.outbound_size == len(buffer)
     ex.mark_sent()
-    assert asyncio.run(ex.refold()) is False  # nothing bulky to fold, but the run happened
+    assert asyncio.run(refold(ex)) is False  # nothing bulky to fold, but the run happened
     assert locks == [1] and ex.fold_level == 1 and ex.phase is Phase.PREPARED

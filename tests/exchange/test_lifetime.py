@@ -40,17 +40,13 @@ from proxy import _front as front_module
 from proxy import _loops as loops
 from proxy import _wire as wire
 from proxy._emulator import DEFAULT_TEXT, EmulatorServer, start_emulator
-from proxy._exchange import (
-    SEND_SLICE_MAX_BYTES,
-    Exchange,
-    HeldBytes,
-    Phase,
-    Preparer,
-    null_lock,
-    send_slice_bytes,
-)
+from proxy._exchange import Exchange
+from proxy._holders import HeldBytes
+from proxy._phases import Phase
 from proxy._plugins import BodyUnavailable, ExchangeRecord, Plugin, PluginHost, PrepareContext
+from proxy._prepare import Preparer, null_lock, prepare, refold
 from proxy._protocols import Protocol
+from proxy._slices import SEND_SLICE_MAX_BYTES, send_slice_bytes
 from proxy._structure import Splice
 from proxy._wire import WireMetadata
 from proxy.testing import proxy_with_emulator
@@ -130,7 +126,7 @@ async def test_untouched_body_is_held_once_and_never_parsed(counted: dict[str, i
     body = encode(conversation(CHAT))
     ex = exchange_for(body, [])
     assert ex.held_bytes() == HeldBytes(raw=len(body), parsed=0, outbound=0)
-    await ex.prepare()
+    await prepare(ex)
     assert ex.phase is Phase.PREPARED
     # The raw buffer *is* the outbound body: counted once.
     assert ex.outbound_holder is ex.raw_holder
@@ -146,7 +142,7 @@ async def test_untouched_body_is_held_once_and_never_parsed(counted: dict[str, i
 async def test_reading_plugin_parses_once_and_changes_nothing(counted: dict[str, int]) -> None:
     body = encode(conversation(CHAT))
     ex = exchange_for(body, [Reader()])
-    await ex.prepare()
+    await prepare(ex)
     # The object the plugin only read is not kept: raw is still the outbound body.
     assert ex.held_bytes() == HeldBytes(raw=len(body), parsed=0, outbound=0)
     assert ex.outbound_holder is ex.raw_holder and ex.parsed_holder is None
@@ -163,7 +159,7 @@ async def test_changed_body_replaces_the_raw_buffer_and_is_serialized_once(
     body = encode(conversation(CHAT))
     ex = exchange_for(body, [Mutator()])
     wire_digest = ex.meta.digest if ex.meta else ""
-    await ex.prepare()
+    await prepare(ex)
     outbound = ex.outbound_holder
     assert outbound is not None and ex.raw_holder is None
     # Held: the parsed body (kept for a refold) and the new outbound bytes, not the raw ones.
@@ -204,7 +200,7 @@ async def test_a_plain_whole_object_edit_drops_raw_before_the_new_body_is_serial
 
         monkeypatch.setattr(wire, "encode_body", spy)
         tracemalloc.reset_peak()
-        await ex.prepare()
+        await prepare(ex)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -233,7 +229,7 @@ async def test_view_edit_sends_slices_of_the_raw_buffer_and_refolds_from_it(
     ex = exchange_for(body, [ViewEditor()])
     raw = ex.raw_holder
     assert raw is not None
-    await ex.prepare()
+    await prepare(ex)
     splice = ex.outbound_holder
     assert isinstance(splice, Splice) and ex.raw_holder is raw
     # Held: raw once plus the replacement piece; nothing parsed, nothing joined.
@@ -248,7 +244,7 @@ async def test_view_edit_sends_slices_of_the_raw_buffer_and_refolds_from_it(
     assert json.loads(sent) == expected
     ex.mark_sent()
     # The refold edits the body as received again, not the level-0 result.
-    assert await ex.refold() is False  # one byte longer: not smaller, so no resend
+    assert await refold(ex) is False  # one byte longer: not smaller, so no resend
     again = ex.outbound_holder
     assert isinstance(again, Splice) and again is not splice
     assert json.loads(again.join())["messages"][-1]["content"].endswith("? (level 1)")
@@ -261,7 +257,7 @@ async def test_view_edit_sends_slices_of_the_raw_buffer_and_refolds_from_it(
 async def test_outbound_is_kept_for_a_resend_only_until_streaming() -> None:
     body = encode(conversation(CHAT))
     ex = exchange_for(body, [Reader()], keep_for_resend=True)
-    await ex.prepare()
+    await prepare(ex)
     ex.mark_sent()
     ex.accept()
     # Released (raw, parsed, preparer) but the bytes a resend needs are still here.
@@ -276,7 +272,7 @@ async def test_outbound_is_kept_for_a_resend_only_until_streaming() -> None:
 async def test_release_before_the_last_send_keeps_only_the_outbound() -> None:
     body = encode(conversation(CHAT))
     ex = exchange_for(body, [Reader()])
-    await ex.prepare()
+    await prepare(ex)
     ex.release(keep_outbound=True)
     assert ex.held_bytes() == HeldBytes(raw=0, parsed=0, outbound=len(body))
     assert ex.parsed_holder is None and not ex.can_refold
@@ -288,7 +284,7 @@ async def test_release_before_the_last_send_keeps_only_the_outbound() -> None:
 
 async def test_release_runs_once_whatever_the_number_of_calls() -> None:
     ex = exchange_for(encode(conversation(CHAT)), [Reader()])
-    await ex.prepare()
+    await prepare(ex)
     for _ in range(3):
         ex.release()
     ex.mark_sent()
@@ -297,7 +293,7 @@ async def test_release_runs_once_whatever_the_number_of_calls() -> None:
     assert ex.releases == 1
     assert ex.phase is Phase.CLOSED
     with pytest.raises(RuntimeError, match="after release"):
-        await ex.refold()
+        await refold(ex)
 
 
 async def test_outbound_chunks_are_views_of_the_one_buffer() -> None:
@@ -358,7 +354,7 @@ async def test_fold_refolds_through_the_view_without_a_tree_or_a_joined_copy(
     assert raw is not None
     fired: list[str] = []
     weakref.finalize(raw, fired.append, "raw")
-    await ex.prepare()
+    await prepare(ex)
     assert ex.outbound_holder is raw  # level 0: fold reads nothing
     sizes = [ex.outbound_size]
     splices: list[Splice] = []
@@ -366,7 +362,7 @@ async def test_fold_refolds_through_the_view_without_a_tree_or_a_joined_copy(
         ex.mark_sent()  # a refold answers an overflow of the body just sent
         tracemalloc.start()
         try:
-            assert await ex.refold()
+            assert await refold(ex)
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()

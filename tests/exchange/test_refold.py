@@ -29,7 +29,9 @@ import xxhash
 from plugins.fold import FoldPlugin
 from proxy import _stream as stream_module
 from proxy._emulator import DEFAULT_TEXT, start_emulator
-from proxy._exchange import Exchange, HeldBytes, Phase
+from proxy._exchange import Exchange
+from proxy._holders import HeldBytes
+from proxy._phases import Phase
 from proxy._plugins import Plugin, PrepareContext
 from proxy._protocols import Protocol
 from proxy._structure import BodyView, Splice

@@ -19,8 +19,10 @@ import xxhash
 
 from proxy import Plugin, PrepareContext, WireMetadata
 from proxy import _wire as wire
-from proxy._exchange import BodyHolder, Exchange, Preparer, null_lock
+from proxy._exchange import Exchange
+from proxy._holders import BodyHolder
 from proxy._plugins import PluginHost
+from proxy._prepare import Preparer, null_lock, prepare, refold
 from proxy._protocols import Protocol
 from proxy.testing import proxy_with_emulator
 from tests.support.e2e import CHAT_PATH, request_body
@@ -103,13 +105,13 @@ async def test_a_failed_refold_edit_keeps_the_last_body_and_the_next_refold_star
     ex = Exchange(protocol=Protocol.CHAT, method="POST", path=CHAT_PATH)
     ex.attach_body(raw, meta)
     ex.bind_preparer(Preparer(host, null_lock, None))
-    await ex.prepare()
+    await prepare(ex)
     level0 = ex.outbound_digest
     ex.mark_sent()
-    assert await ex.refold() is False  # the level-1 edit is skipped: nothing changed
+    assert await refold(ex) is False  # the level-1 edit is skipped: nothing changed
     assert ex.outbound_digest == level0 and host.failures == {"stages": 1}
     ex.mark_sent()
-    assert await ex.refold() is True  # level 2 shrinks the level-0 body
+    assert await refold(ex) is True  # level 2 shrinks the level-0 body
     outbound = ex.outbound_holder
     assert isinstance(outbound, BodyHolder)
     sent = json.loads(bytes(outbound.data))

@@ -30,6 +30,8 @@ PURE = frozenset(
         "proxy._emulator_script",
         "proxy._headers",
         "proxy._http1",
+        "proxy._holders",
+        "proxy._phases",
         "proxy._protocols",
         "proxy._session_ids",
         "proxy._shared",
@@ -232,6 +234,24 @@ def test_the_http1_core_imports_nothing_of_ours() -> None:
     graph = import_graph(files)
     assert files.keys() >= SELF_CONTAINED
     assert {name: graph[name] for name in SELF_CONTAINED} == {n: set() for n in SELF_CONTAINED}
+
+
+# Rooms kept apart (docs/design.md §8): ``(module, what it must not reach)``. The exchange
+# holds and drops the buffers; running plugins on them is the preparer's job, and a
+# preparer reachable from the exchange would let plugin code creep back in.
+APART = frozenset({("proxy._exchange", "proxy._prepare")})
+
+
+def test_rooms_kept_apart_do_not_reach_each_other() -> None:
+    files = module_files()
+    graph = import_graph(files)
+    assert {name for pair in APART for name in pair} <= files.keys()
+    reached = {
+        (name, banned, reachable(graph, name).get(banned))
+        for name, banned in sorted(APART)
+        if banned in reachable(graph, name)
+    }
+    assert reached == set(), "(module, banned module, imported by)"
 
 
 # The checks above are only as good as the graph: prove they see what they must.

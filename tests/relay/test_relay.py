@@ -12,7 +12,10 @@ dropped (closed) afterwards.
 from __future__ import annotations
 
 import asyncio
+import base64
+import gzip
 import json
+import random
 from collections.abc import AsyncIterable, Callable, Iterable, Mapping
 from typing import Any, Final, cast
 
@@ -21,11 +24,14 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy import _wire as wire
 from proxy._answer import SmallAnswer
+from proxy._cancel import SHUTDOWN_CANCEL
 from proxy._config import Settings
-from proxy._exchange import Exchange, Outcome, Phase, Preparer, null_lock
+from proxy._exchange import Exchange
 from proxy._front import Request, StreamAnswer
 from proxy._http1 import NEED_DATA, RequestHead, Response, ServerConnection
-from proxy._plugins import Plugin, PluginHost, PrepareContext
+from proxy._phases import Phase
+from proxy._plugins import Outcome, Plugin, PluginHost, PrepareContext
+from proxy._prepare import Preparer, null_lock, prepare
 from proxy._protocols import Protocol
 from proxy._relay import ClientGone, Upstream, relay
 from proxy._upstream import (
@@ -96,13 +102,15 @@ class FakeAnswer:
     """An upstream answer whose head is here; its body is a script of reads.
 
     Each item of ``reads`` is what one :meth:`read` returns (bytes) or raises (an
-    exception); after the last, ``b""`` (the end). ``released`` / ``closed`` say
+    exception) or waits for (an :class:`asyncio.Event`, a silent upstream); after
+    the last, ``b""`` (the end). ``fields`` are header fields
+    besides its ``Content-Type``. ``released`` / ``closed`` say
     what the relay did with the connection afterwards.
     """
 
     __slots__ = (
-        "_failed",
         "_reads",
+        "_unended",
         "closed",
         "content_type",
         "headers",
@@ -111,15 +119,22 @@ class FakeAnswer:
         "wait_s",
     )
 
-    def __init__(self, status: int, content_type: str, reads: Iterable[bytes | Exception]) -> None:
+    def __init__(
+        self,
+        status: int,
+        content_type: str,
+        reads: Iterable[bytes | Exception | asyncio.Event],
+        fields: Mapping[str, str] | None = None,
+    ) -> None:
         self.status = status
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(
-            CIMultiDict({"Content-Type": content_type})
+            CIMultiDict({"Content-Type": content_type, **(fields or {})})
         )
         self.content_type = content_type
         self.wait_s = 0.001
         self._reads = list(reads)
-        self._failed = False
+        # The body did not end although no read is left: cut, or silent for now.
+        self._unended = False
         self.released = False
         self.closed = False
 
@@ -129,20 +144,26 @@ class FakeAnswer:
 
     @property
     def ended(self) -> bool:
-        return not self._reads and not self._failed
+        return not self._reads and not self._unended
 
     @property
     def at_eof(self) -> bool:
-        # A body cut short never ended: its connection must not be kept.
-        return not self._reads and not self._failed
+        # A body cut short (or still going) did not end: its connection must not be kept.
+        return not self._reads and not self._unended
 
     async def read(self) -> bytes:
         if not self._reads:
             return b""
         item = self._reads.pop(0)
+        if isinstance(item, asyncio.Event):
+            # A silent upstream, until the test sets it (or cancels): its body goes on.
+            self._unended = True
+            await item.wait()
+            self._unended = False
+            return await self.read()
         if isinstance(item, Exception):
             self._reads.clear()
-            self._failed = True
+            self._unended = True
             raise item
         return item
 
@@ -309,7 +330,7 @@ class Run:
 
     async def relay(self) -> object:
         """The relay's result: a prepared :class:`StreamAnswer` or a small answer."""
-        await self.ex.prepare()
+        await prepare(self.ex)
         async with asyncio.timeout(WAIT_S):
             return await relay(
                 self.request,
@@ -435,3 +456,83 @@ async def test_an_overflow_no_refold_shrinks_reaches_the_client_as_the_upstream_
     assert body == OVERFLOW and ended
     assert len(run.pool.sent) == 1
     assert run.ex.outcome is Outcome.UPSTREAM_ERROR
+
+
+_TEXT: Final = base64.b64encode(random.Random(7).randbytes(6000)).decode()
+COMPLETION: Final = json.dumps(
+    {
+        "id": "c1",
+        "object": "chat.completion",
+        "model": "m",
+        # Incompressible text: half of the coded body holds about half of it.
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": _TEXT}}],
+    }
+).encode()
+
+
+async def test_a_gzip_answer_reaches_the_client_decoded_without_its_coding() -> None:
+    coded = gzip.compress(COMPLETION)
+    half = len(coded) // 2
+    answer = FakeAnswer(
+        200, "application/json", [coded[:half], coded[half:]], {"Content-Encoding": "gzip"}
+    )
+    run = Run([answer])
+    result = await run.relay()
+    assert isinstance(result, StreamAnswer) and result.status == 200
+    # The relay leaves the end to the handler (proxy/_app.py), which writes it.
+    await result.write_eof()
+    head, body, ended = _split(run.conn.received)
+    assert b"content-encoding" not in head.lower()
+    assert body == COMPLETION and ended
+    assert run.ex.outcome is Outcome.OK
+    assert answer.released and not answer.closed
+
+
+async def test_a_gzip_answer_cut_short_cuts_the_client_connection_instead_of_ending_it() -> None:
+    coded = gzip.compress(COMPLETION)
+    answer = FakeAnswer(
+        200, "application/json", [coded[: len(coded) // 2]], {"Content-Encoding": "gzip"}
+    )
+    run = Run([answer])
+    await run.relay()
+    _, body, ended = _split(run.conn.received)
+    # A JSON body cannot carry an error event: the client sees a truncated body
+    # (its connection closed), never a complete-looking one.
+    assert not ended and len(body) < len(COMPLETION)
+    transport = run.conn.transport
+    assert transport is not None and transport.closing
+    assert run.ex.outcome is Outcome.STREAM_ERROR
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [(SHUTDOWN_CANCEL, "proxy_shutdown"), (None, None)],
+    ids=["process-drain", "client-gone"],
+)
+async def test_a_cancel_mid_stream_ends_it_in_band_only_when_it_is_an_orderly_stop(
+    message: str | None, code: str | None
+) -> None:
+    silent = asyncio.Event()  # never set: the upstream goes quiet after one event
+    answer = FakeAnswer(200, SSE_TYPE, [_chunk("Hel"), silent])
+    run = Run([answer])
+    task = asyncio.create_task(run.relay())
+    for _ in range(100):  # bounded: the first event is written within a few loop turns
+        if _chunk("Hel") in run.conn.received:
+            break
+        await asyncio.sleep(0)
+    task.cancel(message)
+    if code is None:
+        # A plain cancel is the server edge's for a client that hung up: it propagates.
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        result = await task
+        assert isinstance(result, StreamAnswer)
+        _, body, _ = _split(run.conn.received)
+        first, _, tail = body.partition(b"\n\n")
+        assert first + b"\n\n" == _chunk("Hel")
+        error = json.loads(tail.removeprefix(b"data: "))["error"]
+        assert error["code"] == code
+        assert run.ex.outcome is Outcome.CANCELLED
+    # Either way the upstream learns nobody reads on.
+    assert answer.closed and not answer.released

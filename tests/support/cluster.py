@@ -27,6 +27,7 @@ from typing import Any, Final
 import pytest
 
 from benchmarks._cluster import nginx_config
+from benchmarks._nginx import nginx_argv
 from tests.support.ports import free_port
 
 __all__ = [
@@ -197,16 +198,7 @@ class NginxServer:
             conf = self.workdir / "nginx.conf"
             conf.write_text(nginx_config(self.port, self.nodes))
             self.proc = subprocess.Popen(
-                [
-                    self.binary,
-                    "-p",
-                    str(self.workdir),
-                    "-e",
-                    str(self.workdir / "nginx-error.log"),
-                    "-c",
-                    str(conf),
-                ],
-                stderr=subprocess.DEVNULL,
+                nginx_argv(self.binary, self.workdir, conf), stderr=subprocess.DEVNULL
             )
             return self.proc
 

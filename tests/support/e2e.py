@@ -1,6 +1,6 @@
 """Helpers shared by the end-to-end tests (``tests/e2e/``); this module holds no tests.
 
-The request-body builders and the SSE reader here serve ``test_e2e_sessions.py``,
+The request-body builders and the SSE reader here serve ``tests/e2e/test_sessions.py``,
 ``test_shutdown.py`` and ``test_emulator.py`` too. The reader is independent of
 the proxy's own framer (``proxy/_sse.py``) on purpose, so a test of that framer,
 or of the emulator that feeds it, never checks the code under test against itself.

@@ -41,7 +41,9 @@ from aiohttp import web
 from proxy import _app as app_module
 from proxy import _wire as wire
 from proxy._app import AppState
-from proxy._exchange import Exchange, HeldBytes, Phase
+from proxy._exchange import Exchange
+from proxy._holders import HeldBytes
+from proxy._phases import Phase
 from proxy._plugins import ExchangeRecord, Plugin, PrepareContext
 from proxy._wire import WireMetadata
 from tests.support.ports import free_port, serve_app

@@ -48,6 +48,7 @@ __all__ = [
     "chunk",
     "chunked",
     "content_length",
+    "dead_first",
     "json_answer",
     "pool_of",
     "proxy_app",
@@ -194,6 +195,27 @@ def black_hole(port: int = 0) -> Iterator[int]:
     finally:
         filler.close()
         hole.close()
+
+
+def dead_first(
+    loop: asyncio.AbstractEventLoop, host: str, port: int
+) -> Callable[..., Awaitable[Any]]:
+    """A stand-in for ``loop.getaddrinfo`` under which ``host`` resolves to 127.0.0.2
+    first (make it a :func:`black_hole`), then to 127.0.0.1, both on ``port``; any
+    other name resolves as before. An address routed nowhere ahead of a live one is
+    what a host's AAAA record is on a network without IPv6 routes."""
+    real = loop.getaddrinfo
+
+    async def resolve(name: Any, *args: Any, **kwargs: Any) -> Any:
+        if name == host:
+            stream = socket.SOCK_STREAM
+            return [
+                (socket.AF_INET, stream, 6, "", ("127.0.0.2", port)),
+                (socket.AF_INET, stream, 6, "", ("127.0.0.1", port)),
+            ]
+        return await real(name, *args, **kwargs)
+
+    return resolve
 
 
 def content_length(head: bytes) -> int:

@@ -15,14 +15,19 @@ real upstream on the same port.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-from typing import Any
 
 import openai
 import pytest
 
-from tests.support.upstream import Scripted, black_hole, json_answer, proxy_app, read_request
+from tests.support.upstream import (
+    Scripted,
+    black_hole,
+    dead_first,
+    json_answer,
+    proxy_app,
+    read_request,
+)
 
 
 async def test_a_dead_first_address_falls_back_to_the_next_one_within_two_seconds() -> None:
@@ -37,18 +42,7 @@ async def test_a_dead_first_address_falls_back_to_the_next_one_within_two_second
         with black_hole(port), pytest.MonkeyPatch.context() as patch:
             await asyncio.sleep(0.1)
             loop = asyncio.get_running_loop()
-            real = loop.getaddrinfo
-
-            async def resolve(host: Any, *args: Any, **kwargs: Any) -> Any:
-                if host == "upstream.test":
-                    stream = socket.SOCK_STREAM
-                    return [
-                        (socket.AF_INET, stream, 6, "", ("127.0.0.2", port)),
-                        (socket.AF_INET, stream, 6, "", ("127.0.0.1", port)),
-                    ]
-                return await real(host, *args, **kwargs)
-
-            patch.setattr(loop, "getaddrinfo", resolve)
+            patch.setattr(loop, "getaddrinfo", dead_first(loop, "upstream.test", port))
             async with (
                 proxy_app(f"http://upstream.test:{port}", upstream_connect_timeout=4.0) as (
                     url,

@@ -10,14 +10,12 @@ sandbox has no host name with two addresses, so the test gives one through
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-from typing import Any
 
 import uvloop
 
 from proxy._upstream import UpstreamPool, UpstreamTarget
-from tests.support.upstream import Scripted, black_hole, json_answer, read_request
+from tests.support.upstream import Scripted, black_hole, dead_first, json_answer, read_request
 
 
 async def _dead_first_address() -> tuple[float, int]:
@@ -30,18 +28,7 @@ async def _dead_first_address() -> tuple[float, int]:
         port = upstream.port
         with black_hole(port):
             loop = asyncio.get_running_loop()
-            real = loop.getaddrinfo
-
-            async def resolve(host: Any, *args: Any, **kwargs: Any) -> Any:
-                if host == "upstream.test":
-                    stream = socket.SOCK_STREAM
-                    return [
-                        (socket.AF_INET, stream, 6, "", ("127.0.0.2", port)),
-                        (socket.AF_INET, stream, 6, "", ("127.0.0.1", port)),
-                    ]
-                return await real(host, *args, **kwargs)
-
-            loop.getaddrinfo = resolve  # type: ignore[method-assign]
+            loop.getaddrinfo = dead_first(loop, "upstream.test", port)  # type: ignore[method-assign]
             pool = UpstreamPool(connect_timeout=10.0, idle_read=5.0, max_connections=0)
             started = time.monotonic()
             try:
