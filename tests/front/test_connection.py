@@ -12,7 +12,8 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy._answer import SmallAnswer
-from proxy._front import FrontServer, Handler, Request, StreamAnswer
+from proxy._front import Handler, Request, StreamAnswer
+from proxy._listener import FrontServer
 
 pytestmark = pytest.mark.asyncio
 
