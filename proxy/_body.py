@@ -43,7 +43,7 @@ from ._coding import (
     parse_content_encoding,
 )
 from ._fdlimit import EXHAUSTION_ERRNOS
-from ._front import BodyStream, ClientBodyError
+from ._front import BodyStream, ClientBodyError, ClientFramingError
 from ._spool import SpoolNoDescriptor
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "BodyBusy",
     "BodyEncodingError",
     "BodyError",
+    "BodyFraming",
     "BodyIncomplete",
     "BodyMemory",
     "BodyTimeout",
@@ -76,13 +77,28 @@ _NO_TIMER: Final = contextlib.nullcontext()
 
 
 class BodyIncomplete(BodyError):
-    """400: the client closed, or broke the framing, before the body was complete."""
+    """400: the client closed the connection, or sent fewer bytes than declared, mid-body."""
 
     status = 400
     kind = "incomplete"
 
     def __init__(self) -> None:
         super().__init__("request closed before body completed")
+
+
+class BodyFraming(BodyError):
+    """400: the client broke the body's framing (a bad chunk size, chunk data over its size).
+
+    Not a hang-up: the client may still be connected and reads the answer
+    (RFC 9112 §7.1); the connection closes after it, since the rest of the
+    stream cannot be framed. ``message`` is the parser's description of the fault.
+    """
+
+    status = 400
+    kind = "malformed_request"
+
+    def __init__(self, fault: str) -> None:
+        super().__init__(f"the request body's framing is broken ({fault})")
 
 
 class BodyTimeout(BodyError):
@@ -265,7 +281,8 @@ async def read_body(
         BodyTooLarge: 413, from the declared length before reading, or as soon as
             the decoded size (or the wire size of an encoded body, see
             :func:`encoded_size_cap`) passes the limit; reading stops there.
-        BodyIncomplete: 400, the client closed or broke the framing mid-body.
+        BodyIncomplete: 400, the client closed mid-body.
+        BodyFraming: 400, the client broke the body's chunked framing.
         BodyTimeout: 408, no progress for ``idle_timeout`` seconds, or the body
             not complete after ``body_timeout`` seconds.
         BodyEncodingError: 415 for an unknown coding (before reading), 400 for
@@ -377,7 +394,9 @@ async def _pump(
             while True:
                 try:
                     chunk = await content.read(chunk_bytes)
-                except ClientBodyError:  # the client left or broke the framing
+                except ClientFramingError as fault:  # the client is still there
+                    return BodyFraming(str(fault)), wire
+                except ClientBodyError:  # the client left
                     return BodyIncomplete(), wire
                 if not chunk:
                     break

@@ -59,7 +59,7 @@ from ._http1 import (
     closing_answer,
 )
 from ._protocols import Protocol, error_body
-from ._request import BodyStream, ClientBodyError, Request
+from ._request import BodyStream, ClientBodyError, ClientFramingError, Request
 from ._stream_answer import StreamAnswer
 
 __all__ = [
@@ -70,6 +70,7 @@ __all__ = [
     "BodyStream",
     "ClientBodyError",
     "ClientConnection",
+    "ClientFramingError",
     "FlowControl",
     "Handler",
     "Listener",
@@ -423,7 +424,7 @@ class ClientConnection(asyncio.Protocol):
         log.warning("%s: malformed request (%s)", self._peer(), words)
         parsing = self._parsing
         if parsing is not None:
-            parsing.content.set_exception(ClientBodyError("the request's framing is broken"))
+            parsing.content.set_exception(ClientFramingError(words))
             self._parsing = None
         if self.http.state is ServerState.CLOSING:  # nothing ahead of the fault to answer
             self._refuse(words)

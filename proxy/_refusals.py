@@ -24,7 +24,7 @@ import enum
 from collections.abc import Mapping
 from typing import Final
 
-from ._body import BodyError, BodyIncomplete, BodyMemory
+from ._body import BodyError, BodyFraming, BodyIncomplete, BodyMemory
 from ._cancel import PROXY_SHUTDOWN
 from ._fdlimit import EXHAUSTED_MESSAGE
 from ._plugins import Outcome
@@ -145,6 +145,8 @@ ANSWERS: Final[Mapping[type[BaseException], Rule]] = {
     SessionClosed: Rule(503, "session_closed", message="session closed", retry_after=True),
     WireError: Rule(400, "invalid_json"),
     BodyIncomplete: Rule(None, None, close=True, effect=Effect.GONE_MID_BODY),
+    # The client broke the framing but is still there: a refusal, not a hang-up.
+    BodyFraming: Rule(None, None, close=True),
     BodyMemory: Rule(None, None, close=True, effect=Effect.MEMORY),
     SpoolFull: Rule(None, None, close=True, effect=Effect.SPOOL_FULL),
     SpoolNoDescriptor: Rule(None, None, close=True, effect=Effect.FD_EXHAUSTED),

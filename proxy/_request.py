@@ -16,7 +16,15 @@ from multidict import CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from ._http1 import InformationalResponse, RequestHead, Response, ServerConnection
 
-__all__ = ["BODY_HIGH_WATER", "Begun", "BodyStream", "ClientBodyError", "Link", "Request"]
+__all__ = [
+    "BODY_HIGH_WATER",
+    "Begun",
+    "BodyStream",
+    "ClientBodyError",
+    "ClientFramingError",
+    "Link",
+    "Request",
+]
 
 BODY_HIGH_WATER: Final = 256 * 1024
 """Unread body bytes buffered for a request before reading pauses (backpressure on the client)."""
@@ -66,6 +74,13 @@ class Link(Protocol):
 
 class ClientBodyError(Exception):
     """A request body could not be received whole: the client left, or broke its framing."""
+
+
+class ClientFramingError(ClientBodyError):
+    """The client broke the body's framing (RFC 9112 §7.1) and may still be connected.
+
+    Its text is the parser's description of the fault (no client bytes): safe to show.
+    """
 
 
 class BodyStream:

@@ -13,7 +13,15 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy._app import _refuse
-from proxy._body import BodyBusy, BodyError, BodyIncomplete, BodyMemory, BodyTimeout, BodyTooLarge
+from proxy._body import (
+    BodyBusy,
+    BodyError,
+    BodyFraming,
+    BodyIncomplete,
+    BodyMemory,
+    BodyTimeout,
+    BodyTooLarge,
+)
 from proxy._coding import BodyEncodingError
 from proxy._config import Settings
 from proxy._exchange import Exchange
@@ -54,6 +62,10 @@ CASES: list[tuple[BaseException, tuple[int, str, Outcome, bool, bool, Effect]]] 
     (
         BodyIncomplete(),
         (400, "incomplete", Outcome.REJECTED, True, False, Effect.GONE_MID_BODY),
+    ),
+    (
+        BodyFraming("malformed HTTP request"),
+        (400, "malformed_request", Outcome.REJECTED, True, False, Effect.NONE),
     ),
     (BodyTooLarge(1024), (413, "too_large", Outcome.REJECTED, True, False, Effect.NONE)),
     (

@@ -666,7 +666,7 @@ async def test_broken_chunk_framing_ends_the_read_at_once(harness: Harness) -> N
             status, payload = await read_response(reader)
         finally:
             await close_quietly(writer)
-    assert (status, payload["kind"]) == (400, "incomplete")
+    assert (status, payload["kind"]) == (400, "malformed_request")
     # The bytes after the broken chunk line stay with the connection: the last socket
     # read (asyncio reads up to 256 KiB at once) and the parser's pieces of it,
     # both freed when the connection closes. How much depends on how the 4 MiB
