@@ -720,6 +720,8 @@ class _Relay:
             elif isinstance(action, Linger):
                 # The final event is out: a hang-up from now on is no failure.
                 ex.response_complete()
+                if action.failed:  # booked as a failed upstream answer, as an error status is
+                    ex.set_outcome(Outcome.UPSTREAM_ERROR)
                 self.linger_until = asyncio.get_running_loop().time() + action.seconds
             elif isinstance(action, Usage):
                 ex.set_usage(action.tokens)

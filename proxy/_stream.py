@@ -177,11 +177,17 @@ class Resend:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Linger:
-    """The terminal event was relayed: read on for at most ``seconds``, then end."""
+    """The terminal event was relayed: read on for at most ``seconds``, then end.
+
+    ``failed``: the terminal event reports an error in band (Responses'
+    ``response.failed`` or ``error``, a chat error chunk, Anthropic's ``error``):
+    the exchange is booked ``upstream_error`` though its status was 200.
+    """
 
     kind: ClassVar[ActionKind] = ActionKind.LINGER
 
     seconds: float
+    failed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -402,6 +408,7 @@ class StreamGate:
         "_buf",
         "_can_refold",
         "_exchange",
+        "_failed",
         "_framer",
         "_json_head",
         "_may_resend",
@@ -450,6 +457,8 @@ class StreamGate:
         self._usage = protocols.UsageMeter(protocol)
         self._opened = self._accepted = False
         self._output = self._terminal = self._overflow = False
+        # The terminal event seen so far reports an error in band.
+        self._failed = False
         # Part of the unfinished event already went out (it outgrew PARTIAL_EVENT_CAP).
         self._spilled = False
         # Events whose usage was read from the tail before their blank line arrived.
@@ -743,10 +752,13 @@ class StreamGate:
                     output = True
                 elif (name in terminal_events) if name is not None else is_terminal(event):
                     terminal = True
+                    self._failed = protocols.is_error_event(self._protocol, event)
                     if gated and protocols.is_overflow_event(self._protocol, event):
                         self._overflow = True
             elif not terminal:
                 terminal = (name in terminal_events) if name is not None else is_terminal(event)
+                if terminal:
+                    self._failed = protocols.is_error_event(self._protocol, event)
         self._output, self._terminal = output, terminal
         self._precounted, self._next_seq = precounted, next_seq
 
@@ -793,7 +805,7 @@ class StreamGate:
             # R1: the answer is complete; whatever follows goes out as it comes.
             self._flush(actions)
             self._state = GateState.TERMINAL
-            actions.append(Linger(TERMINAL_EOF_GRACE))
+            actions.append(Linger(TERMINAL_EOF_GRACE, failed=self._failed))
             return actions
         self._forward_ready(actions)
         return actions
@@ -857,6 +869,7 @@ class StreamGate:
         if not (protocols.is_terminal_event(self._protocol, event) and _whole_data(event.data)):
             return
         self._terminal = True
+        self._failed = protocols.is_error_event(self._protocol, event)
         self._usage.feed_event(event)
         self._precounted = 1
 

@@ -42,6 +42,7 @@ __all__ = [
     "error_body",
     "event_type",
     "inband_error",
+    "is_error_event",
     "is_output_event",
     "is_overflow_event",
     "is_overflow_response",
@@ -162,6 +163,15 @@ def is_overflow_event(protocol: Protocol, event: SSEEvent) -> bool:
     wording ("prompt is too long"). Never raises.
     """
     return _says_overflow(DIALECTS[protocol].stream_error(event))
+
+
+def is_error_event(protocol: Protocol, event: SSEEvent) -> bool:
+    """Whether a streamed (terminal) event reports an error inside a 200 stream.
+
+    RESPONSES: ``response.failed`` or ``error``; CHAT: a ``data: {"error": ...}``
+    chunk; Anthropic: an ``error`` event. Never raises.
+    """
+    return DIALECTS[protocol].stream_error(event) is not None
 
 
 def is_output_event(protocol: Protocol, event: SSEEvent) -> bool:

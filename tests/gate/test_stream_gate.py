@@ -349,7 +349,7 @@ def test_a_declined_refold_relays_the_overflow_as_it_came() -> None:
         Accept(),
         Open(),
         Forward(RESP_CREATED + RESP_FAILED_OVERFLOW),
-        Linger(TERMINAL_EOF_GRACE),  # response.failed is the terminal event
+        Linger(TERMINAL_EOF_GRACE, failed=True),  # response.failed: terminal, and a failure
     ]
     with pytest.raises(GateError):
         g.refold_declined()
