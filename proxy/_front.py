@@ -57,6 +57,7 @@ from ._http1 import (
     ServerConnection,
     ServerState,
     closing_answer,
+    refusal_status,
 )
 from ._protocols import Protocol, error_body
 from ._request import BodyStream, ClientBodyError, ClientFramingError, Request
@@ -430,9 +431,9 @@ class ClientConnection(asyncio.Protocol):
             self._refuse(words)
 
     def _refuse(self, words: str) -> None:
-        self.write(
-            closing_answer(400, error_body(Protocol.OPENAI, 400, words, code="malformed_request"))
-        )
+        status = refusal_status(words)
+        code = "malformed_request" if status == 400 else "not_implemented"
+        self.write(closing_answer(status, error_body(Protocol.OPENAI, status, words, code=code)))
         self._close()
 
     def _peer(self) -> str:

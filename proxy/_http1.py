@@ -66,6 +66,7 @@ __all__ = [
     "NEED_DATA",
     "PAUSED",
     "QUEUED_MAX",
+    "UNSUPPORTED_TRANSFER_CODING",
     "After",
     "BadRequest",
     "ClientConnection",
@@ -89,6 +90,7 @@ __all__ = [
     "closing_answer",
     "field_lines",
     "keep_alive_timeout",
+    "refusal_status",
 ]
 
 
@@ -148,6 +150,21 @@ arriving would be answered with a reset, which loses it the answer (a 413) it ha
 QUEUED_MAX: Final = 4
 """Pipelined requests parsed ahead of the one being answered before parsing pauses
 (:data:`PAUSED`: the driver stops reading; the bytes already read wait unparsed)."""
+
+
+#: The fault of a request whose ``Transfer-Encoding`` is more than ``chunked``: a 501.
+UNSUPPORTED_TRANSFER_CODING: Final = "a transfer coding other than chunked is not implemented"
+
+
+def _codings(values: list[str]) -> list[str]:
+    """The transfer codings named by ``Transfer-Encoding`` values, lowercased, in order."""
+    return [c.strip().lower() for value in values for c in value.split(",") if c.strip()]
+
+
+def refusal_status(words: str) -> int:
+    """The status of the answer to a :class:`BadRequest` saying ``words``: 501 for a
+    transfer coding the proxy does not implement (RFC 9112 §6.1), else 400."""
+    return 501 if words == UNSUPPORTED_TRANSFER_CODING else 400
 
 
 class MalformedRequest(Exception):
@@ -449,8 +466,15 @@ class RequestFraming:
         if version != "1.0" and "Host" not in headers:
             # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host.
             raise MalformedRequest("an HTTP/1.1 request without a Host field")
+        if len(headers.getall("Host", ())) > 1:
+            # RFC 9112 §3.2: a request with more than one Host field is answered 400.
+            raise MalformedRequest("a request with more than one Host field")
         declared = headers.get("Content-Length")
         chunked = "Transfer-Encoding" in headers
+        if chunked and _codings(headers.getall("Transfer-Encoding")) != ["chunked"]:
+            # RFC 9112 §6.1: a transfer coding the server does not implement is a 501,
+            # and the body cannot be framed, so the connection closes after it.
+            raise MalformedRequest(UNSUPPORTED_TRANSFER_CODING)
         self.events.append(
             RequestHead(
                 parser.get_method().decode("ascii"),
