@@ -97,7 +97,7 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
     """
     route = protocols.route(request.method, request.path, request.headers)
     if route is None:
-        return error_response(Protocol.OPENAI, 404, f"unknown route {request.path}")
+        return error_response(_path_protocol(request.path), 404, f"unknown route {request.path}")
     ex = Exchange(
         protocol=route.protocol,
         method=request.method,
