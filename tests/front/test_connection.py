@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
+from typing import Final
 
 import pytest
 from multidict import CIMultiDict
 
 from proxy._answer import SmallAnswer
 from proxy._front import FrontServer, Handler, Request, StreamAnswer
+from proxy.testing import Harness, proxy_with_emulator
+from tests.exchange.test_commit_refused import Recorder
+from tests.support.e2e import CHAT_PATH, exact_body
+from tests.support.upstream import Scripted, proxy_for, read_request
 
 pytestmark = pytest.mark.asyncio
 
@@ -241,3 +247,186 @@ async def test_a_field_with_a_line_break_never_splits_the_answer(field: tuple[st
         got = await exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", until_close=True)
     assert b"Injected" not in got
     assert got.startswith(b"HTTP/1.1 500 ")
+
+
+# -----------------------------------------------------------------------------
+# The answer to a ``HEAD`` request relayed from an upstream (proxy/_front.py, ``StreamAnswer``).
+#
+# RFC 9110 §8.6: a server MUST NOT send ``Content-Length`` in an answer to
+# ``HEAD`` unless it equals the length a ``GET`` would get. The relay writes no
+# body for a ``HEAD`` (the upstream sent none), so the count of bytes written
+# is 0 whatever the resource's size: the proxy said ``Content-Length: 0`` for a
+# file the upstream said was 1234 bytes. A client asking its size with ``HEAD``
+# was told it is empty. (The upstream's own length cannot be passed on: the
+# proxy decodes content codings.) The kept connection still serves the next
+# request.
+
+
+async def test_a_head_answer_does_not_claim_an_empty_body() -> None:
+    async def files(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        for _ in range(10):  # bounded
+            head, _body = await read_request(reader)
+            if head.startswith(b"HEAD "):
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n\r\n"
+                )
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    async with Scripted(files) as upstream, proxy_for(upstream.url) as url:
+        host, _, port = url.removeprefix("http://").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(
+                b"HEAD /v1/files/f1/content HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            async with asyncio.timeout(5):
+                head = await reader.readuntil(b"\r\n\r\n")
+                after = await reader.readuntil(b"\r\n\r\n")
+                body = await reader.readexactly(2)
+        finally:
+            writer.close()
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"content-length: 0\r\n" not in head.lower()
+    assert after.startswith(b"HTTP/1.1 200 OK\r\n") and body == b"{}"
+
+
+# -----------------------------------------------------------------------------
+# A whole request pipelined ahead of malformed bytes is answered and committed.
+#
+# The client's bytes may arrive in one read or several: the outcome must not
+# depend on where the segments fall. Before, a request and the bad bytes behind
+# it in one read were dropped together (no answer, no commit); in two reads the
+# whole body was thrown away and the request booked as a client gone mid-body.
+
+
+GARBAGE: Final = b"\x00GARBAGE\r\n\r\n"
+
+
+async def _exchange(h: Harness, pieces: list[bytes]) -> bytes:
+    """Send ``pieces`` (0.2 s apart) on one connection; all the proxy answered."""
+    host, _, port = h.url.removeprefix("http://").partition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        for i, piece in enumerate(pieces):
+            if i:
+                await asyncio.sleep(0.2)
+            writer.write(piece)
+        async with asyncio.timeout(10):
+            return await reader.read(-1)  # the proxy closes after its 400
+    finally:
+        writer.close()
+
+
+def _post(body: bytes, length: int | None = None) -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n"
+        % (CHAT_PATH.encode(), len(body) if length is None else length)
+    )
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-read", "head-then-rest"])
+async def test_a_request_pipelined_ahead_of_garbage_is_answered_and_committed(
+    split: bool,
+) -> None:
+    body = exact_body(CHAT_PATH, 300)
+    head = _post(body)
+    pieces = [head, body + GARBAGE] if split else [head + body + GARBAGE]
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[recorder]) as h:
+        answer = await _exchange(h, pieces)
+        await h.settle()
+        assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer[:200]
+        assert answer.count(b"HTTP/1.1 400 ") == 1 and b"malformed_request" in answer
+        assert [(r.outcome.value, r.status, r.request_bytes) for r in recorder.records] == [
+            ("ok", 200, len(body))
+        ]
+        assert not h.state.exchanges
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-read", "head-then-rest"])
+async def test_a_content_length_shorter_than_the_body_is_judged_on_the_declared_bytes(
+    split: bool,
+) -> None:
+    """The declared 250 bytes are the request (cut JSON: 400 invalid_json, committed);
+    the 50 after them are a malformed next request (400, close)."""
+    body = exact_body(CHAT_PATH, 300)
+    head = _post(body, 250)
+    pieces = [head, body] if split else [head + body]
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[recorder]) as h:
+        answer = await _exchange(h, pieces)
+        await h.settle()
+        assert b"invalid_json" in answer and b"malformed_request" in answer, answer
+        assert [
+            (r.outcome.value, r.status, r.error, r.request_bytes) for r in recorder.records
+        ] == [("rejected", 400, "invalid_json", 250)]
+
+
+async def test_a_request_queued_behind_one_in_flight_is_answered_before_the_400() -> None:
+    """The first request streams for a while; the second and the bad bytes come
+    meanwhile: both requests are answered and committed, then the 400 closes."""
+    slow = exact_body(CHAT_PATH, 300)
+    quick = exact_body(CHAT_PATH, 200)
+    first = (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"x-emulator: stall_headers=0.5\r\nContent-Length: %d\r\n\r\n"
+        % (CHAT_PATH.encode(), len(slow))
+    ) + slow
+    recorder = Recorder()
+    async with proxy_with_emulator(plugins=[recorder]) as h:
+        answer = await _exchange(h, [first, _post(quick) + quick + GARBAGE])
+        await h.settle()
+        assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer[:300]
+        assert answer.rindex(b"HTTP/1.1 400 ") > answer.rindex(b"HTTP/1.1 200 OK")
+        assert [(r.outcome.value, r.request_bytes) for r in recorder.records] == [
+            ("ok", len(slow)),
+            ("ok", len(quick)),
+        ]
+
+
+# -----------------------------------------------------------------------------
+# An ``Expect`` other than ``100-continue`` is a 417 on every route, never a 500.
+#
+# Found by the HTTP fuzzer (tests/e2e/test_properties_http.py): aiohttp's own answer
+# echoes the value into its 417 text and fails with a 500 when the value is not
+# valid UTF-8 (``Expect: \x80``), on every route that is not the proxy's /v1 one,
+# matched or not.
+
+
+@pytest.mark.parametrize("value", [b"\x80", b"bogus", b"100-continue, x"])
+async def test_an_unknown_expectation_is_417_on_every_path(value: bytes) -> None:
+    async with proxy_with_emulator() as h:
+        port = int(h.url.rsplit(":", 1)[1])
+        for target, shape in [
+            (b"/", "openai"),
+            (b"/nope", "openai"),
+            (b"/healthz", "openai"),
+            (b"/admin/shutdown", "openai"),
+            (b"/v1/chat/completions", "openai"),
+            (b"/v1/messages?beta=true", "anthropic"),
+        ]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(
+                    b"POST "
+                    + target
+                    + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: "
+                    + value
+                    + b"\r\nContent-Length: 2\r\n\r\n{}"
+                )
+                async with asyncio.timeout(10):
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    body = json.loads(await reader.readexactly(length))
+            finally:
+                writer.close()
+            assert head.startswith(b"HTTP/1.1 417 "), (target, head[:40])
+            error = body["error"]
+            assert error["message"] == "only Expect: 100-continue is supported"
+            assert (body.get("type") == "error") == (shape == "anthropic")
+        # The shutdown route was refused, not run.
+        assert not h.state.draining
