@@ -19,7 +19,7 @@ from typing import Final
 
 from ._body import BodyBusy, check_content_length
 from ._exchange import Exchange
-from ._front import RequestHead
+from ._http1 import RequestHead
 from ._protocols import Protocol
 from ._refusals import CommitBacklog, Draining, SessionRequired, Shed
 from ._spool import SpoolBusy

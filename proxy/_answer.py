@@ -1,6 +1,6 @@
 """A small, complete answer as a value: status, fields, body bytes.
 
-Pure: no I/O. The server edge (:meth:`proxy._front._Connection._write_response`)
+Pure: no I/O. The server edge (:meth:`proxy._front.ClientConnection._write_response`)
 writes it, adding the framing (``Content-Length``, ``Connection: close``) and
 ``Date``; everything that answers with a body it has in full (errors in the
 client's protocol shape, the admin routes, the live page's files) builds one.

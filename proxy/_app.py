@@ -31,8 +31,9 @@ from ._body import BodyIncomplete, read_body
 from ._cancel import PROXY_SHUTDOWN, orderly_cancel_reason
 from ._config import ConfigError, Settings
 from ._exchange import Exchange
-from ._front import Answer, FrontServer, Request, StreamAnswer
+from ._front import Answer, Request, StreamAnswer
 from ._headers import forward_headers
+from ._listener import FrontServer
 from ._phases import Phase
 from ._plugins import Outcome, PluginHost, load_plugins
 from ._prepare import Preparer, null_lock, prepare

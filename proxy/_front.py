@@ -1,35 +1,29 @@
-"""The HTTP/1.1 server edge: request framing (sans-I/O), the connection driver, the listener.
+"""The HTTP/1.1 server edge's I/O: the connection driver and the listener.
 
-Replaces aiohttp's server for the proxy (its request
-handler, router, middlewares and response classes cost ~120 µs of CPU per
-request, more than all of this proxy's own per-request logic). Three layers,
-each usable alone:
+Replaces aiohttp's server for the proxy (its request handler, router,
+middlewares and response classes cost ~120 µs of CPU per request, more than all
+of this proxy's own per-request logic). What HTTP/1.1 decides (framing,
+keep-alive, pipelining, the linger, the 400 of bad bytes, the one deadline) is
+:class:`proxy._http1.ServerConnection`'s; this module moves bytes and runs
+handlers:
 
-* :class:`RequestFraming`: bytes in, events out (a :class:`RequestHead`, body
-  pieces as ``bytes``, :data:`END` after each request). llhttp (``httptools``)
-  does the parsing, strictly: both ``Content-Length`` and ``Transfer-Encoding``,
-  a bad chunk size, a control character in a field are errors
-  (:class:`MalformedRequest`). Limits of our own (llhttp has none): a request
-  target or header field over :data:`MAX_LINE_BYTES`, more than
-  :data:`MAX_FIELDS` fields, a head over :data:`MAX_HEAD_BYTES` (a chunked
-  body's trailer fields too).
-* :class:`_Connection`: one client connection. One request is handled at a
-  time, in a task of its own (pipelined requests wait, in order, and reading
-  pauses behind a few); a client that hangs up cancels its handler's task.
-  One timer per connection, re-armed lazily, keeps two deadlines: request
-  headers complete within ``header_timeout`` seconds of their first piece
-  (docs/design.md §3; a slowloris client is closed without an answer) and an
-  idle keep-alive connection closed after ``keepalive_timeout`` seconds.
-* :class:`FrontServer`: the listener and its connections, with a bounded
-  shutdown (idle connections close at once, busy ones after their answer). It
-  accepts by itself so that it can keep descriptors free
-  (:class:`proxy._fdlimit.FdBudget`): below the floor a connection gets one
-  answer (a probe's, or a 503), and accepting pauses before ``accept`` fails.
+* :class:`ClientConnection`: one client connection, driving its machine. One request
+  is handled at a time, in a task of its own (pipelined requests wait, in order,
+  and reading pauses behind a few); a client that hangs up cancels its handler's
+  task. One timer per connection, re-armed lazily, at the machine's
+  :meth:`~proxy._http1.ServerConnection.next_deadline`: request headers complete
+  within ``header_timeout`` seconds of their first piece (docs/design.md §3; a
+  slowloris client is closed without an answer), an idle keep-alive connection
+  closed after ``keepalive_timeout`` seconds, a linger after
+  :data:`proxy._http1.LINGER_TIMEOUT`. A :class:`FlowControl` records why reading
+  is paused (a body piled up unread, pipelined requests queued) and whether
+  writing is.
+* The listener that accepts connections is :mod:`proxy._listener`'s.
 
-A handler gets a :class:`Request` (head, :class:`BodyStream`, the transport)
+A handler gets a :class:`proxy._request.Request` (head, body stream, connection)
 and returns an answer: a :class:`proxy._answer.SmallAnswer` (a small, complete
-one; it is only a value here, written by :meth:`_Connection._write_response`) or
-a :class:`StreamAnswer` it has prepared and written itself.
+one; it is only a value here, written by :meth:`ClientConnection._write_response`) or
+a :class:`proxy._stream_answer.StreamAnswer` it has prepared and written itself.
 
 Socket reads are sized for the body: asyncio's selector
 transport receives up to ``max_size`` bytes per read (256 KiB, a CPython class
@@ -45,68 +39,50 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import email.utils
-import errno
-import http
 import logging
-import socket
-import time
-import urllib.parse
+import typing
 from collections.abc import Awaitable, Callable
 from typing import Final, cast
 
-import httptools
-from multidict import CIMultiDict, CIMultiDictProxy, MultiDict, MultiDictProxy
-
 from ._answer import SmallAnswer
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
-from ._fdlimit import EXHAUSTED_MESSAGE, FdBudget, Verdict
-from ._logs import LogLimiter
+from ._http1 import (
+    END,
+    NEED_DATA,
+    PAUSED,
+    After,
+    BadRequest,
+    RequestHead,
+    Response,
+    ServerConnection,
+    ServerState,
+    closing_answer,
+)
 from ._protocols import Protocol, error_body
+from ._request import BodyStream, ClientBodyError, Request
+from ._stream_answer import StreamAnswer
 
 __all__ = [
-    "END",
     "HEAD_READ_BYTES",
-    "KEEPALIVE_TIMEOUT",
-    "LINGER_TIMEOUT",
-    "MAX_FIELDS",
-    "MAX_HEAD_BYTES",
-    "MAX_LINE_BYTES",
     "MAX_READ_BYTES",
     "SMALL_BODY_BYTES",
     "Answer",
     "BodyStream",
     "ClientBodyError",
-    "FrontServer",
+    "ClientConnection",
+    "FlowControl",
     "Handler",
-    "MalformedRequest",
+    "Listener",
+    "Paused",
     "Request",
-    "RequestFraming",
-    "RequestHead",
     "StreamAnswer",
 ]
 
 log = logging.getLogger("context_proxy.server")
 
-#: The descriptor floor's warning (and its summaries' subject), once per 10 s.
-_FD_LOW: Final = (
-    "file descriptors low: new connections answered 503 (probes answered), "
-    "accepting paused below the floor (fd_reserve)"
-)
-
-MAX_LINE_BYTES: Final = 8190
-"""Longest request target, and longest header field (name and value), in bytes (aiohttp's)."""
-
-MAX_FIELDS: Final = 128
-"""Most header fields in one request head."""
-
-MAX_HEAD_BYTES: Final = 64 * 1024
-"""Largest request head in bytes (request line, fields, line ends). llhttp buffers an
-unfinished field itself: this bounds what a never-ending line can make it hold."""
-
 HEAD_READ_BYTES: Final = MIN_PIECE_BYTES
-"""Bytes per socket read while no body with a declared length is arriving (16 KiB).
+"""Bytes per socket read while no body with a declared length is arriving (16 KiB), and
+per parse while a read holds more than a body's rest (pipelined requests).
 
 A head and a small body fit whole. It is also the first read of a large body
 (the head does not say its size before it is read): a larger first read would
@@ -121,704 +97,10 @@ SMALL_BODY_BYTES: Final = 256 * 1024
 (its rest in one read, usually): reading a 100 KB body 16 KiB at a time cost ~30 % more
 CPU per request (seven read cycles instead of two)."""
 
-KEEPALIVE_TIMEOUT: Final = 75.0
-"""Seconds an idle keep-alive connection is kept (aiohttp's default, which clients know)."""
-
-LINGER_TIMEOUT: Final = 10.0
-"""Seconds a connection closing after an answer keeps reading (and dropping) the rest of an
-unread request body (aiohttp's ``lingering_time``): closed at once, the client's bytes still
-arriving would be answered with a reset, which loses it the answer (a 413) it has not read yet."""
-
-_QUEUED_MAX: Final = 4
-"""Pipelined requests parsed ahead of the one being handled before reading pauses (and
-parsing: a large read is parsed :data:`HEAD_READ_BYTES` at a time, the rest kept unparsed)."""
-
-_SHUTDOWN_TURNS: Final = 20
-"""Loop turns shutdown waits for aborted connections to report their loss."""
-
-_BODY_HIGH_WATER: Final = 256 * 1024
-"""Unread body bytes buffered for a request before reading pauses (backpressure on the client)."""
-
 SHED_TIMEOUT: Final = 5.0
 """Seconds a connection accepted from the descriptor reserve may take to send its request
 head (and stay idle before it), instead of ``header_timeout`` / ``keepalive_timeout``: the
 reserve is a few descriptors, a silent client must not hold one for long."""
-
-_ACCEPT_BATCH: Final = 64
-"""Connections accepted per readiness of the listening socket (the loop's other work runs
-between batches)."""
-
-_RESUME_CHECK_S: Final = 0.05
-"""Seconds between checks of the descriptors while accepting is paused (a closed connection
-checks at once; descriptors freed elsewhere, an idle upstream socket closing, are seen so)."""
-
-_ACCEPT_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-
-
-class MalformedRequest(Exception):
-    """The client's bytes are not an HTTP/1.1 request we accept.
-
-    ``str(exc)`` is the proxy's own words for the fault (never the parser's
-    message, which quotes request bytes: a header with its API key). ``events``
-    are those the same feed completed before the fault (a whole request pipelined
-    ahead of the bad bytes is still a request to answer and to commit).
-    """
-
-    def __init__(self, words: str, events: list[Event] | None = None) -> None:
-        super().__init__(words)
-        self.events: list[Event] = events or []
-
-
-class ClientBodyError(Exception):
-    """A request body could not be received whole: the client left, or broke its framing."""
-
-
-class RequestHead:
-    """A parsed request head.
-
-    Attributes:
-        method: ``"POST"``, as sent.
-        raw_path: the target's path as sent (percent-escapes kept); an
-            absolute-form target (``http://host/path``) is reduced to its path.
-        path: ``raw_path`` percent-decoded (what routes match on).
-        query_string: the target's query as sent, without ``?`` (``""``: none).
-        headers: the fields, names case-insensitive, values decoded as UTF-8
-            with ``surrogateescape`` (any byte survives a round trip).
-        version: ``(1, 1)`` or ``(1, 0)``.
-        keep_alive: the client allows the connection to be kept (RFC 9112 §9.3).
-        content_length: the declared ``Content-Length`` in bytes, or None.
-        chunked: the body is chunked (``Transfer-Encoding``).
-        expects_body: a body follows the head (declared or chunked, even empty).
-    """
-
-    __slots__ = (
-        "chunked",
-        "content_length",
-        "expects_body",
-        "headers",
-        "keep_alive",
-        "method",
-        "path",
-        "query_string",
-        "raw_path",
-        "version",
-    )
-
-    def __init__(
-        self,
-        method: str,
-        target: str,
-        headers: CIMultiDictProxy[str],
-        version: tuple[int, int],
-        keep_alive: bool,
-        content_length: int | None,
-        chunked: bool,
-    ) -> None:
-        self.method = method
-        if target.startswith(("http://", "https://")):
-            # Absolute form (RFC 9112 §3.2.2): the host is not ours to pick.
-            parts = urllib.parse.urlsplit(target)
-            raw_path, query = parts.path or "/", parts.query
-        else:
-            raw_path, _, query = target.partition("?")
-            raw_path, _, _ = raw_path.partition("#")
-        self.raw_path = raw_path
-        self.path = urllib.parse.unquote(raw_path) if "%" in raw_path else raw_path
-        self.query_string = query
-        self.headers = headers
-        self.version = version
-        self.keep_alive = keep_alive
-        self.content_length = content_length
-        self.chunked = chunked
-        self.expects_body = chunked or content_length is not None
-
-
-class _End:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "END"
-
-
-END: Final = _End()
-"""The event after the last body piece of a request (a request without a body too)."""
-
-Event = RequestHead | bytes | _End
-
-
-class RequestFraming:
-    """Sans-I/O request framing of one connection: :meth:`feed` bytes, get events.
-
-    Events, in order for each request: its :class:`RequestHead`, zero or more
-    body pieces (``bytes``, chunked framing removed; content codings left
-    alone), then :data:`END`. Pipelined requests follow each other.
-
-    Raises (from :meth:`feed`):
-        MalformedRequest: the bytes are not a request we accept (see the module
-            docstring); the connection must close after answering 400. The
-            events the feed completed before the fault are its ``events``.
-    """
-
-    __slots__ = (
-        "_body_here",
-        "_ended_here",
-        "_field_bytes",
-        "_fields",
-        "_head_bytes",
-        "_in_message",
-        "_parser",
-        "_priming",
-        "_quiet_bytes",
-        "_url",
-        "events",
-        "in_head",
-        "upgraded",
-    )
-
-    def __init__(self) -> None:
-        self._parser = httptools.HttpRequestParser(self)
-        self._url = b""
-        self._fields: list[tuple[str, str]] = []
-        # Bytes of the current head fed in pieces, and parsed in fields (both bounded).
-        self._head_bytes = 0
-        self._field_bytes = 0
-        # Between a request's first byte and its end.
-        self._in_message = False
-        # A request ended in the current feed (a head after it began there too).
-        self._ended_here = False
-        # Body bytes came in the current feed; bytes fed in a body since the last did.
-        self._body_here = False
-        self._quiet_bytes = 0
-        self.events: list[Event] = []
-        # Between a request's first byte and the end of its head.
-        self.in_head = False
-        # The client asked for a protocol upgrade (or CONNECT): nothing after it is parsed.
-        self.upgraded = False
-        # A fresh parser is fed a head of our own that emits no event (see _reframe).
-        self._priming = False
-
-    def feed(self, data: bytes | memoryview) -> list[Event]:
-        """Parse ``data``; the events it completed (see the class docstring)."""
-        if self.upgraded:
-            return []
-        # A feed that starts in a head (or between requests) and leaves it incomplete
-        # was head bytes whole: llhttp buffers an unfinished field, this bounds it.
-        starts_in_head = self.in_head or not self._in_message
-        self._ended_here = False
-        self._body_here = False
-        try:
-            try:
-                self._parser.feed_data(data)
-            except httptools.HttpParserUpgrade as exc:
-                rest = data[exc.args[0] :]
-                if not self._reframe():
-                    raise
-                # The rest is the body, then any request pipelined behind it (bounded: each
-                # pass consumes at least the head before it).
-                while True:
-                    try:
-                        self._parser.feed_data(rest)
-                        break
-                    except httptools.HttpParserUpgrade as again:
-                        rest = rest[again.args[0] :]
-                        if not self._reframe():
-                            raise
-        except httptools.HttpParserUpgrade:
-            # An Upgrade (websocket) or CONNECT without a body: answered as a plain
-            # request, then the connection closes (the bytes after it are not HTTP/1.1).
-            self.upgraded = True
-        except httptools.HttpParserCallbackError as exc:
-            cause = exc.__context__
-            raise self._fault(
-                str(cause) if isinstance(cause, MalformedRequest) else "malformed HTTP request"
-            ) from None
-        except httptools.HttpParserInvalidMethodError:
-            raise self._fault("malformed request line") from None
-        except httptools.HttpParserInvalidURLError:
-            raise self._fault("malformed request target") from None
-        except httptools.HttpParserError:
-            raise self._fault("malformed HTTP request") from None
-        if self.in_head:
-            if starts_in_head and not self._ended_here:
-                self._head_bytes += len(data)
-            else:
-                # The head began behind other requests in this read (pipelined): of its
-                # bytes only the parsed ones are known. Its unfinished field is bounded
-                # by the read, and the next reads count whole.
-                self._head_bytes = self._field_bytes + len(self._url)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                raise self._fault("the request head is over the size limit")
-        elif self._in_message:
-            # In a body, reads that bring none of it are chunked framing or trailer
-            # fields, which httptools buffers whole (a never-ending trailer line grew
-            # without bound: the body reader's idle clock saw nothing come): bounded too.
-            self._quiet_bytes = 0 if self._body_here else self._quiet_bytes + len(data)
-            if self._quiet_bytes > MAX_HEAD_BYTES:
-                raise self._fault("the request's trailer fields are over the size limit")
-        events, self.events = self.events, []
-        return events
-
-    def _fault(self, words: str) -> MalformedRequest:
-        """The fault ``words``, carrying the events this feed completed before it."""
-        events, self.events = self.events, []
-        return MalformedRequest(words, events)
-
-    def _reframe(self) -> bool:
-        """Ignore the Upgrade of a request with a body (RFC 9110 §7.8: a server may);
-        whether it did.
-
-        curl ``--http2`` and Java's HttpClient ask for h2c on a POST and send its body
-        at once. httptools has skipped that body (llhttp says "upgrade" at the end of
-        the head) and ended the message: its END goes, and a fresh parser frames the
-        body, primed with a head of the same framing that emits no event.
-        """
-        events = self.events
-        if len(events) < 2 or events[-1] is not END:
-            return False
-        head = events[-2]
-        if not isinstance(head, RequestHead) or not head.expects_body or head.method == "CONNECT":
-            return False
-        del events[-1]
-        framing = (
-            b"Transfer-Encoding: chunked"
-            if head.chunked
-            else b"Content-Length: %d" % (head.content_length or 0)
-        )
-        self._parser = httptools.HttpRequestParser(self)
-        self._priming = True
-        self._parser.feed_data(b"POST / HTTP/1.1\r\n%s\r\n\r\n" % framing)
-        return True
-
-    # llhttp callbacks (httptools calls them by name during feed_data)
-
-    def on_message_begin(self) -> None:
-        self.in_head = True
-        self._in_message = True
-        self._field_bytes = 0
-        self._url = b""
-        self._fields = []
-
-    def on_url(self, url: bytes) -> None:
-        self._url += url
-        if len(self._url) > MAX_LINE_BYTES:
-            raise MalformedRequest("a request line or header field is over the size limit")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        size = len(name) + len(value)
-        if size > MAX_LINE_BYTES:
-            raise MalformedRequest("a request line or header field is over the size limit")
-        fields = self._fields
-        if len(fields) >= MAX_FIELDS:
-            raise MalformedRequest("too many header fields")
-        # A head parsed in one feed is counted here (the feed count sees unfinished ones).
-        self._field_bytes += size + 4
-        if self._field_bytes > MAX_HEAD_BYTES:
-            raise MalformedRequest("the request head is over the size limit")
-        # Values as UTF-8 with surrogateescape: any byte survives the round trip upstream.
-        fields.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
-
-    def on_headers_complete(self) -> None:
-        if self._priming:  # our own head (_reframe): the body that follows is the request's
-            self._priming = False
-            self._fields = []
-            self._url = b""
-            self.in_head = False
-            return
-        parser = self._parser
-        headers = CIMultiDictProxy(CIMultiDict(self._fields))
-        self._fields = []
-        self._head_bytes = 0
-        version = parser.get_http_version()
-        if version != "1.0" and "Host" not in headers:
-            # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host.
-            raise MalformedRequest("an HTTP/1.1 request without a Host field")
-        declared = headers.get("Content-Length")
-        chunked = "Transfer-Encoding" in headers
-        self.events.append(
-            RequestHead(
-                parser.get_method().decode("ascii"),
-                self._url.decode("utf-8", "surrogateescape"),
-                headers,
-                (1, 0) if version == "1.0" else (1, 1),
-                parser.should_keep_alive(),
-                # llhttp has checked it: digits only, one value, not with chunked.
-                int(declared) if declared is not None and not chunked else None,
-                chunked,
-            )
-        )
-        self._url = b""
-        self.in_head = False
-
-    def on_body(self, body: bytes) -> None:
-        self._body_here = True
-        self.events.append(body)
-
-    def on_message_complete(self) -> None:
-        self._in_message = False
-        self._ended_here = True
-        self._quiet_bytes = 0
-        self.events.append(END)
-
-
-class BodyStream:
-    """A request body as it arrives: read it once, in pieces (the body reader's source).
-
-    The connection feeds it (:meth:`feed`, :meth:`feed_eof`,
-    :meth:`set_exception`); the handler reads it. Unread bytes over
-    :data:`_BODY_HIGH_WATER` pause the connection's reading until they are read.
-    """
-
-    __slots__ = ("_buffered", "_conn", "_eof", "_error", "_parts", "_waiter")
-
-    def __init__(self, conn: _Connection | None) -> None:
-        self._conn = conn
-        self._parts: list[bytes] = []
-        self._buffered = 0
-        self._eof = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future[None] | None = None
-
-    def feed(self, data: bytes) -> None:
-        """Append a received piece (connection side)."""
-        self._parts.append(data)
-        self._buffered += len(data)
-        if self._buffered > _BODY_HIGH_WATER and self._conn is not None:
-            self._conn.pause_for_body()
-        self._wake()
-
-    def feed_eof(self) -> None:
-        """The body is complete (connection side)."""
-        self._eof = True
-        self._wake()
-
-    def set_exception(self, exc: BaseException) -> None:
-        """The body will not complete: a waiting or later read raises ``exc``."""
-        if not self._eof:
-            self._error = exc
-            self._wake()
-
-    def is_eof(self) -> bool:
-        """Every byte of the body has arrived (some may still be unread)."""
-        return self._eof
-
-    def at_eof(self) -> bool:
-        """Every byte of the body has arrived and been read."""
-        return self._eof and not self._parts
-
-    def failed(self) -> bool:
-        """The body will not complete: the client left, or broke its framing."""
-        return self._error is not None
-
-    async def read(self, n: int) -> bytes:
-        """Up to ``n`` bytes of the body (``b""``: its end).
-
-        Raises:
-            ClientBodyError: the client left or broke the framing mid-body.
-        """
-        while not self._parts:
-            if self._eof:
-                return b""
-            if self._error is not None:
-                raise self._error
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        parts = self._parts
-        first = parts[0]
-        if len(first) <= n:
-            del parts[0]
-        else:
-            parts[0] = first[n:]
-            first = first[:n]
-        self._buffered -= len(first)
-        if self._buffered <= _BODY_HIGH_WATER and self._conn is not None:
-            self._conn.body_drained()
-        return first
-
-    def release(self) -> None:
-        """Drop what is buffered and unread (the answer is out; nobody will read it)."""
-        paused = self._buffered > _BODY_HIGH_WATER
-        self._parts = []
-        self._buffered = 0
-        if paused and self._conn is not None:
-            # Its pause would keep a kept connection from reading the next request.
-            self._conn.body_drained()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-class Request:
-    """One client request as a handler sees it: its head, its body, its connection.
-
-    Attributes (from the head, see :class:`RequestHead`): ``method``, ``path``,
-    ``raw_path``, ``query_string``, ``headers``, ``version``,
-    ``content_length``; ``content`` is the :class:`BodyStream`.
-    """
-
-    __slots__ = ("_conn", "_query", "answer", "content", "head")
-
-    def __init__(self, head: RequestHead, conn: _Connection | None) -> None:
-        self.head = head
-        self._conn = conn
-        self.content = BodyStream(conn)
-        if not head.expects_body:
-            self.content.feed_eof()
-        self._query: MultiDictProxy[str] | None = None
-        # The streamed answer in progress, once a handler prepared one.
-        self.answer: StreamAnswer | None = None
-
-    @property
-    def method(self) -> str:
-        return self.head.method
-
-    @property
-    def path(self) -> str:
-        return self.head.path
-
-    @property
-    def raw_path(self) -> str:
-        return self.head.raw_path
-
-    @property
-    def query_string(self) -> str:
-        return self.head.query_string
-
-    @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        return self.head.headers
-
-    @property
-    def version(self) -> tuple[int, int]:
-        return self.head.version
-
-    @property
-    def content_length(self) -> int | None:
-        return self.head.content_length
-
-    @property
-    def body_exists(self) -> bool:
-        """A body was framed (declared, even as 0 bytes, or chunked)."""
-        return self.head.expects_body
-
-    @property
-    def query(self) -> MultiDictProxy[str]:
-        """The query string's parameters, decoded (parsed on first use)."""
-        if self._query is None:
-            pairs = urllib.parse.parse_qsl(self.head.query_string, keep_blank_values=True)
-            self._query = MultiDictProxy(MultiDict(pairs))
-        return self._query
-
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        """The connection's transport; None once it is lost."""
-        conn = self._conn
-        return conn.transport if conn is not None else None
-
-    def client_gone(self) -> bool:
-        """The connection is lost or closing: nothing written now would arrive."""
-        transport = self.transport
-        return transport is None or transport.is_closing()
-
-    async def send_continue(self) -> None:
-        """Send ``100 Continue`` (RFC 9110 §10.1.1), to an HTTP/1.1 client only."""
-        conn = self._conn
-        if conn is not None and self.head.version >= (1, 1):
-            conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            await conn.drain()
-
-
-# ---------------------------------------------------------------------- answers
-
-_STATUS_LINES: Final = {
-    s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode("latin-1", "replace"))
-    for s in http.HTTPStatus
-}
-"""The status line of each known status with its standard reason phrase, built once."""
-_date_cache: list[object] = [0, b""]
-
-
-def _date_line() -> bytes:
-    """``Date: ...\\r\\n`` (RFC 9110 §6.6.1), formatted once a second."""
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache[0] = now
-        _date_cache[1] = b"Date: %s\r\n" % email.utils.formatdate(now, usegmt=True).encode()
-    line = _date_cache[1]
-    assert isinstance(line, bytes)
-    return line
-
-
-def _bodiless(status: int) -> bool:
-    """RFC 9110 §6.4.1: 1xx, 204 and 304 answers have no content."""
-    return status < 200 or status in (204, 304)
-
-
-def _head_bytes(
-    status: int,
-    reason: str | None,
-    headers: CIMultiDict[str] | CIMultiDictProxy[str],
-    framing: bytes,
-) -> bytes:
-    """The status line and fields of an answer; ``framing`` are its own framing lines.
-
-    Raises:
-        ValueError: a field name or value contains CR or LF (it would split the answer).
-    """
-    line = _STATUS_LINES.get(status) if reason is None else None
-    if line is None:
-        line = b"HTTP/1.1 %d %s\r\n" % (status, (reason or "").encode("latin-1", "replace"))
-    fields = b"".join(
-        [
-            b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
-            for name, value in headers.items()
-        ]
-    )
-    # Each field line holds exactly one CR and one LF: any more came from a name or
-    # a value and would split the answer (one count over the block, not a scan per field).
-    if fields.count(b"\n") != len(headers) or fields.count(b"\r") != len(headers):
-        raise ValueError("a header field contains CR or LF")
-    date = b"" if "Date" in headers else _date_line()
-    return b"%s%s%s%s\r\n" % (line, fields, date, framing)
-
-
-class StreamAnswer:
-    """A streamed answer: a status and fields, then body bytes written as they come.
-
-    The head waits for the first body bytes (it leaves with them, one write),
-    or for :meth:`send_head`. Framing is chosen when the head leaves: the
-    whole body known then (:meth:`write_eof` with the head still waiting) →
-    ``Content-Length``; else chunked to an HTTP/1.1 client, the connection's
-    end to an HTTP/1.0 one. A ``HEAD`` request or a 1xx/204/304 status gets no body
-    and no framing field (a ``Content-Length`` a ``HEAD`` answer states is the
-    handler's, in ``headers``).
-
-    Args:
-        status: the HTTP status.
-        headers: end-to-end fields (no framing or hop-by-hop ones).
-    """
-
-    __slots__ = (
-        "_chunked",
-        "_conn",
-        "_ended",
-        "_head_sent",
-        "_no_body",
-        "headers",
-        "prepared",
-        "status",
-    )
-
-    def __init__(self, status: int, headers: CIMultiDict[str]) -> None:
-        self.status = status
-        self.headers = headers
-        self._conn: _Connection | None = None
-        self.prepared = False
-        self._head_sent = False
-        self._chunked = False
-        self._no_body = _bodiless(status)
-        self._ended = False
-
-    async def prepare(self, request: Request) -> None:
-        """Bind to ``request``'s connection (nothing is written yet).
-
-        Raises:
-            ConnectionResetError: the client is gone.
-        """
-        conn = request._conn
-        if conn is None or request.client_gone():
-            raise ConnectionResetError("the client closed the connection")
-        self._conn = conn
-        if request.method == "HEAD":
-            self._no_body = True
-        request.answer = self
-        self.prepared = True
-
-    def _head(self, length: int | None) -> bytes:
-        conn = self._conn
-        assert conn is not None
-        self._head_sent = True
-        if self._no_body:
-            # None of ours: a 1xx/204/304 has no content, and for a HEAD the bytes written
-            # (none: the upstream sent none) do not count what a GET would get, the only
-            # length a HEAD answer may state (RFC 9110 §8.6).
-            framing = b""
-        elif length is not None:
-            framing = b"Content-Length: %d\r\n" % length
-        elif conn.request_version >= (1, 1):
-            self._chunked = True
-            framing = b"Transfer-Encoding: chunked\r\n"
-        else:
-            conn.close_after_answer()
-            framing = b""
-        if conn.closes_after_answer():
-            framing += b"Connection: close\r\n"
-        return _head_bytes(self.status, None, self.headers, framing)
-
-    def send_head(self) -> None:
-        """Send the head now if it still waits (a client must not wait on the upstream)."""
-        conn = self._conn
-        if conn is not None and not self._head_sent and conn.transport is not None:
-            conn.write(self._head(None))
-
-    async def write(self, data: bytes) -> None:
-        """Send ``data`` as body bytes; waits while the client reads slower than we write.
-
-        Raises:
-            ConnectionResetError: the client is gone.
-        """
-        conn = self._conn
-        assert conn is not None
-        if conn.transport is None:
-            raise ConnectionResetError("the client closed the connection")
-        out = b"" if self._head_sent else self._head(None)
-        if self._no_body or not data:
-            if out:
-                conn.write(out)
-        elif self._chunked:
-            conn.write(b"%s%x\r\n%s\r\n" % (out, len(data), data))
-        elif out:
-            conn.write(out + data)
-        else:
-            conn.write(data)
-        if conn._write_paused:
-            # Only then is there anything to wait for (a lost connection raised above,
-            # and a write never loses it synchronously): no coroutine per write.
-            await conn.drain()
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        """Send the last body bytes (if any) and the body's end; once only.
-
-        Raises:
-            ConnectionResetError: the client is gone.
-        """
-        if self._ended:
-            return
-        self._ended = True
-        conn = self._conn
-        assert conn is not None
-        if conn.transport is None:
-            raise ConnectionResetError("the client closed the connection")
-        if not self._head_sent:
-            out = self._head(len(data))
-            conn.write(out if self._no_body or not data else out + data)
-        elif self._no_body:
-            pass
-        elif self._chunked:
-            conn.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data) if data else b"0\r\n\r\n")
-        elif data:
-            conn.write(data)
-        await conn.drain()
-
-    @property
-    def ended(self) -> bool:
-        """:meth:`write_eof` was called."""
-        return self._ended
-
 
 Answer = SmallAnswer | StreamAnswer
 Handler = Callable[[Request], Awaitable[Answer]]
@@ -829,173 +111,214 @@ Handler = Callable[[Request], Awaitable[Answer]]
 def _internal_error_answer() -> bytes:
     """The 500 of a handler's bug (OpenAI shape: no route is known here), closing."""
     body = error_body(Protocol.OPENAI, 500, "internal proxy error", code="internal_error")
-    return _error_answer(500, body)
+    return closing_answer(500, body)
 
 
-async def _shed_answer(request: Request) -> Answer:
-    """A request on a connection accepted from the descriptor reserve, with no
-    ``shed_handler`` given: 503 (OpenAI shape) with ``Retry-After``."""
-    return SmallAnswer(
-        503,
-        body=error_body(Protocol.OPENAI, 503, EXHAUSTED_MESSAGE),
-        headers={"Content-Type": "application/json", "Retry-After": "5"},
-        close=True,
-    )
+class Listener(typing.Protocol):
+    """What a connection needs of the listener that accepted it
+    (:class:`proxy._listener.FrontServer`; see its arguments)."""
+
+    loop: asyncio.AbstractEventLoop
+    handler: Handler
+    shed_handler: Handler
+    header_timeout: float
+    keepalive_timeout: float
+    on_request_done: Callable[[], object] | None
+    draining: Callable[[], bool]
+
+    def made(self, conn: ClientConnection) -> None:
+        """``conn`` has its transport (its ``connection_made``)."""
+
+    def lost(self, conn: ClientConnection) -> None:
+        """``conn`` is closed (its ``connection_lost``)."""
 
 
-def _error_answer(status: int, body: bytes) -> bytes:
-    return (
-        _head_bytes(
-            status,
-            None,
-            CIMultiDict({"Content-Type": "application/json"}),
-            b"Content-Length: %d\r\nConnection: close\r\n" % len(body),
-        )
-        + body
-    )
+# ---------------------------------------------------------------------- flow control
+
+
+class Paused:
+    """Why a connection's reading is paused: the bits of :attr:`FlowControl.reading_paused`
+    (plain ints: an ``enum.Flag``'s operators are Python code, on the per-request path)."""
+
+    BODY: Final = 1
+    """The request body's unread bytes are over :data:`proxy._request.BODY_HIGH_WATER`."""
+    QUEUE: Final = 2
+    """Pipelined requests wait behind the one being answered (:data:`proxy._http1.PAUSED`)."""
+    ANY: Final = BODY | QUEUE
+
+
+class FlowControl:
+    """Why a connection's transport is paused, both ways, and the one drain waiter.
+
+    Reading pauses on the first reason and resumes when the last one is gone;
+    writing is paused between the transport's ``pause_writing`` and
+    ``resume_writing`` (its buffer over its high-water mark), and :meth:`drain`
+    waits for that.
+    """
+
+    __slots__ = ("_drain_waiter", "reading_paused", "transport", "writing_paused")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        # The reasons reading is paused, Paused bits (0: it is not); read it, do not set it.
+        self.reading_paused = 0
+        self.writing_paused = False
+        self._drain_waiter: asyncio.Future[None] | None = None
+
+    def pause_reading(self, reason: int) -> None:
+        """Add ``reason``; the transport stops reading on the first one."""
+        before = self.reading_paused
+        if reason & before:
+            return
+        self.reading_paused = before | reason
+        transport = self.transport
+        if not before and transport is not None:
+            transport.pause_reading()
+
+    def resume_reading(self, reason: int = Paused.ANY) -> None:
+        """Drop ``reason`` (default: every reason); the transport reads on without any."""
+        before = self.reading_paused
+        if not reason & before:
+            return
+        self.reading_paused = before & ~reason
+        transport = self.transport
+        if not self.reading_paused and transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is full (its protocol's ``pause_writing``)."""
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        """The transport's buffer drained (its protocol's ``resume_writing``)."""
+        self.writing_paused = False
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def drain(self) -> None:
+        """Wait until writing is not paused.
+
+        Raises:
+            ConnectionResetError: the connection is lost, or is lost meanwhile.
+        """
+        if not self.writing_paused:
+            if self.transport is None:
+                raise ConnectionResetError("the client closed the connection")
+            return
+        waiter = self._drain_waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._drain_waiter = None
+
+    def lost(self) -> None:
+        """The connection is gone: a waiting :meth:`drain` raises ``ConnectionResetError``."""
+        self.transport = None
+        waiter = self._drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("the client closed the connection"))
 
 
 # ---------------------------------------------------------------------- connection
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection: frames requests, runs their handlers one at a time, writes answers."""
+class ClientConnection(asyncio.Protocol):
+    """One client connection: drives its :class:`~proxy._http1.ServerConnection`, runs
+    its requests' handlers one at a time, writes their answers."""
 
     __slots__ = (
         "__weakref__",
-        "_body_left",
-        "_body_paused",
-        "_broken",
-        "_close_after",
         "_current",
-        "_deadline",
-        "_drain_waiter",
-        "_framing",
-        "_head_clock",
-        "_held",
-        "_lingering",
+        "_flow",
         "_loop",
         "_parsing",
         "_queue",
-        "_queue_paused",
         "_server",
         "_sized",
         "_task",
         "_timer",
-        "_write_paused",
-        "request_version",
+        "http",
         "shed",
         "transport",
     )
 
-    def __init__(self, server: FrontServer, *, shed: bool = False) -> None:
+    def __init__(self, server: Listener, *, shed: bool = False) -> None:
         self._server = server
         # Accepted from the descriptor reserve: one answer (a probe's, or a 503), then closed.
         self.shed = shed
-        self._loop = server.loop
+        self._loop = loop = server.loop
         self.transport: asyncio.Transport | None = None
-        self._framing = RequestFraming()
-        # The request whose body is being parsed; the one being handled; those waiting.
+        header = server.header_timeout
+        self.http = ServerConnection(
+            loop.time,
+            header_timeout=min(header, SHED_TIMEOUT) if shed else header,
+            keepalive_timeout=SHED_TIMEOUT if shed else server.keepalive_timeout,
+            slice_bytes=HEAD_READ_BYTES,
+            one_answer=shed,
+        )
+        self._flow = FlowControl()
+        # The request whose body is being parsed; the one being handled; those waiting
+        # (the machine's pipelined heads, as requests).
         self._parsing: Request | None = None
         self._current: Request | None = None
         self._queue: list[Request] = []
-        # Bytes of the declared body being parsed not received yet.
-        self._body_left = 0
-        # Bytes read and not parsed yet: the queue was full (pipelined requests).
-        self._held: bytes | None = None
         self._task: asyncio.Task[None] | None = None
-        self._close_after = False
-        # The client's bytes stopped making sense: the words for its 400, once answered.
-        self._broken: str | None = None
-        self._write_paused = False
-        self._drain_waiter: asyncio.Future[None] | None = None
-        self._body_paused = False
-        self._queue_paused = False
-        # Loop time of the pending deadline (header or keep-alive); 0: none.
-        self._deadline = 0.0
-        self._head_clock = False  # the pending deadline is the header clock's
         self._timer: asyncio.TimerHandle | None = None
         self._sized = False
-        # Closing after an answer: the rest of the request body is read and dropped.
-        self._lingering = False
-        self.request_version = (1, 1)
 
     # -- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, only alike.
-        self.transport = transport = cast(asyncio.Transport, transport)
-        self._server.connections.add(self)
-        if not self.shed:
-            self._server.served += 1
+        self.transport = self._flow.transport = transport = cast(asyncio.Transport, transport)
+        self._server.made(self)
         # Only where max_size is the CPython class attribute the read loop uses:
         # an instance attribute then overrides it for this connection alone.
         if isinstance(getattr(type(transport), "max_size", None), int):
             self._sized = True
             transport.max_size = HEAD_READ_BYTES  # type: ignore[attr-defined]
-        self._set_deadline(SHED_TIMEOUT if self.shed else self._server.keepalive_timeout)
+        self._arm()
 
     def data_received(self, data: bytes) -> None:
-        if self._broken is not None or self.transport is None or self._lingering:
+        http = self.http
+        if self.transport is None:
             return
-        if self._held is not None:  # reading is paused: only a read already under way
-            self._held += data
-            return
-        if len(data) > HEAD_READ_BYTES and self._body_left < len(data):
-            # More than a body's rest: maybe many pipelined requests (uvloop reads up to
-            # 256 KiB), each a ~1 KiB object once parsed. Parsed a slice at a time, the
-            # parse stops behind a full queue and the rest waits as the bytes it is.
-            self._parse_sliced(data)
-        else:
-            self._parse(data)
-        if self._current is None and self._framing.in_head and not self._head_clock:
+        waiting = http.state is ServerState.IDLE
+        http.receive_data(data)
+        self._pump()
+        if waiting and http.state is ServerState.IN_HEAD:
             # Headers not complete in this segment: the slowloris clock runs (once per
             # head: later pieces do not push it back).
             self._start_header_clock()
 
-    def _parse_sliced(self, data: bytes) -> None:
-        view = memoryview(data)
-        start = 0
-        for _ in range(len(data) // HEAD_READ_BYTES + 1):  # bounded: a slice is that or more
-            if start >= len(data) or self._broken is not None or self.transport is None:
-                break
-            if self._queue_paused:
-                self._held = data[start:]  # parsed when the queue has room (_finished)
-                break
-            # A declared body's rest in one piece (one body event), the rest a slice at a time.
-            end = start + max(self._body_left, HEAD_READ_BYTES)
-            self._parse(view[start:end])
-            start = end
-
-    def _parse(self, data: bytes | memoryview) -> None:
-        fault: str | None = None
-        try:
-            events = self._framing.feed(data)
-        except MalformedRequest as exc:
-            # What came before the fault is handled first: a whole request ahead of the
-            # bad bytes is answered (and committed) before the 400 that closes.
-            fault, events = str(exc), exc.events
-        for event in events:
-            if event.__class__ is bytes:
-                assert self._parsing is not None and isinstance(event, bytes)
-                self._body_left -= len(event)
+    def _pump(self) -> None:
+        """Take the machine's events until it needs data or pauses."""
+        http = self.http
+        for _ in range(http.pending_bound()):
+            event = http.next_event()
+            if isinstance(event, bytes):
+                assert self._parsing is not None
                 self._parsing.content.feed(event)
             elif event is END:
                 parsing = self._parsing
                 if parsing is not None:  # None: a request without a body (already at EOF)
                     parsing.content.feed_eof()
                     self._parsing = None
-                    self._body_left = 0
                     if self._sized:
                         self._set_read_size(HEAD_READ_BYTES)
-            else:
-                assert isinstance(event, RequestHead)
+            elif isinstance(event, RequestHead):
                 self._head(event)
-        if fault is not None:
-            self._malformed(fault)
-            return
-        if self._framing.upgraded:
-            self.close_after_answer()
+            elif event is NEED_DATA:
+                if self._flow.reading_paused & Paused.QUEUE:
+                    self._flow.resume_reading(Paused.QUEUE)
+                return
+            elif event is PAUSED:
+                self._flow.pause_reading(Paused.QUEUE)
+                return
+            elif isinstance(event, BadRequest):
+                self._malformed(event.words)
+            # Trailers: not relayed (the body reader has no place for them).
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
@@ -1003,32 +326,31 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._deadline = 0.0
+        self.http.connection_lost()
         gone = ClientBodyError("the client closed the connection")
         for request in (self._parsing, self._current, *self._queue):
             if request is not None:
                 request.content.set_exception(gone)
         self._queue = []
-        self._held = None
         self._parsing = None
-        waiter = self._drain_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(ConnectionResetError("the client closed the connection"))
+        self._flow.lost()
         task = self._task
         if task is not None and not task.done():
             # The client hung up: its handler stops (the upstream request is closed on the way out).
             task.cancel()
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self._flow.pause_writing()
 
     def resume_writing(self) -> None:
-        self._write_paused = False
-        waiter = self._drain_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._flow.resume_writing()
 
-    # -- writing
+    # -- writing (the Link of requests and answers)
+
+    @property
+    def writing_paused(self) -> bool:
+        """The transport's buffer is over its high-water mark."""
+        return self._flow.writing_paused
 
     def write(self, data: bytes) -> None:
         """Hand ``data`` to the transport (dropped once the connection is lost)."""
@@ -1043,48 +365,38 @@ class _Connection(asyncio.Protocol):
         Raises:
             ConnectionResetError: the connection was lost meanwhile.
         """
-        if not self._write_paused:
-            if self.transport is None:
-                raise ConnectionResetError("the client closed the connection")
-            return
-        waiter = self._drain_waiter = self._loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._drain_waiter = None
+        flow = self._flow
+        if flow.writing_paused:
+            await flow.drain()
+        elif self.transport is None:
+            raise ConnectionResetError("the client closed the connection")
+
+    def send_head(self, head: Response) -> bytes:
+        """The bytes of an answer's head; a draining server closes the connection after it.
+
+        Raises:
+            ValueError: a field holds CR or LF.
+        """
+        if self._server.draining():
+            self.http.close_after_answer()
+        return self.http.send(head)
 
     def close_after_answer(self) -> None:
         """Close the connection once the current answer is out (no keep-alive)."""
-        self._close_after = True
-
-    def closes_after_answer(self) -> bool:
-        """Whether the connection will close after the current answer."""
-        current = self._current
-        return (
-            self._close_after
-            or self._server.draining()
-            # HTTP/1.0: every answer is the connection's last (no keep-alive dance).
-            or (
-                current is not None
-                and (not current.head.keep_alive or current.head.version < (1, 1))
-            )
-        )
+        self.http.close_after_answer()
 
     # -- reading
 
     def pause_for_body(self) -> None:
         """Unread body bytes piled up: stop reading the socket until they are read."""
-        if not self._body_paused and self.transport is not None:
-            self._body_paused = True
-            if not self._queue_paused:
-                self.transport.pause_reading()
+        if self.transport is not None:
+            self._flow.pause_reading(Paused.BODY)
 
     def body_drained(self) -> None:
         """The handler caught up with the body: read on."""
-        if self._body_paused:
-            self._body_paused = False
-            if not self._queue_paused and self.transport is not None:
-                self.transport.resume_reading()
+        flow = self._flow
+        if flow.reading_paused & Paused.BODY:
+            flow.resume_reading(Paused.BODY)
 
     def _set_read_size(self, nbytes: int) -> None:
         transport = self.transport
@@ -1096,7 +408,6 @@ class _Connection(asyncio.Protocol):
         if head.expects_body:
             self._parsing = request
             declared = head.content_length
-            self._body_left = declared or 0
             if self._sized and declared:
                 self._set_read_size(
                     MAX_READ_BYTES
@@ -1107,25 +418,19 @@ class _Connection(asyncio.Protocol):
             self._start(request)
         else:
             self._queue.append(request)
-            if len(self._queue) >= _QUEUED_MAX and not self._queue_paused:
-                self._queue_paused = True
-                if not self._body_paused and self.transport is not None:
-                    self.transport.pause_reading()
 
     def _malformed(self, words: str) -> None:
         log.warning("%s: malformed request (%s)", self._peer(), words)
-        self._broken = words
         parsing = self._parsing
         if parsing is not None:
             parsing.content.set_exception(ClientBodyError("the request's framing is broken"))
             self._parsing = None
-        if self._current is None:
-            self._answer_broken()
+        if self.http.state is ServerState.CLOSING:  # nothing ahead of the fault to answer
+            self._refuse(words)
 
-    def _answer_broken(self) -> None:
-        words = self._broken or "malformed HTTP request"
+    def _refuse(self, words: str) -> None:
         self.write(
-            _error_answer(400, error_body(Protocol.OPENAI, 400, words, code="malformed_request"))
+            closing_answer(400, error_body(Protocol.OPENAI, 400, words, code="malformed_request"))
         )
         self._close()
 
@@ -1138,11 +443,6 @@ class _Connection(asyncio.Protocol):
 
     def _start(self, request: Request) -> None:
         self._current = request
-        self._deadline = 0.0
-        self._head_clock = False
-        self.request_version = request.head.version
-        if self.shed:
-            self._close_after = True  # the reserve is for one answer at a time
         self._task = self._loop.create_task(self._serve(request))
 
     async def _serve(self, request: Request) -> None:
@@ -1188,18 +488,14 @@ class _Connection(asyncio.Protocol):
             del answer
 
     async def _write_response(self, request: Request, resp: SmallAnswer) -> None:
+        http = self.http
         if resp.close:
-            self.close_after_answer()
-        if not request.content.is_eof():
-            # The body was not read to its end: its rest cannot be told from a next request.
-            self.close_after_answer()
-        status = resp.status
+            http.close_after_answer()
         body = resp.body
-        framing = b"" if _bodiless(status) else b"Content-Length: %d\r\n" % len(body)
-        if self.closes_after_answer():
-            framing += b"Connection: close\r\n"
         try:
-            head = _head_bytes(status, resp.reason, resp.headers, framing)
+            head = self.send_head(
+                Response(resp.status, resp.headers, length=len(body), reason=resp.reason)
+            )
         except ValueError:
             # A field with a line break (a handler's bug): never an answer split in two.
             log.error(
@@ -1208,14 +504,14 @@ class _Connection(asyncio.Protocol):
             self.write(_internal_error_answer())
             self._close()
             return
-        self.write(
-            head if request.method == "HEAD" or not body or _bodiless(status) else head + body
-        )
+        # No body bytes to a HEAD request or for a 1xx/204/304 (the machine's framing).
+        piece = http.send(body)
+        http.send(END)
+        self.write(head + piece if piece else head)
         await self.drain()
 
     def _finished(self, request: Request) -> None:
         server = self._server
-        close = self.closes_after_answer() or not request.content.is_eof()
         self._task = None
         self._current = None
         request.answer = None
@@ -1223,50 +519,36 @@ class _Connection(asyncio.Protocol):
         request._conn = None
         if server.on_request_done is not None:
             server.on_request_done()
+        http = self.http
         transport = self.transport
         if transport is None or transport.is_closing():
+            if http.state is not ServerState.CLOSED:
+                http.close_after_answer()
+                http.finish_answer()
             return
-        content = request.content
-        if not content.is_eof() and not content.failed():
-            self._linger()
-            return
-        if close:
-            self._close()
-            return
-        if self._broken is not None and not self._queue:
-            # The requests parsed before the fault are answered first, in order.
-            self._answer_broken()
-            return
-        if self._queue:
-            queued = self._queue.pop(0)
-            if self._queue_paused and len(self._queue) < _QUEUED_MAX:
-                self._queue_paused = False
-                if not self._body_paused:
-                    transport.resume_reading()
-            self._start(queued)
-            held = self._held
-            if held is not None and not self._queue_paused:
-                self._held = None
-                self._parse_sliced(held)
-            return
-        if self._framing.in_head:
-            self._start_header_clock()
+        if server.draining():
+            http.close_after_answer()
+        after = http.finish_answer()
+        if after is After.NEXT:
+            self._start(self._queue.pop(0))
+            self._pump()  # what waited unparsed behind the full queue, if anything
+        elif after is After.WAIT:
+            if http.state is ServerState.IN_HEAD:
+                self._start_header_clock()
+            else:
+                self._arm()
+        elif after is After.LINGER:
+            # The answer is out, the request body is not: its rest is dropped as it comes,
+            # then the connection closes (the client's end, or the linger deadline), so that
+            # the client reads the answer first.
+            self._parsing = None
+            self._queue = []
+            self._flow.resume_reading()
+            self._arm()
+        elif after is After.REFUSE:
+            self._refuse(http.refusal or "malformed HTTP request")
         else:
-            self._set_deadline(server.keepalive_timeout)
-
-    def _linger(self) -> None:
-        """The answer is out, the request body is not: drop its rest as it comes, then close
-        (the client's end, or :data:`LINGER_TIMEOUT`), so the client reads the answer first."""
-        transport = self.transport
-        assert transport is not None
-        self._lingering = True
-        self._parsing = None
-        self._queue = []
-        self._held = None
-        if self._body_paused or self._queue_paused:
-            self._body_paused = self._queue_paused = False
-            transport.resume_reading()
-        self._set_deadline(LINGER_TIMEOUT)
+            self._close()
 
     def _close(self) -> None:
         transport = self.transport
@@ -1277,32 +559,33 @@ class _Connection(asyncio.Protocol):
 
     def _start_header_clock(self) -> None:
         """The next request's head came in part: it must be complete within ``header_timeout``."""
-        self._head_clock = True
-        timeout = self._server.header_timeout
-        self._set_deadline(min(timeout, SHED_TIMEOUT) if self.shed else timeout)
+        self._arm()
 
-    def _set_deadline(self, seconds: float) -> None:
-        loop = self._loop
-        deadline = self._deadline = loop.time() + seconds
+    def _arm(self) -> None:
+        """Arm the timer for the machine's deadline (lazily: one armed for a nearer one stays
+        and, on firing, re-arms for the deadline then)."""
+        deadline = self.http.next_deadline()
+        if deadline is None:
+            return
         timer = self._timer
         if timer is not None and timer.when() > deadline:
             # Armed for a later deadline (the keep-alive one): a nearer one needs its own.
             timer.cancel()
             timer = None
         if timer is None:
-            self._timer = loop.call_at(deadline, self._on_timer)
+            self._timer = self._loop.call_at(deadline, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
-        deadline = self._deadline
-        if not deadline or self._current is not None or self.transport is None:
+        http = self.http
+        deadline = http.next_deadline()
+        if deadline is None or self.transport is None:
             return
         if self._loop.time() < deadline:
             # The deadline moved on since this timer was set (a later request).
             self._timer = self._loop.call_at(deadline, self._on_timer)
             return
-        self._deadline = 0.0
-        if self._framing.in_head and not self._lingering:
+        if http.state is ServerState.IN_HEAD:
             log.debug("%s: request headers not complete in time: closing", self._peer())
         self._close()
 
@@ -1324,257 +607,3 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if transport is not None:
             transport.abort()
-
-
-# ---------------------------------------------------------------------- listener
-
-
-class FrontServer:
-    """The listener and its client connections.
-
-    Accepting is the server's own (not ``asyncio.Server``'s), so that it can
-    stop and resume: with an :class:`~proxy._fdlimit.FdBudget`, each waiting
-    connection is served, shed (accepted from the descriptor reserve: its
-    request goes to ``shed_handler``, the connection closes after the answer
-    and may take :data:`SHED_TIMEOUT` seconds for its head) or left in the
-    kernel's queue while descriptors are too few (accepting resumes as a
-    connection closes, or within :data:`_RESUME_CHECK_S` seconds of
-    descriptors freeing elsewhere). ``EMFILE`` on ``accept`` pauses it too.
-
-    Args:
-        handler: answers each request (:data:`Handler`).
-        header_timeout: seconds from a request head's first incomplete piece to
-            its end; past it the connection closes without an answer.
-        keepalive_timeout: seconds an idle keep-alive connection is kept.
-        on_request_done: called (no arguments) after every answer is finished.
-        draining: whether the proxy is draining (answers then close their connection).
-        fd_budget: admission by free descriptors; None: every connection is served.
-        shed_handler: answers a request on a shed connection (default: a 503,
-            OpenAI shape, ``Retry-After: 5``); it must need no descriptor.
-
-    Raises:
-        ValueError: a timeout is not positive.
-    """
-
-    __slots__ = (
-        "_adopting",
-        "_emptied",
-        "_listening",
-        "_made_pending",
-        "_paused",
-        "_resume_timer",
-        "_shed_log",
-        "_sockets",
-        "connections",
-        "draining",
-        "fd_budget",
-        "handler",
-        "header_timeout",
-        "keepalive_timeout",
-        "loop",
-        "on_request_done",
-        "served",
-        "shed_handler",
-    )
-
-    def __init__(
-        self,
-        handler: Handler,
-        *,
-        header_timeout: float,
-        keepalive_timeout: float = KEEPALIVE_TIMEOUT,
-        on_request_done: Callable[[], object] | None = None,
-        draining: Callable[[], bool] = lambda: False,
-        fd_budget: FdBudget | None = None,
-        shed_handler: Handler | None = None,
-    ) -> None:
-        if header_timeout <= 0 or keepalive_timeout <= 0:
-            raise ValueError("header_timeout and keepalive_timeout must be > 0 seconds")
-        self.handler = handler
-        self.header_timeout = header_timeout
-        self.keepalive_timeout = keepalive_timeout
-        self.on_request_done = on_request_done
-        self.draining = draining
-        self.fd_budget = fd_budget
-        self.shed_handler: Handler = shed_handler or _shed_answer
-        self.loop = asyncio.get_running_loop()
-        self.connections: set[_Connection] = set()
-        #: Client connections open and served (not shed), for the descriptor budget.
-        self.served = 0
-        self._made_pending = 0
-        self._sockets: list[socket.socket] = []
-        self._listening = False
-        self._paused = False
-        self._resume_timer: asyncio.Handle | None = None
-        # Accepted sockets whose transport is being made (referenced until it is).
-        self._adopting: set[asyncio.Task[None]] = set()
-        self._shed_log = LogLimiter(log)
-        # Set by shutdown: resolved when the last connection is lost.
-        self._emptied: asyncio.Future[None] | None = None
-
-    async def start(self, host: str, port: int) -> int:
-        """Listen on ``host:port`` (0: an ephemeral port); the bound port.
-
-        Every address ``host`` resolves to gets a socket (IPv6 ones IPv6 only),
-        as ``loop.create_server`` binds them.
-
-        Raises:
-            OSError: the address cannot be bound.
-        """
-        infos = await self.loop.getaddrinfo(
-            host, port, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-        seen: set[tuple[int, object]] = set()
-        try:
-            for family, kind, proto, _, address in infos:
-                if (family, address) in seen:
-                    continue
-                seen.add((family, address))
-                sock = socket.socket(family, kind, proto)
-                self._sockets.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(address)
-                sock.listen(1024)
-                sock.setblocking(False)
-        except BaseException:
-            self._close_sockets()
-            raise
-        if not self._sockets:
-            raise OSError(f"no address to listen on for {host!r}")
-        self._listening = True
-        self._watch()
-        return int(self._sockets[0].getsockname()[1])
-
-    # -- accepting
-
-    def _watch(self) -> None:
-        for sock in self._sockets:
-            self.loop.add_reader(sock.fileno(), self._accept, sock)
-
-    def _unwatch(self) -> None:
-        for sock in self._sockets:
-            self.loop.remove_reader(sock.fileno())
-
-    def _accept(self, sock: socket.socket) -> None:
-        budget = self.fd_budget
-        for _ in range(_ACCEPT_BATCH):  # bounded: the loop's other work runs between batches
-            verdict = Verdict.SERVE if budget is None else budget.verdict(self._serving())
-            if verdict is Verdict.PAUSE:
-                self._shed_log.event(_FD_LOW, _FD_LOW)
-                self._pause()
-                return
-            try:
-                conn, _ = sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except ConnectionAbortedError:
-                continue
-            except OSError as exc:
-                if exc.errno not in _ACCEPT_ERRNOS:
-                    raise  # the loop logs it; the reader stays
-                # Out of descriptors anyway (opened elsewhere): wait for some to free.
-                self._shed_log.event(_FD_LOW, _FD_LOW)
-                self._pause()
-                return
-            if budget is not None:
-                budget.accepted()
-            shed = verdict is Verdict.SHED
-            if shed:
-                self._shed_log.event(_FD_LOW, _FD_LOW)
-            else:
-                self._made_pending += 1
-            conn.setblocking(False)
-            task = self.loop.create_task(self._adopt(conn, shed))
-            self._adopting.add(task)
-            task.add_done_callback(self._adopting.discard)
-
-    def _serving(self) -> int:
-        """Served connections, those whose transport is still being made included."""
-        return self.served + self._made_pending
-
-    async def _adopt(self, conn: socket.socket, shed: bool) -> None:
-        try:
-            await self.loop.connect_accepted_socket(lambda: _Connection(self, shed=shed), conn)
-        except (OSError, RuntimeError):
-            # The client left before its transport was made (or the loop is closing).
-            conn.close()
-        finally:
-            if not shed:
-                self._made_pending -= 1
-            self._resume_soon()
-
-    def _pause(self) -> None:
-        if self._paused or not self._listening:
-            return
-        self._paused = True
-        self._unwatch()
-        self._resume_timer = self.loop.call_later(_RESUME_CHECK_S, self._resume_check)
-
-    def _resume_soon(self) -> None:
-        if self._paused and self._listening:
-            if self._resume_timer is not None:
-                self._resume_timer.cancel()
-            self._resume_timer = self.loop.call_soon(self._resume_check)
-
-    def _resume_check(self) -> None:
-        self._resume_timer = None
-        if not self._paused or not self._listening:
-            return
-        budget = self.fd_budget
-        if budget is not None and budget.verdict(self._serving()) is Verdict.PAUSE:
-            self._resume_timer = self.loop.call_later(_RESUME_CHECK_S, self._resume_check)
-            return
-        self._paused = False
-        self._watch()  # a connection waiting in the queue makes the socket readable at once
-
-    def _close_sockets(self) -> None:
-        if self._listening and not self._paused:
-            self._unwatch()
-        self._listening = False
-        if self._resume_timer is not None:
-            self._resume_timer.cancel()
-            self._resume_timer = None
-        for sock in self._sockets:
-            sock.close()
-        self._sockets = []
-        self._shed_log.flush()
-
-    def lost(self, conn: _Connection) -> None:
-        """``conn`` is closed (connection side: its ``connection_lost``)."""
-        connections = self.connections
-        if conn in connections and not conn.shed:
-            self.served -= 1
-        connections.discard(conn)
-        self._resume_soon()
-        emptied = self._emptied
-        if not connections and emptied is not None and not emptied.done():
-            emptied.set_result(None)
-
-    async def shutdown(self, grace: float) -> None:
-        """Stop listening, close idle connections, give busy ones ``grace`` seconds
-        to finish their answer (its last bytes taken by the client), then drop every
-        connection left."""
-        self._close_sockets()
-        loop = self.loop
-        deadline = loop.time() + grace
-        busy = [c.task for c in list(self.connections) if not c.close_idle()]
-        running = [t for t in busy if t is not None]
-        if running:
-            await asyncio.wait(running, timeout=grace)
-        if self.connections:
-            # A closed transport still holds what a slow client has not taken yet (the
-            # end of an answer that finished in time): it is lost once that is out. The
-            # grace covers it; whatever is left at its end goes.
-            emptied = self._emptied = loop.create_future()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout_at(deadline):
-                    await emptied
-            self._emptied = None
-        for conn in list(self.connections):
-            conn.abort()
-        for _ in range(_SHUTDOWN_TURNS):  # bounded: each lost connection reports in a turn or two
-            if not self.connections:
-                break
-            await asyncio.sleep(0)

@@ -17,7 +17,7 @@ from proxy._admission import BodyAdmission, ReadingAccount, admit, admit_session
 from proxy._body import BodyBusy, BodyError
 from proxy._config import Settings
 from proxy._exchange import Exchange
-from proxy._front import RequestHead
+from proxy._http1 import RequestHead
 from proxy._plugins import PluginHost
 from proxy._protocols import Protocol
 from proxy._refusals import CommitBacklog, Draining, SessionRequired, Shed

@@ -17,7 +17,8 @@ from proxy._body import BodyBusy, BodyError, BodyIncomplete, BodyMemory, BodyTim
 from proxy._coding import BodyEncodingError
 from proxy._config import Settings
 from proxy._exchange import Exchange
-from proxy._front import Request, RequestHead
+from proxy._front import Request
+from proxy._http1 import RequestHead
 from proxy._phases import Phase
 from proxy._plugins import Outcome, PluginHost
 from proxy._protocols import Protocol

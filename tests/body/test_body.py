@@ -48,7 +48,8 @@ from proxy._body import (
     read_body,
 )
 from proxy._coding import ContentDecoder
-from proxy._front import BodyStream, ClientBodyError, FrontServer, Request
+from proxy._front import BodyStream, ClientBodyError, Request
+from proxy._listener import FrontServer
 
 KiB = 1024
 MiB = 1024 * KiB

@@ -688,7 +688,7 @@ async def test_file_ranges_reach_plain_and_tls_upstreams_byte_for_byte(
     pool = UpstreamPool(connect_timeout=5.0, idle_read=5.0, max_connections=0)
     try:
         if tls:
-            pool._ssl = ssl.create_default_context(cafile=str(cert))
+            pool.connector.tls_context = ssl.create_default_context(cafile=str(cert))
         async with Scripted(_echo, tls=server) as upstream:
             url = upstream.url.replace("127.0.0.1", "localhost") if tls else upstream.url
             echoed = [await _post_spooled(pool, url, file) for _ in range(2)]

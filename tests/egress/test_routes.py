@@ -20,7 +20,7 @@ from proxy._cli import main
 from proxy._config import ConfigError, load_settings
 from proxy._egress import EgressError, ForwardProxy, NoProxy, choose_proxy
 from proxy._relay import upstream_targets
-from proxy._upstream import UpstreamTarget, _request_head
+from proxy._upstream import UpstreamTarget
 from tests.support.upstream import Scripted, proxy_app
 
 
@@ -116,14 +116,14 @@ def test_an_http_upstream_through_a_proxy_gets_the_absolute_form_and_the_credent
     target = UpstreamTarget("http://gateway.corp:9000/base", via)
     path = target.request_target("/v1/messages", "beta=true")
     assert path == "http://gateway.corp:9000/base/v1/messages?beta=true"
-    head = _request_head(target, "POST", path, {"X-Api-Key": "k"}).decode()
+    head = target.request_head("POST", path, {"X-Api-Key": "k"}).data.decode()
     assert head.startswith("POST http://gateway.corp:9000/base/v1/messages?beta=true HTTP/1.1\r\n")
     assert "Host: gateway.corp:9000\r\n" in head
     assert f"Proxy-Authorization: {via.authorization}\r\n" in head
     # Through a tunnel the proxy's credentials stay on the CONNECT, never in the tunnel.
     tunnelled = UpstreamTarget("https://api.openai.com", via)
     assert tunnelled.request_target("/v1/responses", "") == "/v1/responses"
-    inner = _request_head(tunnelled, "POST", "/v1/responses", {}).decode()
+    inner = tunnelled.request_head("POST", "/v1/responses", {}).data.decode()
     assert "Proxy-Authorization" not in inner
 
 

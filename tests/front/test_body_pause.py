@@ -17,9 +17,10 @@ import pytest
 import uvloop
 
 from proxy._answer import SmallAnswer
-from proxy._front import _BODY_HIGH_WATER, FrontServer, Request
+from proxy._listener import FrontServer
+from proxy._request import BODY_HIGH_WATER, Request
 
-BODY = b"x" * (_BODY_HIGH_WATER + 100)  # over the high water in the read that ends it
+BODY = b"x" * (BODY_HIGH_WATER + 100)  # over the high water in the read that ends it
 
 
 async def _unread_then_next() -> list[bytes]:

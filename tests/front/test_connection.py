@@ -14,7 +14,8 @@ import pytest
 from multidict import CIMultiDict
 
 from proxy._answer import SmallAnswer
-from proxy._front import FrontServer, Handler, Request, StreamAnswer
+from proxy._front import Handler, Request, StreamAnswer
+from proxy._listener import FrontServer
 from proxy.testing import Harness, proxy_with_emulator
 from tests.exchange.test_commit_refused import Recorder
 from tests.support.e2e import CHAT_PATH, exact_body

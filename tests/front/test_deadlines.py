@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from proxy._front import _Connection
+from proxy._front import ClientConnection
 from proxy.testing import proxy_with_emulator
 from tests.support.e2e import ANTHROPIC_PATH, CHAT_PATH, RawClient, exact_body, wait_until
 
@@ -143,13 +143,13 @@ def test_deadlines_are_settings_with_documented_defaults(name: str) -> None:
 
 async def test_headers_that_arrive_whole_start_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[float] = []
-    start_clock = _Connection._start_header_clock
+    start_clock = ClientConnection._start_header_clock
 
-    def counting(handler: _Connection) -> None:
+    def counting(handler: ClientConnection) -> None:
         started.append(time.monotonic())
         start_clock(handler)
 
-    monkeypatch.setattr(_Connection, "_start_header_clock", counting)
+    monkeypatch.setattr(ClientConnection, "_start_header_clock", counting)
     async with proxy_with_emulator(header_timeout=HEADER_TIMEOUT) as h:
         body = exact_body(CHAT_PATH, 2_000)
         client = await RawClient.connect(h.url)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy._front import (
+from proxy._http1 import (
     END,
     MAX_FIELDS,
     MAX_HEAD_BYTES,

@@ -21,7 +21,7 @@ import anthropic
 import openai
 import pytest
 
-from proxy import _front
+from proxy import _http1
 from proxy.testing import proxy_with_emulator
 from tests.support.e2e import CHAT_PATH, wait_until
 
@@ -52,7 +52,7 @@ async def test_the_sdks_get_the_413_of_a_body_over_the_limit_not_a_connection_er
 async def test_a_lingering_connection_is_closed_at_the_linger_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_front, "LINGER_TIMEOUT", 0.5)
+    monkeypatch.setattr(_http1, "LINGER_TIMEOUT", 0.5)
     async with proxy_with_emulator(max_body_bytes=LIMIT) as h:
         host, _, port = h.url.removeprefix("http://").partition(":")
         reader, writer = await asyncio.open_connection(host, int(port))

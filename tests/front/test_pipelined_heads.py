@@ -16,14 +16,9 @@ import pytest
 import uvloop
 
 from proxy._answer import SmallAnswer
-from proxy._front import (
-    MAX_HEAD_BYTES,
-    FrontServer,
-    MalformedRequest,
-    Request,
-    RequestFraming,
-    RequestHead,
-)
+from proxy._front import Request
+from proxy._http1 import MAX_HEAD_BYTES, MalformedRequest, RequestFraming, RequestHead
+from proxy._listener import FrontServer
 
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 POST = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"

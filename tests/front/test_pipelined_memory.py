@@ -19,7 +19,8 @@ import pytest
 import uvloop
 
 from proxy._answer import SmallAnswer
-from proxy._front import FrontServer, Request
+from proxy._front import Request
+from proxy._listener import FrontServer
 
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\nA: %d\r\n\r\n"
 COUNT = 10_000

@@ -17,7 +17,8 @@ import socket
 
 from multidict import CIMultiDict
 
-from proxy._front import FrontServer, Request, StreamAnswer
+from proxy._front import Request, StreamAnswer
+from proxy._listener import FrontServer
 
 PIECE = b"x" * 16 * 1024
 PIECES = 32  # 512 KiB: far more than the slow link's buffers hold

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from proxy._answer import JSON_TYPE, SmallAnswer
-from proxy._front import FrontServer, Handler, Request
+from proxy._front import Handler, Request
+from proxy._listener import FrontServer
 
 
 async def _answers(handler: Handler, request: bytes) -> bytes:

@@ -14,7 +14,7 @@ import tracemalloc
 
 import pytest
 
-from proxy._front import END, MAX_HEAD_BYTES, MalformedRequest, RequestFraming
+from proxy._http1 import END, MAX_HEAD_BYTES, MalformedRequest, RequestFraming
 
 CHUNKED = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from proxy._front import END, RequestFraming, RequestHead
+from proxy._http1 import END, RequestFraming, RequestHead
 from proxy.testing import proxy_with_emulator
 from tests.support.e2e import CHAT_PATH, RawClient, stream_body
 

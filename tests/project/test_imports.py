@@ -29,8 +29,10 @@ PURE = frozenset(
         "proxy._emulator_frames",
         "proxy._emulator_script",
         "proxy._headers",
+        "proxy._http1",
         "proxy._holders",
         "proxy._phases",
+        "proxy._pool",
         "proxy._protocols",
         "proxy._session_ids",
         "proxy._shared",
@@ -50,6 +52,7 @@ IO_MODULES = frozenset(
         "proxy._app",
         "proxy._body",
         "proxy._cli",
+        "proxy._connect",
         "proxy._cluster.ledger",
         "proxy._cluster.node",
         "proxy._cluster.store",
@@ -57,7 +60,11 @@ IO_MODULES = frozenset(
         "proxy._emulator",
         "proxy._relay",
         "proxy._front",
+        "proxy._listener",
+        "proxy._request",
+        "proxy._stream_answer",
         "proxy._state",
+        "proxy._upstream",
     }
 )
 IO_LIBRARIES = frozenset(
@@ -219,6 +226,18 @@ def test_pure_modules_import_only_pure_modules_and_no_io_library() -> None:
             if target.partition(".")[0] in IO_LIBRARIES:
                 problems.append(f"{name} imports the I/O library {target}")
     assert problems == []
+
+
+# Pure modules that import nothing of ours at all: the HTTP/1.1 core (its limits live in
+# it) and the upstream pool's policy.
+SELF_CONTAINED = frozenset({"proxy._http1", "proxy._pool"})
+
+
+def test_the_http1_core_imports_nothing_of_ours() -> None:
+    files = module_files()
+    graph = import_graph(files)
+    assert files.keys() >= SELF_CONTAINED
+    assert {name: graph[name] for name in SELF_CONTAINED} == {n: set() for n in SELF_CONTAINED}
 
 
 # Rooms kept apart (docs/design.md §8): ``(module, what it must not reach)``. The exchange

@@ -27,7 +27,8 @@ from proxy._answer import SmallAnswer
 from proxy._cancel import SHUTDOWN_CANCEL
 from proxy._config import Settings
 from proxy._exchange import Exchange
-from proxy._front import Request, RequestHead, StreamAnswer
+from proxy._front import Request, StreamAnswer
+from proxy._http1 import NEED_DATA, RequestHead, Response, ServerConnection
 from proxy._phases import Phase
 from proxy._plugins import Outcome, Plugin, PluginHost, PrepareContext
 from proxy._prepare import Preparer, null_lock, prepare
@@ -225,18 +226,26 @@ class _Transport:
 
 
 class FakeClientConn:
-    """The client's connection as :class:`StreamAnswer` uses it; keeps what is written.
+    """The client's connection as :class:`StreamAnswer` uses it (``proxy._request.Link``);
+    keeps what is written. Its HTTP/1.1 machine is the real one, answering a request
+    like :func:`_request`'s.
 
     ``gone_after`` writes, the client hangs up (the transport is lost).
     """
 
-    __slots__ = ("_write_paused", "closes", "gone_after", "request_version", "transport", "wire")
+    __slots__ = ("gone_after", "http", "transport", "wire", "writing_paused")
 
     def __init__(self, gone_after: int | None = None) -> None:
         self.transport: _Transport | None = _Transport()
-        self.request_version = (1, 1)
-        self._write_paused = False
-        self.closes = False
+        self.http = ServerConnection(lambda: 0.0, header_timeout=30.0)
+        self.http.receive_data(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+            % (CHAT.encode(), len(BODY), bytes(BODY))
+        )
+        for _ in range(10):  # bounded: a head, the body, its end
+            if self.http.next_event() is NEED_DATA:
+                break
+        self.writing_paused = False
         self.gone_after = gone_after
         self.wire: list[bytes] = []
 
@@ -249,11 +258,14 @@ class FakeClientConn:
         if self.transport is None:
             raise ConnectionResetError("the client closed the connection")
 
-    def close_after_answer(self) -> None:
-        self.closes = True
+    def send_head(self, head: Response) -> bytes:
+        return self.http.send(head)
 
-    def closes_after_answer(self) -> bool:
-        return self.closes
+    def pause_for_body(self) -> None:
+        pass
+
+    def body_drained(self) -> None:
+        pass
 
     @property
     def received(self) -> bytes:

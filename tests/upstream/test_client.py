@@ -22,17 +22,23 @@ from hypothesis import given
 from hypothesis import strategies as st
 from multidict import CIMultiDict, MultiDict
 
-from proxy import _upstream
+from proxy import _connect, _http1
+from proxy._http1 import (
+    MAX_LINE_BYTES,
+    ClientConnection,
+    EndOfMessage,
+    Fault,
+    Request,
+    ResponseHead,
+)
+from proxy._http1 import MAX_RESPONSE_HEAD_BYTES as MAX_HEAD_BYTES
 from proxy._upstream import (
-    MAX_FIELD_LINE_BYTES,
-    MAX_HEAD_BYTES,
     READ_HIGH_WATER_BYTES,
     AnswerCut,
     BadResponseHead,
     ConnectFailed,
     IdleReadTimeout,
     PoolBusy,
-    ResponseFraming,
     ServerDisconnected,
     UpstreamPool,
     UpstreamTarget,
@@ -42,8 +48,45 @@ from tests.support.upstream import Scripted, chunked, read_request, self_signed
 # ------------------------------------------------------------------ framing (sans-I/O)
 
 
-def _fed(data: bytes, *, step: int = 0, head_only: bool = False) -> ResponseFraming:
-    framing = ResponseFraming(head_only=head_only)
+class _Fed:
+    """What the client machine made of an answer's bytes (the old framing's view of it)."""
+
+    def __init__(self, *, head_only: bool = False) -> None:
+        self.conn = ClientConnection()
+        self.conn.send_head(Request("HEAD" if head_only else "GET", "/", []))
+        self.status = 0
+        self.fields: list[tuple[str, str]] = []
+        self.body = b""
+        self.complete = False
+        self.error: str | None = None
+        self.closed = False
+
+    def feed(self, data: bytes) -> None:
+        self.conn.receive_data(data)
+        for _ in range(len(data) + 8):  # bounded: at most one event per byte, and the end
+            event = self.conn.next_event()
+            if isinstance(event, ResponseHead):
+                if not event.interim:
+                    self.status, self.fields = event.status, event.fields
+            elif isinstance(event, bytes):
+                self.body += event
+            elif isinstance(event, EndOfMessage):
+                self.complete = True
+            elif isinstance(event, Fault):
+                self.error, self.closed = event.words, event.closed
+            else:
+                return
+
+    def eof(self) -> None:
+        self.feed(b"")
+
+    def take(self) -> bytes:
+        body, self.body = self.body, b""
+        return body
+
+
+def _fed(data: bytes, *, step: int = 0, head_only: bool = False) -> _Fed:
+    framing = _Fed(head_only=head_only)
     if step:
         for start in range(0, len(data), step):
             framing.feed(data[start : start + step])
@@ -54,10 +97,10 @@ def _fed(data: bytes, *, step: int = 0, head_only: bool = False) -> ResponseFram
 
 def test_a_length_framed_answer_fed_byte_by_byte() -> None:
     framing = _fed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Trace: a b\r\n\r\nhello", step=1)
-    assert (framing.status, framing.head_done, framing.complete) == (200, True, True)
+    assert (framing.status, framing.complete) == (200, True)
     assert framing.fields == [("Content-Length", "5"), ("X-Trace", "a b")]
     assert framing.take() == b"hello" and framing.take() == b""
-    assert framing.keep_alive and framing.error is None
+    assert framing.conn.reusable and framing.error is None
 
 
 def test_a_chunked_answer_split_anywhere_ends_with_its_last_chunk() -> None:
@@ -80,7 +123,7 @@ def test_interim_answers_are_skipped_for_the_final_one() -> None:
 
 def test_an_answer_without_framing_ends_when_the_upstream_closes() -> None:
     framing = _fed(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\ndata: 1\n\n")
-    assert framing.until_close and not framing.complete
+    assert framing.conn.until_close and not framing.complete
     framing.eof()
     assert framing.complete and framing.error is None and framing.take() == b"data: 1\n\n"
 
@@ -106,7 +149,7 @@ def test_a_close_before_the_framing_ends_is_an_error(wire: bytes, words: str) ->
     [
         (
             b"HTTP/1.1 200 OK\r\nX-Big: " + b"t" * 20_000 + b"\r\n\r\n",
-            f"limit ({MAX_FIELD_LINE_BYTES} bytes a line)",
+            f"limit ({MAX_LINE_BYTES} bytes a line)",
         ),
         (
             b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
@@ -134,25 +177,27 @@ def test_bad_heads_and_framing_are_errors_in_our_own_words(wire: bytes, words: s
 def test_a_header_line_that_never_ends_is_refused_soon() -> None:
     """One field line growing forever (llhttp gathers a line whole before calling back):
     refused within a few lines' worth of bytes, not at the head's total limit."""
-    framing = ResponseFraming()
+    framing = _Fed()
     framing.feed(b"HTTP/1.1 200 OK\r\nX-Slow: ")
     fed = 0
     while framing.error is None and fed <= 2 * MAX_HEAD_BYTES:  # bounded
         framing.feed(b"a" * 4096)
         fed += 4096
-    assert framing.error is not None and f"({MAX_FIELD_LINE_BYTES} bytes a line)" in framing.error
-    assert fed <= 2 * MAX_FIELD_LINE_BYTES + 4096
+    assert framing.error is not None and f"({MAX_LINE_BYTES} bytes a line)" in framing.error
+    assert fed <= 2 * MAX_LINE_BYTES + 4096
 
 
 def test_a_head_answer_has_no_body_and_its_connection_is_not_reused() -> None:
     framing = _fed(b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n", head_only=True)
-    assert framing.complete and framing.take() == b"" and not framing.keep_alive
+    assert framing.complete and framing.take() == b"" and not framing.conn.reusable
 
 
 def test_the_next_request_starts_a_clean_answer() -> None:
     framing = _fed(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\na")
     framing.take()
-    framing.expect(head_only=False)
+    framing.conn.start_next(0.0)
+    framing.conn.send_head(Request("GET", "/", []))
+    framing.complete = False
     framing.feed(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
     assert (framing.status, framing.complete, framing.fields) == (
         404,
@@ -243,7 +288,7 @@ async def test_connections_are_kept_and_reused_between_requests() -> None:
 async def test_an_idle_connection_is_closed_after_the_keep_alive_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_upstream, "KEEPALIVE_SECONDS", 0.05)
+    monkeypatch.setattr(_http1, "CLIENT_KEEPALIVE_TIMEOUT", 0.05)
     async with _server(_keep_alive_ok) as upstream, _pool() as pool:
         await _post(pool, upstream.port, b"{}")
         for _ in range(1000):  # bounded: ~10 s (a loaded machine)
@@ -316,7 +361,7 @@ async def test_an_answer_not_read_pauses_the_upstream_socket() -> None:
         conn = answer._conn
         assert conn is not None
         # The kernel's socket buffers hold the rest; the upstream is blocked sending.
-        assert conn.framing.body_bytes <= READ_HIGH_WATER_BYTES + 256 * 1024
+        assert conn.machine.buffered_bytes <= READ_HIGH_WATER_BYTES + 256 * 1024
         assert sent < total
         received = 0
         for _ in range(100_000):  # bounded
@@ -446,22 +491,33 @@ _FIELD_NAMES = st.sampled_from(["Accept", "accept", "USER-AGENT", "User-Agent", 
 _FIELD_VALUES = st.text(alphabet="ab \r\n\u00e9\udcff", max_size=6)
 
 
+def _latin1(name: str) -> bool:
+    try:
+        name.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 @given(st.lists(st.tuples(_FIELD_NAMES | _FIELD_VALUES, _FIELD_VALUES), max_size=6))
 def test_the_request_head_of_any_mapping_is_the_head_of_the_relay_s_own_fields(
     pairs: list[tuple[str, str]],
 ) -> None:
     # The relay's fields (a case-insensitive multidict) are looked up by name; any other
-    # mapping is scanned. Same head, or the same refusal of a line break.
+    # mapping is scanned. Same head, or the same refusal of a line break or a bad name.
     target = UpstreamTarget("http://127.0.0.1:8000")
-    outcomes = []
+    outcomes: list[bytes | str] = []
     for fields in (CIMultiDict(pairs), MultiDict(pairs)):
         try:
-            outcomes.append(_upstream._request_head(target, "POST", "/v1/x", fields))
+            outcomes.append(target.request_head("POST", "/v1/x", fields).data)
         except ValueError as exc:
             outcomes.append(str(exc))
     assert outcomes[0] == outcomes[1]
-    if any("\r" in part or "\n" in part for pair in pairs for part in pair):
-        assert outcomes[0] == "a header field holds a line break"
+    if any(not _latin1(name) for name, _ in pairs):
+        # A name is a token (RFC 9110 section 5.1): one that is not even latin-1 is refused.
+        assert isinstance(outcomes[0], str) and "latin-1" in outcomes[0]
+    elif any("\r" in part or "\n" in part for pair in pairs for part in pair):
+        assert outcomes[0] == "a header field contains CR or LF"
     else:
         head = outcomes[0]
         assert isinstance(head, bytes) and head.endswith(b"\r\n\r\n")
@@ -481,7 +537,7 @@ async def test_https_upstreams_are_verified_and_kept_alive(tmp_path: Path) -> No
                 await _post(pool, upstream.port, b"{}", scheme="https", host="localhost")
         async with _pool() as pool:
             client = ssl.create_default_context(cafile=str(cert))
-            pool._ssl = client
+            pool.connector.tls_context = client
             for n in range(2):
                 body = b'{"n":%d}' % n
                 assert (
@@ -641,7 +697,7 @@ def test_the_upstreams_keep_alive_timeout_bounds_the_idle_time(field: str, secon
     framing = _fed(
         b"HTTP/1.1 200 OK\r\nKeep-Alive: %s\r\nContent-Length: 0\r\n\r\n" % field.encode()
     )
-    assert framing.keep_alive_s == seconds
+    assert framing.conn.keep_alive_s == seconds
 
 
 async def test_a_connection_the_upstream_keeps_a_second_or_less_is_not_kept() -> None:
@@ -721,7 +777,7 @@ async def test_a_closed_connection_is_not_kept_alive_by_its_read_timer() -> None
 def test_address_families_alternate_the_first_family_first() -> None:
     v6 = [(socket.AF_INET6, 1, 6, (f"::{n}", 1, 0, 0)) for n in (1, 2)]
     v4 = [(socket.AF_INET, 1, 6, (f"10.0.0.{n}", 1)) for n in (1, 2, 3)]
-    order = [a[3][0] for a in _upstream._interleave([*v6, *v4])]
+    order = [a[3][0] for a in _connect._interleave([*v6, *v4])]
     assert order == ["::1", "10.0.0.1", "::2", "10.0.0.2", "10.0.0.3"]
 
 

@@ -1,4 +1,4 @@
-"""The bound on an upstream answer's head (proxy/_upstream.py, ``_Bound``) against a head
+"""The bound on an upstream answer's head (proxy/_upstream.py, ``asyncio.timeout``) against a head
 that came in time but was read in the loop turn its deadline fell in.
 
 A busy event loop (a burst of other streams, a long GC pause) runs the socket's

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from proxy._upstream import ResponseFraming
+from proxy._http1 import ClientConnection, Request
 
 
 @pytest.mark.parametrize("value", ['timeout="5"', 'timeout="5", max=100'])
 def test_a_quoted_keep_alive_timeout_bounds_the_idle_time(value: str) -> None:
-    framing = ResponseFraming()
-    framing.feed(b"HTTP/1.1 200 OK\r\nKeep-Alive: %s\r\nContent-Length: 0\r\n\r\n" % value.encode())
-    assert framing.complete and framing.keep_alive
-    assert framing.keep_alive_s == 4.0
+    conn = ClientConnection()
+    conn.send_head(Request("GET", "/", []))
+    conn.receive_data(
+        b"HTTP/1.1 200 OK\r\nKeep-Alive: %s\r\nContent-Length: 0\r\n\r\n" % value.encode()
+    )
+    assert conn.ended and conn.keep_alive
+    assert conn.keep_alive_s == 4.0

@@ -66,7 +66,8 @@ async def test_a_waiter_cancelled_as_a_place_frees_raises_cancelled_not_value_er
             assert isinstance(b_result, asyncio.CancelledError), repr(b_result)
             assert not isinstance(c_result, BaseException), repr(c_result)
             c_result.release()
-            assert (pool._reserved, pool.connections_in_use, len(pool._waiters)) == (0, 0, 0)
+            policy = pool._policy
+            assert (policy.reserved, pool.connections_in_use, policy.waiters) == (0, 0, 0)
         finally:
             await pool.close()
 
@@ -97,10 +98,10 @@ async def test_requests_queued_at_shutdown_get_503_not_500() -> None:
                 await client.request("POST", "/v1/chat/completions", STREAM_BODY, AUTH)
                 queued.append(client)
             for _ in range(500):  # bounded (10 s): until all three wait in the pool
-                if len(pool_of(app)._waiters) == QUEUED:
+                if pool_of(app)._policy.waiters == QUEUED:
                     break
                 await asyncio.sleep(0.02)
-            assert len(pool_of(app)._waiters) == QUEUED
+            assert pool_of(app)._policy.waiters == QUEUED
             # Leaving the block drains (grace 1 s) and cancels what still runs.
         for client in queued:
             head = await client.read_head()
@@ -149,10 +150,10 @@ async def test_200_waiters_with_random_hang_ups_get_no_500_and_leak_no_place() -
 
         await asyncio.gather(*(one() for _ in range(200)))
         for _ in range(500):  # bounded (10 s): the hung-up handlers finish
-            if pool.connections_in_use == 0 and not pool._waiters:
+            if pool.connections_in_use == 0 and not pool._policy.waiters:
                 break
             await asyncio.sleep(0.02)
-        assert (pool._reserved, pool.connections_in_use, len(pool._waiters)) == (0, 0, 0)
+        assert (pool._policy.reserved, pool.connections_in_use, pool._policy.waiters) == (0, 0, 0)
         after = await RawClient.connect(url)
         await after.request("POST", "/v1/chat/completions", BODY, AUTH)
         assert (await after.read_head()).status == 200
@@ -182,4 +183,4 @@ async def test_a_waiter_failed_by_pool_close_and_cancelled_in_that_turn_frees_no
         b.cancel()  # ... and B's client hangs up before B runs
         await closing
         await asyncio.gather(a, b, return_exceptions=True)
-    assert pool._reserved == 0
+    assert pool._policy.reserved == 0
