@@ -1,15 +1,20 @@
 """The upstream pool's policy (proxy/_upstream.py), on real sockets of our own.
 
 Who waits for a free connection under ``upstream_max_connections`` and in which
-order, what a bound running out blames, a kept connection lost to the keep-alive
-race (replaced, the request sent again) and the window after which a request is
-never sent twice. Each section below keeps the account of the finding it pins.
+order, a waiter cancelled, what a bound running out blames, the head bound
+against a head read in the loop turn its deadline fell in, a kept connection
+lost to the keep-alive race (replaced, the request sent again) and the window
+after which a request is never sent twice. Each section below keeps the account
+of the finding it pins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
+import time
+from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -25,6 +30,7 @@ from tests.support.upstream import (
     chat_sse_events,
     chunk,
     json_answer,
+    pool_of,
     proxy_app,
     proxy_for,
     read_request,
@@ -442,3 +448,274 @@ async def test_a_request_the_upstream_held_for_a_second_then_dropped_is_not_rese
         except openai.APIStatusError as exc:
             assert exc.status_code == 502, exc
     assert seen == [(0, 0), (0, 1)], f"the upstream got the second request {len(seen) - 1} times"
+
+
+# -----------------------------------------------------------------------------
+# A request waiting for a free connection that is cancelled ends as cancelled, never as a 500.
+#
+# ``upstream_max_connections`` queues requests. A waiter whose task is cancelled (its
+# client hung up, its header timeout fired, the drain at shutdown) may have its
+# cancelled future popped off the queue by a place coming free in the same loop
+# turn, before the waiter's own clean-up runs. That clean-up must still end as a
+# cancellation (a 503 at shutdown, a 503 naming the limit on timeout), and leave
+# no reservation behind.
+
+
+BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+STREAM_BODY = json.dumps(
+    {"model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+).encode()
+AUTH = [("Authorization", "Bearer k")]
+QUEUED = 10
+
+
+async def test_a_waiter_cancelled_as_a_place_frees_raises_cancelled_not_value_error() -> None:
+    """``max_connections=1``: A holds it, B and C wait. B is cancelled, and in the
+    same turn A's answer is released (the place goes past B's cancelled future to C).
+    B ends cancelled, C is served, nothing stays reserved."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        for _ in range(10):  # bounded
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    async with Scripted(serve) as upstream:
+        target = UpstreamTarget(upstream.url)
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=1)
+        try:
+            a = await pool.request(target, "GET", "/", {})
+            b = asyncio.create_task(pool.request(target, "GET", "/", {}))
+            c = asyncio.create_task(pool.request(target, "GET", "/", {}))
+            await asyncio.sleep(0.05)
+            assert await a.read() == b"{}"
+            assert await a.read() == b""
+            b.cancel()  # B's client hangs up ...
+            a.release()  # ... as A's connection comes free, in the same loop turn
+            b_result, c_result = await asyncio.wait_for(
+                asyncio.gather(b, c, return_exceptions=True), 5
+            )
+            assert isinstance(b_result, asyncio.CancelledError), repr(b_result)
+            assert not isinstance(c_result, BaseException), repr(c_result)
+            c_result.release()
+            policy = pool._policy
+            assert (policy.reserved, pool.connections_in_use, policy.waiters) == (0, 0, 0)
+        finally:
+            await pool.close()
+
+
+async def test_requests_queued_at_shutdown_get_503_not_500() -> None:
+    """``upstream_max_connections=1`` and one long stream on it, ten requests queued.
+    The proxy shuts down: the drain cancels them all at once. Each queued client gets
+    the 503 "proxy shutting down" (on main most get a 500 "internal proxy error": the
+    stream's connection comes free in the same turn and pops their cancelled futures)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + chunk(chat_sse_events()[0]))
+        await writer.drain()
+        await asyncio.sleep(8)  # a long stream
+
+    statuses: list[tuple[int, bytes]] = []
+    async with Scripted(serve) as upstream:
+        async with proxy_app(
+            upstream.url, upstream_max_connections=1, upstream_header_timeout=30
+        ) as (url, app):
+            holder = await RawClient.connect(url)
+            await holder.request("POST", "/v1/chat/completions", STREAM_BODY, AUTH)
+            assert (await holder.read_head()).status == 200
+            queued = []
+            for _ in range(QUEUED):
+                client = await RawClient.connect(url)
+                await client.request("POST", "/v1/chat/completions", STREAM_BODY, AUTH)
+                queued.append(client)
+            for _ in range(500):  # bounded (10 s): until all three wait in the pool
+                if pool_of(app)._policy.waiters == QUEUED:
+                    break
+                await asyncio.sleep(0.02)
+            assert pool_of(app)._policy.waiters == QUEUED
+            # Leaving the block drains (grace 1 s) and cancels what still runs.
+        for client in queued:
+            head = await client.read_head()
+            statuses.append((head.status, await client.read_body(head)))
+            await client.close()
+        holder.abort()
+    assert [status for status, _ in statuses] == [503] * QUEUED, statuses
+
+
+@pytest.mark.timeout(120)
+async def test_200_waiters_with_random_hang_ups_get_no_500_and_leak_no_place() -> None:
+    """``upstream_max_connections=4``, 200 requests at once, 40 % of the clients hang up
+    while queued, the rest may wait out a 0.4 s header timeout. Every answer is a 200,
+    a 503 naming the limit or a 504; none is a 500. Afterwards no place is reserved,
+    none in use, and a new request still gets a connection."""
+    rng = random.Random(3)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        for _ in range(1000):  # bounded
+            await read_request(reader)
+            await asyncio.sleep(rng.uniform(0, 0.06))
+            writer.write(json_answer())
+            await writer.drain()
+
+    statuses: list[int] = []
+    async with (
+        Scripted(serve) as upstream,
+        proxy_app(upstream.url, upstream_max_connections=4, upstream_header_timeout=0.4) as (
+            url,
+            app,
+        ),
+    ):
+        pool = pool_of(app)
+
+        async def one() -> None:
+            client = await RawClient.connect(url)
+            await client.request("POST", "/v1/chat/completions", BODY, AUTH)
+            if rng.random() < 0.4:
+                await asyncio.sleep(rng.uniform(0, 0.3))
+                client.abort()
+                return
+            head = await client.read_head()
+            await client.read_body(head)
+            statuses.append(head.status)
+            await client.close()
+
+        await asyncio.gather(*(one() for _ in range(200)))
+        for _ in range(500):  # bounded (10 s): the hung-up handlers finish
+            if pool.connections_in_use == 0 and not pool._policy.waiters:
+                break
+            await asyncio.sleep(0.02)
+        assert (pool._policy.reserved, pool.connections_in_use, pool._policy.waiters) == (0, 0, 0)
+        after = await RawClient.connect(url)
+        await after.request("POST", "/v1/chat/completions", BODY, AUTH)
+        assert (await after.read_head()).status == 200
+        await after.close()
+    assert 500 not in statuses, f"{statuses.count(500)} of {len(statuses)} answers were a 500"
+
+
+async def test_a_waiter_failed_by_pool_close_and_cancelled_in_that_turn_frees_no_place() -> None:
+    """``max_connections=1``: A holds it, B waits. The pool closes (B's future gets
+    ``PoolClosed``) and B's client hangs up in the same turn. B's clean-up must not
+    take the close for a handed place: on main ``_reserved`` ends at -1 (one place
+    more than the limit for whoever uses the pool next)."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        await asyncio.sleep(3)
+
+    async with Scripted(serve) as upstream:
+        target = UpstreamTarget(upstream.url)
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=1)
+        a = asyncio.create_task(pool.request(target, "GET", "/", {}))
+        await asyncio.sleep(0.05)
+        b = asyncio.create_task(pool.request(target, "GET", "/", {}))
+        await asyncio.sleep(0.05)
+        closing = asyncio.create_task(pool.close())
+        await asyncio.sleep(0)  # the close's first step fails B's future ...
+        b.cancel()  # ... and B's client hangs up before B runs
+        await closing
+        await asyncio.gather(a, b, return_exceptions=True)
+    assert pool._policy.reserved == 0
+
+
+# -----------------------------------------------------------------------------
+# The bound on an upstream answer's head (proxy/_upstream.py, ``asyncio.timeout``) against a head
+# that came in time but was read in the loop turn its deadline fell in.
+#
+# A busy event loop (a burst of other streams, a long GC pause) runs the socket's
+# read callbacks and the timers that fell due meanwhile in one turn. A head that
+# arrived before the deadline is then in hand when the timer fires: the request
+# must get it, not a ``HeadTimeout`` (a 504 blaming an upstream that answered in
+# time). The upstream runs in the test's loop; the loop is blocked on purpose,
+# right after the head is written, until past the deadline.
+
+
+HEAD_TIMEOUT = 0.3
+
+
+async def test_a_head_in_hand_when_its_deadline_fires_is_the_answer_not_a_timeout() -> None:
+    async def late_loop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")  # in time...
+        # ...then the loop is busy past the deadline (blocked on purpose).
+        time.sleep(HEAD_TIMEOUT + 0.2)  # noqa: ASYNC251
+        await asyncio.sleep(5)
+
+    async with Scripted(late_loop) as upstream:
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=0)
+        try:
+            answer = await pool.request(
+                UpstreamTarget(upstream.url), "GET", "/", {}, head_timeout=HEAD_TIMEOUT
+            )
+            assert answer.status == 200
+            assert await asyncio.wait_for(answer.read(), 5) == b"{}"
+            answer.release()
+        finally:
+            await pool.close()
+
+
+async def test_a_head_that_never_came_is_still_a_timeout_and_a_cancel_still_a_cancel() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    async with Scripted(silent) as upstream:
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=0)
+        target = UpstreamTarget(upstream.url)
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):  # HeadTimeout is one
+                await pool.request(target, "GET", "/", {}, head_timeout=HEAD_TIMEOUT)
+            # The head deadline, not the upstream's 5 s of silence (generous for load).
+            assert time.monotonic() - started < HEAD_TIMEOUT + 3.0
+            # A client's hang-up in the turn the deadline fires stays a cancel.
+            task = asyncio.ensure_future(
+                pool.request(target, "GET", "/", {}, head_timeout=HEAD_TIMEOUT)
+            )
+            loop = asyncio.get_running_loop()
+            loop.call_at(loop.time() + HEAD_TIMEOUT, task.cancel)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 5)
+        finally:
+            await pool.close()
+
+
+async def test_an_upload_to_an_upstream_that_answered_then_stopped_reading_stays_bounded() -> None:
+    """A 2xx head during the upload does not end the bound: the upload is still under way."""
+
+    async def answer_then_stall(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        await asyncio.sleep(5)  # never reads the body
+
+    body = b"x" * (32 * 1024 * 1024)  # far more than the socket buffers take
+
+    async def pieces() -> AsyncIterator[memoryview]:
+        view = memoryview(body)
+        for start in range(0, len(body), 262144):
+            yield view[start : start + 262144]
+
+    async with Scripted(answer_then_stall) as upstream:
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=0)
+        fields = {"Content-Length": str(len(body))}
+        try:
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(
+                    pool.request(
+                        UpstreamTarget(upstream.url),
+                        "POST",
+                        "/",
+                        fields,
+                        pieces,
+                        len(body),
+                        head_timeout=HEAD_TIMEOUT,
+                    ),
+                    8,
+                )
+            # The head deadline (0.3 s), not this wait_for's 8 s nor the upstream's 5 s stall.
+            assert time.monotonic() - started < 4
+        finally:
+            await pool.close()
