@@ -175,8 +175,11 @@ def parse_content_encoding(value: str | None) -> tuple[str, ...]:
         if not token or token == "identity":
             continue
         if token not in SUPPORTED_CODINGS:
-            shown = token if len(token) <= 32 else token[:32] + "..."
-            raise BodyEncodingError.unsupported(f"unsupported Content-Encoding {shown!r}")
+            # The value is not echoed (a header value is never shown): name what is accepted.
+            accepted = ", ".join(sorted(SUPPORTED_CODINGS | {"identity"}))
+            raise BodyEncodingError.unsupported(
+                f"unsupported Content-Encoding; accepted codings: {accepted}"
+            )
         codings.append("gzip" if token == "x-gzip" else token)
     if len(codings) > MAX_CONTENT_CODINGS:
         raise BodyEncodingError.unsupported(
