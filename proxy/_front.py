@@ -39,6 +39,7 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import typing
 from collections.abc import Awaitable, Callable
@@ -79,6 +80,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("context_proxy.server")
+# The connection timer's context: one shared empty one, not a copy of the arming
+# handler's (the copy costs per arm, and would hold the handler's context variables,
+# its exchange id, past its end for up to the keep-alive time).
+_TIMER_CONTEXT: Final = contextvars.Context()
 
 HEAD_READ_BYTES: Final = MIN_PIECE_BYTES
 """Bytes per socket read while no body with a declared length is arriving (16 KiB), and
@@ -573,7 +578,7 @@ class ClientConnection(asyncio.Protocol):
             timer.cancel()
             timer = None
         if timer is None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer = self._loop.call_at(deadline, self._on_timer, context=_TIMER_CONTEXT)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -583,7 +588,7 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._loop.time() < deadline:
             # The deadline moved on since this timer was set (a later request).
-            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer = self._loop.call_at(deadline, self._on_timer, context=_TIMER_CONTEXT)
             return
         if http.state is ServerState.IN_HEAD:
             log.debug("%s: request headers not complete in time: closing", self._peer())
