@@ -66,16 +66,20 @@ async def run_demo(port: int, *, once: bool = False) -> None:
         app = build_app(settings)
         async with running(app, "127.0.0.1", port) as bound:
             base = f"http://127.0.0.1:{bound}"
+            # Ctrl-C works from the first line on: a signal during the first stream ends
+            # the demo as soon as that stream has been shown.
+            stop = app.state.stop
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
             print(f"context-proxy on {base}, upstreams -> emulator at {emulator.url}")
             await _stream_once(base)
+            if stop.is_set():
+                return
             if once:
                 return
             print(
                 f"\nServing. Try: ANTHROPIC_BASE_URL={base} or OPENAI_BASE_URL={base}/v1 "
                 "with any api key. Ctrl-C stops."
             )
-            stop = app.state.stop
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
             await stop.wait()

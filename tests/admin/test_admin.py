@@ -14,12 +14,14 @@ import asyncio
 import json
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from plugins.usage import UsagePlugin
 from proxy import Plugin
 from proxy._plugins import PrepareContext, Scalar
 from proxy._protocols import Protocol
@@ -419,3 +421,36 @@ async def test_readyz_flips_on_admin_shutdown(http: aiohttp.ClientSession) -> No
         _, samples = await metrics(http, h)
         assert sample(samples, "context_proxy_draining") == 1
         assert h.emulator.stats == [], "a request reached the upstream while draining"
+
+
+# -----------------------------------------------------------------------------
+# Hostile query parameters of the admin routes are a 400 in JSON, never a 500 or a 503.
+
+
+@pytest.mark.parametrize("route", ["/admin/usage", "/admin/sessions"])
+@pytest.mark.parametrize("limit", ["%C2%B2", "%E2%91%A0"], ids=["superscript-2", "circled-1"])
+async def test_a_limit_of_unicode_digits_is_a_400_not_an_internal_error(
+    route: str, limit: str
+) -> None:
+    async with (
+        proxy_with_emulator(plugins=[UsagePlugin()]) as h,
+        aiohttp.ClientSession() as http,
+        http.get(f"{h.url}{route}?limit={limit}") as answer,
+    ):
+        assert answer.status == 400, await answer.text()
+        assert (await answer.json())["error"].startswith("limit:")
+
+
+@pytest.mark.parametrize("store", [False, True], ids=["memory", "sqlite"])
+async def test_a_cursor_that_is_not_utf8_is_a_400_and_the_store_is_not_blamed(
+    tmp_path: Path, store: bool
+) -> None:
+    """``_w==`` is the URL-safe base64 of the byte 0xff: no key this endpoint issues."""
+    plugin = UsagePlugin(path=str(tmp_path / "usage.db") if store else None)
+    async with (
+        proxy_with_emulator(plugins=[plugin]) as h,
+        aiohttp.ClientSession() as http,
+        http.get(f"{h.url}/admin/usage?by=session&cursor=_w==") as answer,
+    ):
+        assert answer.status == 400, await answer.text()
+        assert (await answer.json())["error"].startswith("cursor:")

@@ -14,18 +14,25 @@ import os
 import re
 import sys
 import time
+import urllib.parse
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
+from click.testing import CliRunner, Result
 from selenium.webdriver.common.by import By
 
 from benchmarks.admin_page import chromium
+from plugins.usage import UsagePlugin
 from proxy import _live as live
 from proxy import _top as top
+from proxy._cli import main as cli_main
 from proxy.testing import Harness, proxy_with_emulator
 from tests.support.e2e import CHAT_PATH, RawClient, exact_body, wait_until
+from tests.support.ports import serve_app
+from tests.support.process import Proc
 
 PROMPT = "PROMPT-TEXT-7f3a9c-never-shown"
 KEY = "sk-KEY-5d2e1b-never-shown"
@@ -529,3 +536,176 @@ async def test_browser_lists_sessions_in_flight_first_even_past_the_first_page()
             h.emulator.release("late")
             await stream
             await asyncio.to_thread(driver.quit)
+
+
+# -----------------------------------------------------------------------------
+# Many viewers of ``GET /admin/events`` cost one snapshot per half interval, not one each.
+#
+# A snapshot walks every in-flight exchange (about 5 ms per 1,000 of them); built per
+# viewer, 100 viewers of a busy proxy kept its event loop busy half of every second.
+
+
+VIEWERS = 30
+WATCH_S = 2.2  # seconds all viewers stay connected after their first snapshot
+
+
+async def _first_event(stream: aiohttp.ClientResponse) -> None:
+    async with asyncio.timeout(5):
+        while not (await stream.content.readline()).startswith(b"data: "):
+            pass
+
+
+async def test_viewers_share_their_periodic_snapshots(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[int] = []
+    real = live.snapshot
+
+    def counted(state: Any) -> dict[str, Any]:
+        made.append(1)
+        return real(state)
+
+    monkeypatch.setattr(live, "snapshot", counted)
+    async with (
+        proxy_with_emulator() as h,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
+    ):
+        streams = [await http.get(f"{h.url}/admin/events") for _ in range(VIEWERS)]
+        try:
+            await asyncio.gather(*(_first_event(s) for s in streams))
+            assert len(made) == VIEWERS  # each viewer's first snapshot is its own
+            made.clear()
+            await asyncio.sleep(WATCH_S)
+            # Built per viewer: about VIEWERS * WATCH_S of them; shared: a few a second.
+            assert len(made) <= 3 * (WATCH_S + 1), len(made)
+        finally:
+            for stream in streams:
+                stream.close()
+
+
+# -----------------------------------------------------------------------------
+# ``context-proxy top`` against an event stream cut before its first snapshot.
+#
+# Something between top and the proxy (a reverse proxy's error page served as 200, a
+# buffering intermediary) may end the stream at once. top opened it again at once, for
+# ever: a busy loop against the proxy, and a terminal that never came back.
+
+
+async def test_top_gives_up_on_a_stream_that_ends_before_any_snapshot() -> None:
+    opened: list[int] = []
+
+    async def events(request: web.Request) -> web.Response:
+        opened.append(1)
+        return web.Response(body=b"", content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_get("/admin/events", events)
+    async with serve_app(app) as url:
+        proc = await Proc.start("top", "top", "--url", url)
+        try:
+            code = await proc.wait_exit(10)
+        finally:
+            await proc.stop()
+    assert code == 1, proc.output
+    assert "ended before its first snapshot" in proc.output
+    assert len(opened) == 1
+
+
+@pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b"\xff\xfe"])
+async def test_top_names_a_stream_that_is_not_a_proxys_instead_of_a_traceback(
+    data: bytes,
+) -> None:
+    async def events(request: web.Request) -> web.Response:
+        return web.Response(
+            body=b"event: snapshot\ndata: " + data + b"\n\n", content_type="text/event-stream"
+        )
+
+    app = web.Application()
+    app.router.add_get("/admin/events", events)
+    async with serve_app(app) as url:
+        proc = await Proc.start("top", "top", "--once", "--url", url)
+        try:
+            code = await proc.wait_exit(10)
+        finally:
+            await proc.stop()
+    assert code == 1, proc.output
+    assert "not a JSON object" in proc.output and "Traceback" not in proc.output
+
+
+# -----------------------------------------------------------------------------
+# Names a client chooses (model, session id) reach the operator's terminal as text.
+#
+# A model or session id is whatever a client sent: ``[/x]`` is rich markup (a closing
+# tag with no opening one made ``context-proxy usage`` and ``top`` die with a
+# ``MarkupError`` traceback for every operator), an ESC sequence would drive the
+# terminal, and a ``/`` in a session id made ``GET``/``DELETE /admin/sessions/{id}``
+# a 404, so the session could be neither shown nor closed, and ``context-proxy
+# sessions`` failed as a whole.
+
+
+MARKUP = "[/x]"
+ESCAPE = "evil\x1b]0;title\x07\x1b[2J"
+SLASHED = "team/42"
+
+
+async def _send(h: Harness, http: aiohttp.ClientSession, model: str, session: str) -> None:
+    async with http.post(
+        f"{h.url}/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+        headers={"x-session-id": session, "authorization": "Bearer k"},
+    ) as answer:
+        assert answer.status == 200
+        await answer.read()
+
+
+async def _cli(*args: str) -> Result:
+    return await asyncio.to_thread(CliRunner().invoke, cli_main, list(args), env={"COLUMNS": "120"})
+
+
+async def test_usage_prints_markup_and_escapes_in_names_as_text() -> None:
+    async with proxy_with_emulator(plugins=[UsagePlugin()]) as h, aiohttp.ClientSession() as http:
+        await _send(h, http, MARKUP, "[/y]")
+        await _send(h, http, ESCAPE, "plain")
+        await h.settle()
+        by_model = await _cli("usage", "--url", h.url)
+        by_session = await _cli("usage", "--by", "session", "--url", h.url)
+    assert by_model.exit_code == 0, by_model.output
+    assert by_session.exit_code == 0, by_session.output
+    assert MARKUP in by_model.output and "[/y]" in by_session.output
+    assert "\x1b" not in by_model.output and "\x07" not in by_model.output
+    assert "evil\\x1b]0;title" in by_model.output
+
+
+def test_top_draws_a_session_id_that_looks_like_markup() -> None:
+    snap = {
+        "rss_bytes": 1,
+        "held_by_phase": {},
+        "exchanges": [
+            {
+                "id": "ex-1",
+                "protocol": "openai-chat",
+                "session": "[/x]",
+                "phase": "sent",
+                "fold_level": 0,
+                "age_s": 1.0,
+                "held_bytes": {},
+            },
+        ],
+    }
+    assert "[/x]" in top.print_once(snap, 120)
+
+
+async def test_a_session_id_with_a_slash_can_be_shown_listed_and_closed() -> None:
+    async with proxy_with_emulator(plugins=[UsagePlugin()]) as h, aiohttp.ClientSession() as http:
+        await _send(h, http, "m", SLASHED)
+        await h.settle()
+        url = f"{h.url}/admin/sessions/{urllib.parse.quote(SLASHED, safe='')}"
+        async with http.get(url) as answer:
+            assert answer.status == 200, await answer.text()
+            assert (await answer.json())["id"] == SLASHED
+        listed = await _cli("sessions", "--url", h.url)
+        assert listed.exit_code == 0, listed.output
+        assert SLASHED in listed.output
+        async with http.delete(url) as answer:
+            assert answer.status in (200, 202), await answer.text()
+        async with http.get(url) as answer:
+            assert answer.status == 200
+            assert (await answer.json())["tombstoned"] is True

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -165,3 +169,29 @@ def test_demo_reports_a_bad_setting_in_one_line_like_serve(env: dict[str, str], 
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert result.output.startswith("Error: ") and line in result.output, result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+def test_demo_stops_on_ctrl_c_sent_while_its_first_stream_runs() -> None:
+    """A SIGINT right after the first line (the demo's first stream still running) stops it.
+
+    Started as a background job is (SIGINT ignored on entry, so Python installs no handler
+    of its own): only the demo's own handler can take the signal, and it must be in place
+    from the first line on, not only once the "Serving." line is printed.
+    """
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "demo", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("context-proxy on "), first
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)

@@ -1,7 +1,7 @@
 """Which forward proxy an upstream is reached through (issue 24 item 6): the
 environment variables and the ``upstream_proxy`` setting, read as curl and
 requests read them (proxy/_egress.py). The tunnels themselves are tested through
-a real tinyproxy in ``tests/egress/test_tinyproxy.py``."""
+a real tinyproxy in ``tests/egress/test_tunnels.py``."""
 
 from __future__ import annotations
 

@@ -39,7 +39,9 @@ from proxy._emulator import (
     script_help,
     start_emulator,
 )
+from proxy._protocols._overflow import is_overflow_payload
 from tests.support.e2e import WAIT_S, Event, request_body, sse_events
+from tests.support.process import Proc
 
 CHAT = "/v1/chat/completions"
 RESPONSES = "/v1/responses"
@@ -970,3 +972,27 @@ async def test_client_gone_mid_body_is_a_peer_abort(server: EmulatorServer) -> N
     await writer.wait_closed()
     record = await server.wait_aborted(1, WAIT_S)
     assert not record.received and record.body_digest is None and not record.headers_sent
+
+
+# -----------------------------------------------------------------------------
+# `emulate --context-window-tokens N`: prompts above N tokens get the overflow error.
+
+
+async def test_cli_window_rejects_longer_prompts_in_each_protocol() -> None:
+    proc = await Proc.start("emulator", "emulate", "--port", "0", "--context-window-tokens", "100")
+    try:
+        url = (await proc.wait_line(r"listening on (http://\S+)", within=30))[1]
+        async with aiohttp.ClientSession() as http:
+            for path in ("/v1/chat/completions", "/v1/messages", "/v1/responses"):
+                small = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+                async with http.post(url + path, json=small) as resp:
+                    assert resp.status == 200, path
+                big = {"model": "m", "messages": [{"role": "user", "content": "x" * 800}]}
+                async with http.post(url + path, json=big) as resp:
+                    body = await resp.read()
+                    assert resp.status == 400, path
+                    assert is_overflow_payload(400, resp.content_type, body), path
+                    message = json.loads(body)["error"]["message"]
+                    assert "100" in message, message
+    finally:
+        await proc.stop()

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -38,6 +39,7 @@ from proxy._upstream import UpstreamTarget
 from proxy.testing import Harness, ProxyStartError, proxy_process, proxy_with_emulator
 from tests.support.lifetime import CHAT, WAIT_S, Recorder, conversation, encode
 from tests.support.ports import serve_app
+from tests.support.process import Proc
 from tests.support.upstream import Scripted, read_request
 
 API_KEY = "sk-tracing-secret-key-0123456789"
@@ -562,3 +564,46 @@ async def test_a_responses_stream_names_the_model_that_answered(
     assert a["gen_ai.response.model"] == answered
     assert a["gen_ai.usage.input_tokens"] == record.input_tokens
     assert a["context_proxy.protocol"] == "openai-responses"
+
+
+# -----------------------------------------------------------------------------
+# A client's malformed trace headers cost no log line (``serve --tracing otel``).
+#
+# OpenTelemetry's propagators warned of every over-long ``traceparent`` and every
+# over-long ``baggage``: one WARNING per request, for anyone who can reach the proxy.
+
+
+HEADERS = [
+    {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" + "x" * 600},
+    {"traceparent": "zz-not-a-trace-context"},
+    {"baggage": ",".join(f"k{i}=v" for i in range(200))},  # over 180 members
+]
+
+
+async def test_malformed_trace_headers_are_served_without_a_log_line_each() -> None:
+    emulator = await start_emulator()
+    proc, port = await Proc.serve(
+        emulator.url,
+        env={
+            "CONTEXT_PROXY_TRACING": "otel",
+            "OTEL_TRACES_EXPORTER": "none",
+            "CONTEXT_PROXY_LOG_LEVEL": "info",
+        },
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            for extra in HEADERS * 3:
+                async with http.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    headers={"authorization": "Bearer k", **extra},
+                ) as answer:
+                    assert answer.status == 200
+                    await answer.read()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert await proc.wait_exit(15) == 0
+    finally:
+        await proc.stop()
+        await emulator.close()
+    assert "context-proxy stopped" in proc.output
+    assert "opentelemetry" not in proc.output, proc.output
