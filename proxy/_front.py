@@ -39,6 +39,7 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import typing
 from collections.abc import Awaitable, Callable
@@ -81,6 +82,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("context_proxy.server")
+# The connection timer's context: one shared empty one, not a copy of the arming
+# handler's (the copy costs per arm, and would hold the handler's context variables,
+# its exchange id, past its end for up to the keep-alive time).
+_TIMER_CONTEXT: Final = contextvars.Context()
 
 HEAD_READ_BYTES: Final = MIN_PIECE_BYTES
 """Bytes per socket read while no body with a declared length is arriving (16 KiB), and
@@ -448,46 +453,45 @@ class ClientConnection(asyncio.Protocol):
         self._task = self._loop.create_task(self._serve(request))
 
     async def _serve(self, request: Request) -> None:
+        """The request's task: the handler's answer out, then :meth:`_finished` (one
+        coroutine a request: the answer is not a coroutine of its own)."""
+        server = self._server
         try:
-            await self._answer(request)
+            try:
+                answer = await (server.shed_handler if self.shed else server.handler)(request)
+            except asyncio.CancelledError:
+                self._close()
+                raise
+            except Exception as exc:  # a handler's bug: a 500, never a traceback page
+                log.error(
+                    "%s %s: internal error %s in the request handler",
+                    request.method,
+                    request.path,
+                    type(exc).__name__,
+                )
+                del exc
+                if request.answer is None:
+                    self.write(_internal_error_answer())
+                # Closed either way: an answer that had begun is cut, not spliced; after a
+                # 500 the rest of the request may be unread.
+                self._close()
+                return
+            try:
+                if request.answer is not None and answer is not request.answer:
+                    # An error answer after a streamed one began: truncated, not spliced.
+                    self._close()
+                elif isinstance(answer, StreamAnswer):
+                    if not answer.ended and self.transport is not None:
+                        await answer.write_eof()
+                else:
+                    await self._write_response(request, answer)
+            except ConnectionError:
+                pass
+            finally:
+                del answer
         finally:
             # Every way out: a hang-up (cancelled) and a handler's bug included.
             self._finished(request)
-
-    async def _answer(self, request: Request) -> None:
-        server = self._server
-        try:
-            answer = await (server.shed_handler if self.shed else server.handler)(request)
-        except asyncio.CancelledError:
-            self._close()
-            raise
-        except Exception as exc:  # a handler's bug: a 500, never a traceback page
-            log.error(
-                "%s %s: internal error %s in the request handler",
-                request.method,
-                request.path,
-                type(exc).__name__,
-            )
-            del exc
-            if request.answer is None:
-                self.write(_internal_error_answer())
-            # Closed either way: an answer that had begun is cut, not spliced; after a
-            # 500 the rest of the request may be unread.
-            self._close()
-            return
-        try:
-            if request.answer is not None and answer is not request.answer:
-                # An error answer after a streamed one began: a truncated answer, not a spliced one.
-                self._close()
-            elif isinstance(answer, StreamAnswer):
-                if not answer.ended and self.transport is not None:
-                    await answer.write_eof()
-            else:
-                await self._write_response(request, answer)
-        except ConnectionError:
-            pass
-        finally:
-            del answer
 
     async def _write_response(self, request: Request, resp: SmallAnswer) -> None:
         http = self.http
@@ -575,7 +579,7 @@ class ClientConnection(asyncio.Protocol):
             timer.cancel()
             timer = None
         if timer is None:
-            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer = self._loop.call_at(deadline, self._on_timer, context=_TIMER_CONTEXT)
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -585,7 +589,7 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._loop.time() < deadline:
             # The deadline moved on since this timer was set (a later request).
-            self._timer = self._loop.call_at(deadline, self._on_timer)
+            self._timer = self._loop.call_at(deadline, self._on_timer, context=_TIMER_CONTEXT)
             return
         if http.state is ServerState.IN_HEAD:
             log.debug("%s: request headers not complete in time: closing", self._peer())

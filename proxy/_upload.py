@@ -112,8 +112,6 @@ async def upload(
     """
     assert flow is not None
     pieces = aiter(body)
-    native = transport.get_extra_info("sslcontext") is None
-    sock = transport.get_extra_info("socket") if native else None
     try:
         if body_bytes <= _COALESCE_BYTES:
             # A small body leaves with its head in one write (one syscall).
@@ -127,6 +125,9 @@ async def upload(
                 machine.send_end()
             return
         transport.write(head)
+        # Looked up only here: a small body (above) never goes to the socket directly.
+        native = transport.get_extra_info("sslcontext") is None
+        sock = transport.get_extra_info("socket") if native else None
         async for piece in pieces:
             while flow.write_paused and not over(transport):
                 await flow.wait_writable()

@@ -20,6 +20,7 @@ Errors are :mod:`proxy._upstream_errors`' (our words, never the upstream's bytes
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import ssl
 import typing
 from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
@@ -84,6 +85,9 @@ _NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
 _CLOSING: Final = "proxy is shutting down"
 _ERROR: Final = ClientState.ERROR  # (a global: read per received piece)
 _SEEN: Final = ResponseHead(0, [], False)  # the final head came and was handed on
+# The connection timer's context: one shared empty one, not a copy of the arming task's
+# (the copy costs per arm, and would hold the task's context variables past its end).
+_TIMER_CONTEXT: Final = contextvars.Context()
 
 
 class UpstreamAnswer:
@@ -178,6 +182,7 @@ class _Connection(asyncio.Protocol):
         "_bound",
         "_final",
         "_head",
+        "_loop",
         "_reader",
         "_sent_at",
         "_timer",
@@ -200,6 +205,8 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.flow: FlowControl | None = None
         self.machine = ClientConnection(idle_read_s=pool.idle_read)
+        # Made by a request's task (UpstreamPool._acquire): held, not looked up per read.
+        self._loop = asyncio.get_running_loop()
         self.in_use = True
         self.lost = False
         #: Whether it carried an earlier request (an upstream may close such one any time).
@@ -313,7 +320,7 @@ class _Connection(asyncio.Protocol):
         """
         transport = self.transport
         assert transport is not None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self._sent_at = loop.time()
         data = self.machine.send_head(head, body_bytes if body is not None else 0)
         if body is None:
@@ -350,7 +357,7 @@ class _Connection(asyncio.Protocol):
         """Whether what ended this request (a close, a 408) came within
         :data:`RESEND_WINDOW_S` of its first byte: the upstream's idle close crossing
         the request on the wire, not an upstream that worked on it and then failed."""
-        return asyncio.get_running_loop().time() - self._sent_at <= RESEND_WINDOW_S
+        return self._loop.time() - self._sent_at <= RESEND_WINDOW_S
 
     def _upload_over(self, transport: asyncio.Transport) -> bool:
         """Whether the rest of the body must not be sent (:func:`proxy._upload.upload`)."""
@@ -382,7 +389,7 @@ class _Connection(asyncio.Protocol):
             if self.cut is not None:
                 raise AnswerCut(self.cut.words)
             assert event is NEED_DATA
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             waiter = self._reader = loop.create_future()
             machine.reader_waits(loop.time())
             self._arm(loop)
@@ -403,7 +410,7 @@ class _Connection(asyncio.Protocol):
                 return
             self._timer.cancel()
         self._timer_at = deadline
-        self._timer = loop.call_at(deadline, self._on_timer, loop)
+        self._timer = loop.call_at(deadline, self._on_timer, loop, context=_TIMER_CONTEXT)
 
     def _on_timer(self, loop: asyncio.AbstractEventLoop) -> None:
         self._timer = None
@@ -451,7 +458,7 @@ class _Connection(asyncio.Protocol):
     def park(self) -> None:
         """Put in the pool: closed if no request takes it within the keep-alive time."""
         self.in_use = False
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self.machine.start_next(loop.time())
         self._arm(loop)
 
