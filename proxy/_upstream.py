@@ -85,9 +85,7 @@ _NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
 _CLOSING: Final = "proxy is shutting down"
 _ERROR: Final = ClientState.ERROR  # (a global: read per received piece)
 _SEEN: Final = ResponseHead(0, [], False)  # the final head came and was handed on
-# The connection timer's context: one shared empty one, not a copy of the arming task's
-# (the copy costs per arm, and would hold the task's context variables past its end).
-_TIMER_CONTEXT: Final = contextvars.Context()
+_TIMER_CONTEXT: Final = contextvars.Context()  # shared and empty: holds no task's variables
 
 
 class UpstreamAnswer:
@@ -205,8 +203,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.flow: FlowControl | None = None
         self.machine = ClientConnection(idle_read_s=pool.idle_read)
-        # Made by a request's task (UpstreamPool._acquire): held, not looked up per read.
-        self._loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()  # made in a request's task (_acquire)
         self.in_use = True
         self.lost = False
         #: Whether it carried an earlier request (an upstream may close such one any time).
@@ -222,8 +219,6 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._sent_at = 0.0
-
-    # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's is not an asyncio.Transport subclass, but has
@@ -268,8 +263,6 @@ class _Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.flow is not None:
             self.flow.resume_writing()
-
-    # the driver
 
     def _closed(self) -> None:
         """The peer closed: the machine ends or cuts the answer."""
