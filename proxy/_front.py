@@ -47,6 +47,7 @@ from typing import Final, cast
 
 from ._answer import SmallAnswer
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
+from ._gc import drop_transport_cycle
 from ._http1 import (
     END,
     NEED_DATA,
@@ -328,6 +329,7 @@ class ClientConnection(asyncio.Protocol):
             # Trailers: not relayed (the body reader has no place for them).
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        drop_transport_cycle(self.transport)
         self.transport = None
         self._server.lost(self)
         if self._timer is not None:

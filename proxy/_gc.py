@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["FULL_COLLECTION_EVERY", "IdleCollector", "tune_collector"]
+__all__ = ["FULL_COLLECTION_EVERY", "IdleCollector", "drop_transport_cycle", "tune_collector"]
 
 #: Collections of the middle generation between two full collections, at least.
 FULL_COLLECTION_EVERY: Final = 100
@@ -61,6 +61,21 @@ def tune_collector() -> None:
     gc.freeze()
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
+
+
+def drop_transport_cycle(transport: object) -> None:
+    """Break the reference cycle a closed asyncio socket transport keeps; call it from
+    the protocol's ``connection_lost``. Raises nothing.
+
+    CPython 3.11's selector transport keeps its own bound method (``_read_ready_cb``,
+    the read callback chosen for the protocol), so the transport, its socket object and
+    its ``extra`` dict outlive the connection until a collection finds them (3.12 drops
+    it in ``_call_connection_lost``). No read comes after ``connection_lost``: the
+    transport removed its reader before scheduling it. Other transports (uvloop's,
+    TLS) have no such attribute and are left alone.
+    """
+    if getattr(transport, "_read_ready_cb", None) is not None:
+        transport._read_ready_cb = None  # type: ignore[attr-defined]
 
 
 class IdleCollector:

@@ -41,6 +41,7 @@ Three sections:
 from __future__ import annotations
 
 import collections
+import contextlib
 import email.utils
 import enum
 import http
@@ -391,6 +392,17 @@ class RequestFraming:
                 raise self._fault("the request's trailer fields are over the size limit")
         events, self.events = self.events, []
         return events
+
+    def close(self) -> None:
+        """The connection is gone: nothing more is fed; drops the parser (idempotent).
+
+        The parser keeps this object's bound ``on_*`` callbacks, and this object the
+        parser: a reference cycle that only the cyclic collector would free, with
+        every object of the connection hanging off it. Dropped, reference counting
+        frees the connection the moment it closes.
+        """
+        with contextlib.suppress(AttributeError):  # closed already
+            del self._parser
 
     def _fault(self, words: str) -> MalformedRequest:
         """The fault ``words``, carrying the events this feed completed before it."""
@@ -1092,6 +1104,7 @@ class ServerConnection:
         self._events = ()
         self._next = 0
         self._held = b""
+        self._framing.close()  # its parser and it form a cycle (RequestFraming.close)
 
 
 # ====================================================================== Client side
@@ -1447,16 +1460,25 @@ class ClientConnection:
                 self.our_state, _M_ABANDON
             )
 
+    def close(self) -> None:
+        """The connection is gone (closed, or it never connected): nothing more is
+        received; drops the parser (idempotent). The parser keeps this object's bound
+        ``on_*`` callbacks and this object the parser: a cycle only the cyclic
+        collector would free, with every event and field still held here."""
+        with contextlib.suppress(AttributeError):  # closed already
+            del self._parser
+
     # ---- receiving
 
     def receive_data(self, data: bytes) -> None:
         """Parse ``data``, the next bytes read (``b""``: the peer closed). Nothing is
-        parsed after a fault or a close."""
+        parsed after a fault or a close, and no bytes may come after :meth:`close`."""
         state = self.their_state
         if state is _S_ERROR or state is _S_CLOSED:
             return
         if not data:
             self._peer_closed()
+            self.close()  # nothing comes after the peer's close
             return
         if state is _S_DONE or state is _S_IDLE:
             self._fault(_BYTES_AFTER, closed=False)

@@ -29,6 +29,7 @@ from typing import Any, Final
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ._connect import Connector, RouteKey, UpstreamTarget, status_words
+from ._gc import drop_transport_cycle
 from ._http1 import (
     NEED_DATA,
     ClientConnection,
@@ -252,6 +253,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._closed()
+        drop_transport_cycle(self.transport)
         self._stop_timer()
         if not self.in_use:
             self.pool._gone(self, in_use=False)
@@ -436,6 +438,7 @@ class _Connection(asyncio.Protocol):
         was_in_use = self.in_use
         self.in_use = False
         self._stop_timer()
+        self.machine.close()  # its parser and it form a cycle; nothing is read any more
         if self.transport is not None and not self.lost:
             self.transport.abort()
         self.pool._gone(self, in_use=was_in_use)
@@ -470,10 +473,6 @@ def _usable(conn: _Connection) -> bool:
     return not conn.lost and conn.transport is not None and not conn.transport.is_closing()
 
 
-def _waiting(waiter: asyncio.Future[None]) -> bool:
-    return not waiter.done()
-
-
 class UpstreamPool:
     """Keep-alive connections to the upstreams, and the requests made on them.
 
@@ -501,7 +500,7 @@ class UpstreamPool:
         self.idle_read = idle_read
         self.max_connections = max_connections
         self._policy: PoolPolicy[RouteKey, _Connection, asyncio.Future[None]] = PoolPolicy(
-            max_connections, _waiting
+            max_connections, lambda waiter: not waiter.done()
         )
 
     @property
@@ -660,7 +659,7 @@ class UpstreamPool:
         try:
             await self.connector.connect(conn, target)
         except BaseException:
-            self._apply(policy.dropped(conn))
+            conn.abort()  # never connected: its place is free, its parser dropped
             raise
         return conn
 
