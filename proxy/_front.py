@@ -461,8 +461,13 @@ class ClientConnection(asyncio.Protocol):
         try:
             try:
                 answer = await (server.shed_handler if self.shed else server.handler)(request)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 self._close()
+                # The task keeps the error it ended with, and the traceback every frame
+                # the cancel went through, the handler's own task among their locals: a
+                # cycle holding the whole exchange until a collection. Re-raised without
+                # it, the traceback is this frame alone.
+                exc.__traceback__ = None
                 raise
             except Exception as exc:  # a handler's bug: a 500, never a traceback page
                 log.error(
