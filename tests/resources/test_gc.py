@@ -11,12 +11,14 @@ import asyncio
 import gc
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Callable
 
 from proxy._alloc import Allocator
 from proxy._gc import FULL_COLLECTION_EVERY, IdleCollector
-from tests.support.lifetime import closed_port_url, proxy_at
+from tests.support.lifetime import CHAT, RawConn, closed_port_url, proxy_at
+from tests.support.upstream import HoldingUpstream, chat_sse_events
 
 # 4,000 streams opening, each keeping ~100 container objects (what an open stream
 # holds: protocols, parsers, callbacks, timers, coroutines): prints the number of
@@ -170,6 +172,36 @@ async def test_a_running_proxy_arms_the_valve_and_its_drain_disarms_it() -> None
         collector = proxy.state.collector
         assert collector.armed and collector.max_interval == 600.0
     assert not collector.armed  # no timer keeps a stopped proxy's state alive
+
+
+async def test_streams_without_a_session_keep_the_quiet_collection_away() -> None:
+    """Open streams make the proxy busy whether or not they belong to a session: a full
+    collection then would visit each stream's objects and delay its next event."""
+    streams = 20
+    async with (
+        HoldingUpstream(chat_sse_events()[0], hold_s=30.0) as upstream,
+        proxy_at(upstream.url) as proxy,
+    ):
+        collector = proxy.state.collector
+        collector.min_interval = 0.0  # no wait since the last collection: only load decides
+        collector.max_in_flight = streams // 2
+        body = b'{"model": "m", "stream": true, "messages": []}'
+        conns = [await RawConn.open(proxy.url) for _ in range(streams)]
+        try:
+            for conn in conns:
+                await conn.send_head(CHAT, len(body), {})
+                await conn.send(body)
+            for conn in conns:
+                await conn.read_until(b"data: ")
+            assert collector() is False and collector.collections == 0
+        finally:
+            for conn in conns:
+                conn.abort()
+        deadline = time.monotonic() + 10.0
+        while proxy.state.exchanges:
+            assert time.monotonic() < deadline, "the hung-up exchanges did not end"
+            await asyncio.sleep(0.01)
+        assert collector() is True and collector.collections == 1
 
 
 class _LibC:
