@@ -619,6 +619,7 @@ class ProxyApp:
         if stored:
             log.info("%d stored session(s) listed as not live", listed)
         state.upstream = Upstream(state.settings, self.environ)
+        state.collector.start()  # the full collections' time valve (proxy/_gc.py)
         if state.cluster is not None:
             await state.cluster.start()
 
