@@ -47,7 +47,7 @@ import enum
 import http
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, ItemsView, Iterable, Sequence
 from typing import Final, NoReturn
 
 import httptools
@@ -125,12 +125,21 @@ def field_lines(fields: Iterable[tuple[str, str]], count: int) -> bytes:
             field line early and let the rest of it be read as another field or message).
         UnicodeEncodeError: a name is not latin-1.
     """
-    block = b"".join(
-        [
-            b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
-            for name, value in fields
-        ]
-    )
+    # Iterated twice when not ASCII: a one-pass iterable is made a list first.
+    pairs = fields if isinstance(fields, list | tuple | ItemsView) else list(fields)
+    text = "\r\n".join(map(": ".join, pairs))
+    if text:
+        text += "\r\n"
+    if text.isascii():
+        # Nearly always: ASCII is both latin-1 and UTF-8, so one encode does the block.
+        block = text.encode("ascii")
+    else:
+        block = b"".join(
+            [
+                b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
+                for name, value in pairs
+            ]
+        )
     # Each field line holds exactly one CR and one LF: any more came from a name or
     # a value (one count over the block, not a scan per field).
     if block.count(b"\n") != count or block.count(b"\r") != count:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -24,6 +25,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+import proxy._app as app_module
 from proxy import ExchangeRecord, Plugin, PrepareContext
 from proxy._body import BodyTimeout, read_body
 from proxy._commits import CommitTracker
@@ -281,6 +283,32 @@ async def test_a_commit_past_the_commits_budget_is_cancelled_and_counted_timed_o
     await _book(tracker, "ex-e")
     assert slow.cancelled == 1
     assert (tracker.count("timed_out"), tracker.count("finished")) == (1, 0)
+
+
+# --------------------------------------------------------------------------- access log
+
+
+async def test_an_access_line_the_log_level_drops_costs_no_peer_look_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    looked_up: list[str | None] = []
+    real = app_module._peer
+
+    def peer(request: Any) -> str | None:
+        looked_up.append(real(request))
+        return looked_up[-1]
+
+    monkeypatch.setattr(app_module, "_peer", peer)
+    caplog.set_level(logging.WARNING, logger="context_proxy.access")
+    async with proxy_with_emulator(plugins=[]) as h:
+        await _post_chat(h.url, 2)  # access_log is on, its logger drops INFO lines
+        assert looked_up == []
+        caplog.set_level(logging.INFO, logger="context_proxy.access")
+        await _post_chat(h.url, 1)
+        await h.settle()
+    lines = [r.getMessage() for r in caplog.records if r.name == "context_proxy.access"]
+    assert len(lines) == 1 and len(looked_up) == 1
+    assert looked_up[0] is not None and f"peer={looked_up[0]}" in lines[0]
 
 
 # --------------------------------------------------------------------------- client writes
