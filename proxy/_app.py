@@ -154,7 +154,9 @@ def _finish(
     state.metrics.finished(ex)
     if trace is not None:
         trace.end(ex)
-    if state.settings.access_log:
+    # The line's arguments (the peer's address is a transport look-up) only for a line
+    # that is written: the access logger is off under a log level above INFO.
+    if state.settings.access_log and logs.ACCESS_LOG.isEnabledFor(logging.INFO):
         logs.log_access(
             ex,
             route=request.path,

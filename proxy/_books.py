@@ -22,7 +22,7 @@ from ._wire import WireMetadata
 __all__ = ["Books"]
 
 _ids = itertools.count(1)
-#: Usage not reported (yet): one immutable value shared, not a tuple made per exchange.
+#: Usage before the upstream reported any (a NamedTuple: one shared value serves all).
 _NO_USAGE: Final = UsageReport()
 
 
