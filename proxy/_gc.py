@@ -41,10 +41,11 @@ When a full collection runs, then:
 * **Automatically, a hundred times rarer than CPython's default**
   (``threshold2`` :data:`FULL_COLLECTION_EVERY` = 1,000 instead of 10): at 4,000
   streaming streams that is one every ~4 minutes instead of every ~25 s (the
-  100 of before: a pause inside most 15 s measurement windows of the benchmark).
-  This is also the bound on growth: at most ~7 million objects (700 x 10 x
-  1,000) reach the oldest generation between two full collections, whatever the
-  clock says, and fewer when they are not a quarter of what is there.
+  100 of before, often inside one of the benchmark's 15 s rounds). This is also
+  the bound on growth, in CPython's counts (tracked objects made net of those
+  freed meanwhile): ~7 million (700 x 10 x 1,000) between two full collections
+  whatever the clock says, and none while what reached the oldest generation is
+  under a quarter of what was there.
 * **At least every** ``max_interval`` (:data:`MAX_FULL_INTERVAL`, 600) **s**, busy
   or not (:meth:`IdleCollector.start`): the safety valve on time, so that cycles
   a plugin makes under constant load (the proxy never quiet, the counts rising
