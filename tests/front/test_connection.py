@@ -250,10 +250,10 @@ async def test_an_answer_returned_after_the_client_hung_up_is_dropped_without_an
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """The app answers a cancel that is an orderly stop (the drain) with a 503 instead of
-    raising; when the client hangs up in the same loop turn, the cancel its hang-up made
-    carries the drain's reason, and that 503 comes back for a connection already gone.
-    It is dropped: writing its head raised ``StateError`` out of the request's task,
-    logged as "Task exception was never retrieved" with a traceback."""
+    raising. When the client hangs up after the drain's cancel and before the handler
+    runs on, the hang-up's own cancel is absorbed by the first, and that 503 comes back
+    for a connection already gone. It is dropped: writing its head raised ``StateError``
+    out of the request's task, logged as "Task exception was never retrieved"."""
     started = asyncio.Event()
 
     async def stops_in_order(request: Request) -> SmallAnswer:
