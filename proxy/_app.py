@@ -154,7 +154,9 @@ def _finish(
     state.metrics.finished(ex)
     if trace is not None:
         trace.end(ex)
-    if state.settings.access_log:
+    # The line's arguments (the peer's address is a transport look-up) only for a line
+    # that is written: the access logger is off under a log level above INFO.
+    if state.settings.access_log and logs.ACCESS_LOG.isEnabledFor(logging.INFO):
         logs.log_access(
             ex,
             route=request.path,
@@ -619,6 +621,7 @@ class ProxyApp:
         if stored:
             log.info("%d stored session(s) listed as not live", listed)
         state.upstream = Upstream(state.settings, self.environ)
+        state.collector.start()  # the full collections' time valve (proxy/_gc.py)
         if state.cluster is not None:
             await state.cluster.start()
 

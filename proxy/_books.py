@@ -22,6 +22,8 @@ from ._wire import WireMetadata
 __all__ = ["Books"]
 
 _ids = itertools.count(1)
+#: Usage before the upstream reported any (a NamedTuple: one shared value serves all).
+_NO_USAGE: Final = UsageReport()
 
 
 class Books:
@@ -114,7 +116,7 @@ class Books:
         self.ttfb: float | None = None
         self.upstream_status: int | None = None
         self.upstream_s: float | None = None
-        self.usage = UsageReport()
+        self.usage = _NO_USAGE
 
     def count_received(self, nbytes: int) -> None:
         """The body buffer grew by ``nbytes`` bytes; they count as ``raw`` while reading."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import typing
-from collections.abc import AsyncIterator, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable, Generator, MutableMapping
 
 import xxhash
 
@@ -26,7 +26,7 @@ from ._holders import BodyHolder, HeadHolder, HeldBytes, heap_parts, on_view
 from ._phases import TRANSITIONS, IllegalTransition, Phase
 from ._plugins import ExchangeRecord
 from ._protocols import Protocol
-from ._slices import body_slices, send_slice_bytes
+from ._slices import SlicePass, body_slices, send_slice_bytes
 from ._spool import FileSlice, SpoolFile
 from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
@@ -318,24 +318,22 @@ class Exchange(Books):
             # trim a heap body's release brings (proxy/_alloc.py).
             self.on_release(spool.size)
 
-    async def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
+    def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
         """The outbound body in slices (:func:`proxy._slices.body_slices`), no copy; each
-        call starts a fresh pass (a resend sends the same bytes again).
+        call starts a fresh pass (a resend sends the same bytes again). An async
+        iterator with ``aclose()``, the pass starting at its first step.
 
-        Raises:
+        Raises (from the first step):
             RuntimeError: the outbound body was already released.
         """
+        return SlicePass(self._slices)
+
+    def _slices(self) -> Generator[memoryview | FileSlice, None, None]:
         holder = self._outbound
         if holder is None:
             raise RuntimeError(f"{self.id}: outbound body already released")
         spool = self._spool if self._on_spool(holder) else None
-        slices = body_slices(holder, spool, send_slice_bytes(self.outbound_size))
-        del holder, spool
-        try:
-            for chunk in slices:
-                yield chunk
-        finally:
-            slices.close()
+        return body_slices(holder, spool, send_slice_bytes(self.outbound_size))
 
     def mark_sent(self) -> None:
         """The request went upstream (again, after a refold or retry)."""
@@ -371,8 +369,16 @@ class Exchange(Books):
         The outbound body and its fields survive only while ``keep_outbound`` or
         ``keep_for_resend`` is set; their size and digest stay. ``releases`` is 1 after.
         """
+        drops_outbound = not (self.keep_for_resend or keep_outbound) and (
+            self._outbound is not None or self._headers is not None
+        )
+        if self.releases and not drops_outbound:
+            # Released before and nothing more to let go (close() after accept()): no
+            # held bytes change, so none are counted twice over.
+            self._settle_spool()
+            return
         before = self._held_total()
-        if not (self.keep_for_resend or keep_outbound):
+        if drops_outbound:
             self._outbound = None
             self._headers = None
         if not self.releases:
@@ -398,12 +404,10 @@ class Exchange(Books):
         if self._phase is Phase.CLOSED:
             return
         self.keep_for_resend = False
+        # Drops the outbound body and its fields too (keep_for_resend is off now); what
+        # the response side held is no heap of ours to report.
         self.release()
-        before = self._held_total()
-        self._outbound = None
-        self._headers = None
         self.response_held = 0
-        self._freed(before)
         # A body whose read failed never became raw: its partial file goes too.
         self._raw = None
         self._settle_spool(closing=True)

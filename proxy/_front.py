@@ -47,6 +47,7 @@ from typing import Final, cast
 
 from ._answer import SmallAnswer
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
+from ._gc import drop_transport_cycle
 from ._http1 import (
     END,
     NEED_DATA,
@@ -328,6 +329,7 @@ class ClientConnection(asyncio.Protocol):
             # Trailers: not relayed (the body reader has no place for them).
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        drop_transport_cycle(self.transport)
         self.transport = None
         self._server.lost(self)
         if self._timer is not None:
@@ -459,8 +461,13 @@ class ClientConnection(asyncio.Protocol):
         try:
             try:
                 answer = await (server.shed_handler if self.shed else server.handler)(request)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 self._close()
+                # The task keeps the error it ended with, and the traceback every frame
+                # the cancel went through, the handler's own task among their locals: a
+                # cycle holding the whole exchange until a collection. Re-raised without
+                # it, the traceback is this frame alone.
+                exc.__traceback__ = None
                 raise
             except Exception as exc:  # a handler's bug: a 500, never a traceback page
                 log.error(

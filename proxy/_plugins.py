@@ -57,6 +57,7 @@ import importlib.metadata
 import inspect
 import logging
 import math
+import operator
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Final, ParamSpec, TypeVar
@@ -131,6 +132,18 @@ def _field_names(cls: type[ExchangeRecord]) -> tuple[str, ...]:
     return names
 
 
+# The values of each record class's fields as one tuple, by ``operator.attrgetter``.
+_FIELD_GETTERS: Final[dict[type[ExchangeRecord], Callable[[ExchangeRecord], tuple[Any, ...]]]] = {}
+
+
+def _field_getter(cls: type[ExchangeRecord]) -> Callable[[ExchangeRecord], tuple[Any, ...]]:
+    """The getter of every field of ``cls`` at once (a record has more than one)."""
+    getter = _FIELD_GETTERS.get(cls)
+    if getter is None:
+        getter = _FIELD_GETTERS[cls] = operator.attrgetter(*_field_names(cls))
+    return getter
+
+
 class Outcome(enum.StrEnum):
     """What really happened to an exchange (:attr:`ExchangeRecord.outcome`).
 
@@ -149,6 +162,11 @@ class Outcome(enum.StrEnum):
     UPSTREAM_UNREACHABLE = "upstream_unreachable"
     STREAM_ERROR = "stream_error"
     ERROR = "error"
+
+
+#: The exact types of a record's values that need no ``isinstance`` (the two enums
+#: are ``str`` subclasses the proxy itself puts there).
+_EXACT_SCALARS: Final = frozenset({str, int, float, bool, type(None), Protocol, Outcome})
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,9 +224,13 @@ class ExchangeRecord:
     error: str | None
 
     def __post_init__(self) -> None:
-        # One record per exchange: the field list is cached, not rebuilt each time.
-        for name in _field_names(type(self)):
-            value = getattr(self, name)
+        # One record per exchange: every value in one C call, and their exact types
+        # checked as a set; only a value of another type (a subclass) is looked at
+        # one by one.
+        values = _field_getter(type(self))(self)
+        if _EXACT_SCALARS.issuperset(map(type, values)):
+            return
+        for name, value in zip(_field_names(type(self)), values, strict=True):
             if not isinstance(value, _SCALAR_TYPES):
                 raise TypeError(
                     f"ExchangeRecord.{name} must be a scalar, got {type(value).__name__}"

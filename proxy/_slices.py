@@ -10,7 +10,7 @@ the pass that reads it: the exchange owns them (proxy/_exchange.py).
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Final
 
 from ._coding import io_piece_bytes
@@ -18,7 +18,7 @@ from ._holders import BodyHolder
 from ._spool import FileSlice, SpoolFile
 from ._structure import Splice
 
-__all__ = ["SEND_SLICE_MAX_BYTES", "body_slices", "send_slice_bytes"]
+__all__ = ["SEND_SLICE_MAX_BYTES", "SlicePass", "body_slices", "send_slice_bytes"]
 
 #: Largest slice of the outbound body sent upstream at once. Python 3.11's socket
 #: transport copies whatever it cannot send at once into its own buffer, so one
@@ -69,6 +69,46 @@ def body_slices(
         yield from _views(view, piece)
     finally:
         view.release()
+
+
+Slices = Generator[memoryview | FileSlice, None, None]
+
+
+class SlicePass:
+    """One pass over a body's slices as an async iterator (``async for``, ``aclose()``):
+    ``start()`` makes the slices at the first step, and whatever it raises is raised
+    there. Not an async generator: the event loop keeps a weak set entry and a
+    finalizer for each of those (one a request), and the slices need no await.
+    """
+
+    __slots__ = ("_slices", "_start")
+
+    def __init__(self, start: Callable[[], Slices]) -> None:
+        self._start: Callable[[], Slices] | None = start
+        self._slices: Slices | None = None
+
+    def __aiter__(self) -> SlicePass:
+        return self
+
+    async def __anext__(self) -> memoryview | FileSlice:
+        slices = self._slices
+        if slices is None:
+            start, self._start = self._start, None
+            if start is None:  # ended, or closed
+                raise StopAsyncIteration
+            slices = self._slices = start()
+        try:
+            return next(slices)
+        except StopIteration:
+            self._slices = None
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        """End the pass: its slices let go of the body (idempotent)."""
+        self._start = None
+        slices, self._slices = self._slices, None
+        if slices is not None:
+            slices.close()
 
 
 def _views(view: memoryview, piece: int) -> Iterator[memoryview]:

@@ -6,12 +6,16 @@ or record on commits (but still counts them); the client's answer leaves in as
 few writes as the upstream's pieces allow (its head with the first bytes, a
 whole JSON answer with its end). Each skip is checked together with the
 behaviour it must not change: the idle-body deadline, the commit counters and
-hooks, response headers that are not held back while the upstream stalls.
+hooks, response headers that are not held back while the upstream stalls. A commit
+whose hooks return without awaiting arms no timer for its own budget; one that
+awaits keeps both budgets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,11 +23,16 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
+import proxy._app as app_module
 from proxy import ExchangeRecord, Plugin, PrepareContext
 from proxy._body import BodyTimeout, read_body
 from proxy._commits import CommitTracker
+from proxy._exchange import Exchange
 from proxy._front import BodyStream
+from proxy._plugins import PluginHost
+from proxy._protocols import Protocol
 from proxy.testing import proxy_with_emulator
 from tests.body.test_body import fed_reader
 from tests.support.e2e import CHAT_PATH, stream_body
@@ -39,15 +48,21 @@ IO_TIMEOUT = 20.0  # seconds; bounds every wait
 
 @pytest.fixture
 def timers(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
-    """Deadlines of the ``asyncio.timeout`` contexts made while the test runs."""
+    """Delays or deadlines of the ``asyncio.timeout`` and ``asyncio.timeout_at`` contexts
+    made while the test runs."""
     made: list[float | None] = []
-    real = asyncio.timeout
+    real, real_at = asyncio.timeout, asyncio.timeout_at
 
     def counted(delay: float | None) -> asyncio.Timeout:
         made.append(delay)
         return real(delay)
 
+    def counted_at(when: float | None) -> asyncio.Timeout:
+        made.append(when)
+        return real_at(when)
+
     monkeypatch.setattr(asyncio, "timeout", counted)
+    monkeypatch.setattr(asyncio, "timeout_at", counted_at)
     return made
 
 
@@ -156,6 +171,144 @@ async def test_a_commit_hook_still_gets_every_record(started: list[ExchangeRecor
     assert len(started) == 3
     assert [r.exchange_id for r in booker.records] == [r.exchange_id for r in started]
     assert {(r.status, r.outcome) for r in booker.records} == {(200, "ok")}
+
+
+@pytest.fixture
+def deadlines(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
+    """Deadlines (loop time) of the timeout contexts made while the test runs, made
+    with ``asyncio.timeout`` (a delay from then) or ``asyncio.timeout_at``."""
+    made: list[float | None] = []
+    real, real_at = asyncio.timeout, asyncio.timeout_at
+
+    def counted(delay: float | None) -> asyncio.Timeout:
+        made.append(None if delay is None else asyncio.get_running_loop().time() + delay)
+        return real(delay)
+
+    def counted_at(when: float | None) -> asyncio.Timeout:
+        made.append(when)
+        return real_at(when)
+
+    monkeypatch.setattr(asyncio, "timeout", counted)
+    monkeypatch.setattr(asyncio, "timeout_at", counted_at)
+    return made
+
+
+class Awaiting(Plugin):
+    """A commit hook that awaits ``delay`` seconds first; raises ``fail`` after it if set."""
+
+    name = "awaiting"
+
+    def __init__(self, delay: float, fail: Exception | None = None) -> None:
+        self.delay = delay
+        self.fail = fail
+        self.records: list[str] = []
+        self.cancelled = 0
+
+    async def commit(self, record: ExchangeRecord) -> None:
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.fail is not None:
+            raise self.fail
+        self.records.append(record.exchange_id)
+
+
+def _tracker(host: PluginHost, timeout: float) -> CommitTracker:
+    return CommitTracker(host.run_commit, timeout=timeout, registry=CollectorRegistry())
+
+
+async def _book(tracker: CommitTracker, exchange_id: str) -> None:
+    ex = Exchange(protocol=Protocol.OPENAI, method="POST", path=CHAT_PATH)
+    record = dataclasses.replace(ex.begin_commit(), exchange_id=exchange_id)
+    await asyncio.wait_for(tracker.start(record), IO_TIMEOUT)
+
+
+async def test_a_commit_whose_hooks_return_without_awaiting_arms_only_their_timers(
+    deadlines: list[float | None],
+) -> None:
+    booker = Booker()
+    tracker = _tracker(PluginHost([booker], timeout=5.0), timeout=10.0)
+    loop = asyncio.get_running_loop()
+    before = loop.time()
+    await _book(tracker, "ex-a")
+    assert [r.exchange_id for r in booker.records] == ["ex-a"]
+    assert tracker.count("finished") == 1
+    # The hook's own budget only: the commit's (10 s) needs no timer when nothing waits.
+    assert [round(d - before) for d in deadlines if d is not None] == [5]
+    assert len(deadlines) == 1
+
+
+async def test_a_commit_hook_that_awaits_keeps_both_budgets(
+    deadlines: list[float | None],
+) -> None:
+    plugin = Awaiting(0.001)
+    tracker = _tracker(PluginHost([plugin], timeout=5.0), timeout=10.0)
+    loop = asyncio.get_running_loop()
+    before = loop.time()
+    await _book(tracker, "ex-b")
+    assert plugin.records == ["ex-b"]
+    assert tracker.count("finished") == 1
+    # The hook's deadline (5 s) and the commit's (10 s), counted from before the hooks ran.
+    hook, commit = sorted(d - before for d in deadlines if d is not None)
+    assert len(deadlines) == 2
+    assert 5.0 <= hook < 5.0 + IO_TIMEOUT and 10.0 <= commit < 10.0 + IO_TIMEOUT
+
+
+async def test_a_commit_hook_past_its_budget_is_cut_and_the_next_hook_still_runs() -> None:
+    slow, booker = Awaiting(IO_TIMEOUT * 2), Booker()
+    host = PluginHost([slow, booker], timeout=0.05)
+    tracker = _tracker(host, timeout=10.0)
+    await _book(tracker, "ex-c")
+    assert slow.cancelled == 1 and slow.records == []
+    assert [r.exchange_id for r in booker.records] == ["ex-c"]
+    assert host.failures == {"awaiting": 1}
+    assert (tracker.count("finished"), tracker.count("timed_out")) == (1, 0)
+
+
+async def test_a_commit_hook_that_raises_after_awaiting_is_isolated() -> None:
+    plugin = Awaiting(0.001, fail=RuntimeError("boom"))
+    host = PluginHost([plugin], timeout=5.0)
+    tracker = _tracker(host, timeout=10.0)
+    await _book(tracker, "ex-d")
+    assert host.failures == {"awaiting": 1}
+    assert tracker.count("finished") == 1
+
+
+async def test_a_commit_past_the_commits_budget_is_cancelled_and_counted_timed_out() -> None:
+    slow = Awaiting(IO_TIMEOUT * 2)
+    # Hooks unbounded (0: no plugin budget): only the commit's own budget can stop it.
+    tracker = _tracker(PluginHost([slow], timeout=0), timeout=0.05)
+    await _book(tracker, "ex-e")
+    assert slow.cancelled == 1
+    assert (tracker.count("timed_out"), tracker.count("finished")) == (1, 0)
+
+
+# --------------------------------------------------------------------------- access log
+
+
+async def test_an_access_line_the_log_level_drops_costs_no_peer_look_up(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    looked_up: list[str | None] = []
+    real = app_module._peer
+
+    def peer(request: Any) -> str | None:
+        looked_up.append(real(request))
+        return looked_up[-1]
+
+    monkeypatch.setattr(app_module, "_peer", peer)
+    caplog.set_level(logging.WARNING, logger="context_proxy.access")
+    async with proxy_with_emulator(plugins=[]) as h:
+        await _post_chat(h.url, 2)  # access_log is on, its logger drops INFO lines
+        assert looked_up == []
+        caplog.set_level(logging.INFO, logger="context_proxy.access")
+        await _post_chat(h.url, 1)
+        await h.settle()
+    lines = [r.getMessage() for r in caplog.records if r.name == "context_proxy.access"]
+    assert len(lines) == 1 and len(looked_up) == 1
+    assert looked_up[0] is not None and f"peer={looked_up[0]}" in lines[0]
 
 
 # --------------------------------------------------------------------------- client writes

@@ -680,6 +680,42 @@ async def test_a_head_that_never_came_is_still_a_timeout_and_a_cancel_still_a_ca
             await pool.close()
 
 
+async def test_a_kept_connection_gone_silent_times_out_at_the_head_deadline() -> None:
+    """On a kept connection the head's deadline rides on the connection's one timer,
+    armed for the keep-alive time: that firing first (1 s here) is not the deadline,
+    and the deadline (2 s) still fires."""
+    head_timeout = 2.0
+
+    async def once_then_silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await read_request(reader)
+        # Keep-Alive: timeout=2 -> the pool keeps the connection idle 1 s at most.
+        writer.write(b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=2\r\nContent-Length: 2\r\n\r\n{}")
+        await read_request(reader)
+        await asyncio.sleep(10)
+
+    async with Scripted(once_then_silent) as upstream:
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=0)
+        target = UpstreamTarget(upstream.url)
+        try:
+            answer = await pool.request(target, "GET", "/", {}, head_timeout=head_timeout)
+            assert await asyncio.wait_for(answer.read(), 5) == b"{}"
+            answer.release()
+            assert pool.idle_connections == 1
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):  # HeadTimeout is one
+                await asyncio.wait_for(
+                    pool.request(target, "GET", "/", {}, head_timeout=head_timeout), 8
+                )
+            elapsed = time.monotonic() - started
+            assert upstream.connections == 1  # the kept connection carried it
+            assert head_timeout - 0.05 <= elapsed < head_timeout + 3.0
+            assert pool.connections_in_use == 0 and pool.idle_connections == 0
+        finally:
+            await pool.close()
+
+
 async def test_an_upload_to_an_upstream_that_answered_then_stopped_reading_stays_bounded() -> None:
     """A 2xx head during the upload does not end the bound: the upload is still under way."""
 
