@@ -502,6 +502,8 @@ class ClientConnection(asyncio.Protocol):
             self._finished(request)
 
     async def _write_response(self, request: Request, resp: SmallAnswer) -> None:
+        if self.transport is None:
+            return  # the client hung up as its handler answered (an orderly stop's 503)
         http = self.http
         if resp.close:
             http.close_after_answer()

@@ -83,6 +83,7 @@ RESEND_WINDOW_S: Final = 0.5
 
 _CLOSING: Final = "proxy is shutting down"
 _LATE: Final = "upstream sent no response headers in time"
+_UNREAD: Final = "upstream answered but did not read the request body in time"
 _ERROR: Final = ClientState.ERROR  # (a global: read per received piece)
 _SEEN: Final = ResponseHead(0, [], False)  # the final head came and was handed on
 _TIMER_CONTEXT: Final = contextvars.Context()  # shared and empty: holds no task's variables
@@ -241,7 +242,7 @@ class _Connection(asyncio.Protocol):
             await upload(transport, self.flow, machine, data, body, body_bytes, self._upload_over)
         while self._final is None or machine.late:
             if machine.late:  # the deadline passed in the upload or the wait for the head
-                raise HeadTimeout(_LATE)
+                raise HeadTimeout(_UNREAD if machine.status else _LATE)  # a 2xx head came
             cut = self.cut
             if cut is not None:
                 if cut.closed:

@@ -246,6 +246,47 @@ async def test_a_client_that_shuts_only_its_sending_side_is_taken_as_gone() -> N
         await wait_until(lambda: not server.connections, "the connection is closed")
 
 
+async def test_an_answer_returned_after_the_client_hung_up_is_dropped_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The app answers a cancel that is an orderly stop (the drain) with a 503 instead of
+    raising. When the client hangs up after the drain's cancel and before the handler
+    runs on, the hang-up's own cancel is absorbed by the first, and that 503 comes back
+    for a connection already gone. It is dropped: writing its head raised ``StateError``
+    out of the request's task, logged as "Task exception was never retrieved"."""
+    started = asyncio.Event()
+
+    async def stops_in_order(request: Request) -> SmallAnswer:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()  # as the app does for an orderly stop
+            return SmallAnswer(503, body=b"stopping", close=True)
+        return SmallAnswer(body=b"late")
+
+    done: list[int] = []
+    server = FrontServer(stops_in_order, header_timeout=5.0, on_request_done=lambda: done.append(1))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(5):
+            await started.wait()
+        (conn,) = server.connections
+        task = conn.task
+        assert task is not None
+        writer.transport.abort()
+        await wait_until(lambda: task.done(), "the handler's task ended")
+        assert task.exception() is None
+        assert done == [1]
+        await wait_until(lambda: not server.connections, "the connection is gone")
+    finally:
+        await server.shutdown(grace=1.0)
+
+
 async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> None:
     release = asyncio.Event()
 

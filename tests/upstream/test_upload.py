@@ -84,3 +84,40 @@ async def test_an_upload_cut_mid_way_keeps_no_view_of_the_spooled_body(
                 writer.close()
     warned = [r.getMessage() for r in caplog.records if "outlived" in r.getMessage()]
     assert warned == [], json.dumps(warned)
+
+
+async def test_an_upstream_that_answered_but_stopped_reading_is_not_said_to_have_sent_no_head() -> (
+    None
+):
+    """The upstream sends its 200 head at once, then never reads the body: the upload is
+    still bounded by ``upstream_header_timeout`` (a 504), but its words name what the
+    upstream did not do (read the body), not headers it did send."""
+
+    async def answers_then_stalls(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        await writer.drain()
+        await asyncio.sleep(10)  # never reads the body
+
+    async with (
+        Scripted(answers_then_stalls) as upstream,
+        proxy_app(upstream.url, upstream_header_timeout=1.0) as (url, _app),
+    ):
+        port = int(url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(_post(_body()))
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                error = json.loads(await reader.readexactly(length))["error"]
+        finally:
+            with contextlib.suppress(ConnectionError):
+                writer.close()
+    assert head.startswith(b"HTTP/1.1 504 ")
+    assert "headers" not in error["message"], error["message"]
+    assert "body" in error["message"], error["message"]
