@@ -25,7 +25,7 @@ import pytest
 import uvloop
 from multidict import CIMultiDict
 
-from proxy import _http1
+from proxy import _front, _http1
 from proxy._answer import SmallAnswer
 from proxy._front import Handler, StreamAnswer
 from proxy._http1 import END, MAX_HEAD_BYTES, MalformedRequest, RequestFraming, RequestHead
@@ -285,6 +285,43 @@ async def test_an_answer_returned_after_the_client_hung_up_is_dropped_without_an
         await wait_until(lambda: not server.connections, "the connection is gone")
     finally:
         await server.shutdown(grace=1.0)
+
+
+async def test_a_client_that_takes_nothing_of_its_answer_is_cut_at_the_send_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that stops reading without closing (a stuck process, a suspended agent)
+    fills its socket: the stream waits for it to make room. With no bound it waited
+    forever, holding its exchange, its upstream connection and two descriptors (the
+    upstream's idle-read deadline does not run: nothing is being read). Taking nothing
+    for ``SEND_TIMEOUT`` seconds (nginx's ``send_timeout``) ends it as a hang-up."""
+    monkeypatch.setattr(_front, "SEND_TIMEOUT", 0.5, raising=False)
+    outcome: list[str] = []
+
+    async def endless(request: Request) -> StreamAnswer:
+        answer = StreamAnswer(200, CIMultiDict({"Content-Type": "text/event-stream"}))
+        await answer.prepare(request)
+        try:
+            for _ in range(100_000):  # bounded: far more than any socket buffer
+                await answer.write(b"data: " + b"x" * 16_000 + b"\n\n")
+        except ConnectionError:
+            outcome.append("cut")
+            raise
+        return answer
+
+    async with serving(endless) as (server, port):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.transport.pause_reading()  # it reads nothing from here on
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            started = time.monotonic()
+            await wait_until(lambda: bool(outcome), "the stream was cut")
+            elapsed = time.monotonic() - started
+            await wait_until(lambda: not server.connections, "the connection is closed")
+        finally:
+            writer.close()
+    assert outcome == ["cut"]
+    assert elapsed < 8.0, elapsed  # the 0.5 s bound once the socket filled (loaded machine)
 
 
 async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> None:
