@@ -105,6 +105,13 @@ SMALL_BODY_BYTES: Final = 256 * 1024
 (its rest in one read, usually): reading a 100 KB body 16 KiB at a time cost ~30 % more
 CPU per request (seven read cycles instead of two)."""
 
+SEND_TIMEOUT: Final = 60.0
+"""Seconds a client may take nothing of what was written to it (its socket full) before the
+connection is closed as a hang-up (nginx's ``send_timeout``): a client that stopped reading
+without closing would otherwise hold its exchange, its upstream connection and two
+descriptors for as long as it lives. A slow reader that takes something within it is waited
+for; gaps between the upstream's events do not count (nothing is waiting to be taken)."""
+
 SHED_TIMEOUT: Final = 5.0
 """Seconds a connection accepted from the descriptor reserve may take to send its request
 head (and stay idle before it), instead of ``header_timeout`` / ``keepalive_timeout``: the
@@ -372,11 +379,17 @@ class ClientConnection(asyncio.Protocol):
         """Wait until the client has taken what was written (backpressure).
 
         Raises:
-            ConnectionResetError: the connection was lost meanwhile.
+            ConnectionResetError: the connection was lost meanwhile, or the client took
+                nothing for :data:`SEND_TIMEOUT` seconds (it is closed).
         """
         flow = self._flow
         if flow.writing_paused:
-            await flow.drain()
+            try:
+                async with asyncio.timeout(SEND_TIMEOUT):  # a timer only while paused
+                    await flow.drain()
+            except TimeoutError:
+                self.abort()
+                raise ConnectionResetError("the client took nothing for too long") from None
         elif self.transport is None:
             raise ConnectionResetError("the client closed the connection")
 
