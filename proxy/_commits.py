@@ -24,14 +24,14 @@ import logging
 import math
 import time
 import types
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from . import _logs as logs
-from ._plugins import ExchangeRecord
+from ._plugins import ExchangeRecord, Resumed
 from ._tally import CounterTally, TallyCollector
 
 __all__ = ["CommitTracker"]
@@ -47,39 +47,6 @@ CommitRunner = Callable[[ExchangeRecord], Awaitable[None]]
 CommitLock = Callable[[ExchangeRecord], AbstractAsyncContextManager[object]]
 
 
-class _Resumed:
-    """A coroutine whose first step already ran, as an awaitable: awaiting it goes on
-    from the value that step yielded (the future it waits for), handing the task's
-    sends and throws (a cancel) to the coroutine as a plain ``await`` would."""
-
-    __slots__ = ("_coro", "_first")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], first: object) -> None:
-        self._coro: Coroutine[Any, Any, Any] | None = coro
-        self._first = first
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, yielded = self._coro, self._first
-        assert coro is not None  # awaited once
-        self._coro = self._first = None
-        while True:
-            try:
-                received = yield yielded
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # a throw (a cancel) goes to the coroutine
-                try:
-                    yielded = coro.throw(exc)
-                except StopIteration as stop:
-                    return stop.value
-            else:
-                try:
-                    yielded = coro.send(received)
-                except StopIteration as stop:
-                    return stop.value
-
-
 async def _run_within(call: Awaitable[_T], seconds: float) -> _T:
     """Await ``call`` for at most ``seconds`` (``math.inf``: no bound).
 
@@ -87,8 +54,8 @@ async def _run_within(call: Awaitable[_T], seconds: float) -> _T:
     counted from now, but the timer is armed only once the coroutine suspends:
     a commit whose hooks return without awaiting anything (most of a request
     without a session) costs no timer for it (~6 µs of CPU each, armed and
-    cancelled). Must run in a task. Each hook in a commit still has its own
-    ``asyncio.timeout`` (:meth:`proxy._plugins.PluginHost._dispatch`).
+    cancelled). Must run in a task. Each hook in a commit has its own budget,
+    armed the same way (:meth:`proxy._plugins.PluginHost._dispatch`).
 
     Raises:
         TimeoutError: ``call`` was still running ``seconds`` after the call.
@@ -107,7 +74,7 @@ async def _run_within(call: Awaitable[_T], seconds: float) -> _T:
     # A first step longer than the budget: the deadline has passed, and the timeout
     # cancels at the first suspension, as one armed before the step would have.
     async with asyncio.timeout_at(deadline):
-        return await _Resumed(call, first)  # type: ignore[no-any-return]
+        return await Resumed(call, first)  # type: ignore[no-any-return]
 
 
 def _no_lock(record: ExchangeRecord) -> AbstractAsyncContextManager[object]:
@@ -180,7 +147,8 @@ class CommitTracker:
     @property
     def pending(self) -> frozenset[asyncio.Task[None]]:
         """The commit tasks not finished yet."""
-        return frozenset(self._pending)
+        # A task cancelled before its first step never ran _book's finally.
+        return frozenset(task for task in self._pending if not task.done())
 
     def count(self, event: str) -> int:
         """How many commits reached ``event`` (``started``, ``finished``, ``failed``,
@@ -218,10 +186,11 @@ class CommitTracker:
         sid = record.session_id
         if sid is not None:
             self._by_session.setdefault(sid, set()).add(task)
-        task.add_done_callback(lambda done: self._done(sid, done))
+        # Taken off the books by the task itself, in its last step (_book): a done
+        # callback would cost each commit one more handle on the loop.
         return task
 
-    def _done(self, sid: str | None, task: asyncio.Task[None]) -> None:
+    def _done(self, sid: str | None, task: asyncio.Task[object] | None) -> None:
         self._pending.discard(task)
         if sid is not None:
             tasks = self._by_session.get(sid)
@@ -231,15 +200,27 @@ class CommitTracker:
                     del self._by_session[sid]
 
     async def _book(self, record: ExchangeRecord) -> None:
+        try:
+            await self._booked(record)
+        finally:
+            self._done(record.session_id, asyncio.current_task())
+
+    async def _booked(self, record: ExchangeRecord) -> None:
         # A fresh context: give its log records the exchange's ids again.
         logs.EXCHANGE_ID.set(record.exchange_id)
         logs.SESSION_ID.set(record.session_id)
         began = time.monotonic()
         try:
-            async with self._lock(record):
-                began = time.monotonic()  # the budget starts with the hooks
-                # No timer unless a hook suspends (_run_within).
+            lock = self._lock(record)
+            if isinstance(lock, contextlib.nullcontext):
+                # No lock to hold (no session): its enter and exit would do nothing.
+                began = time.monotonic()
                 await _run_within(self._run(record), self.timeout)
+            else:
+                async with lock:
+                    began = time.monotonic()  # the budget starts with the hooks
+                    # No timer unless a hook suspends (_run_within).
+                    await _run_within(self._run(record), self.timeout)
         except TimeoutError:
             self._bump("timed_out")
             log.warning(

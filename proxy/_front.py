@@ -134,6 +134,7 @@ class Listener(typing.Protocol):
     (:class:`proxy._listener.FrontServer`; see its arguments)."""
 
     loop: asyncio.AbstractEventLoop
+    clock: Callable[[], float]  # the loop's time (one bound method for every connection)
     handler: Handler
     shed_handler: Handler
     header_timeout: float
@@ -262,11 +263,11 @@ class ClientConnection(asyncio.Protocol):
         self._server = server
         # Accepted from the descriptor reserve: one answer (a probe's, or a 503), then closed.
         self.shed = shed
-        self._loop = loop = server.loop
+        self._loop = server.loop
         self.transport: asyncio.Transport | None = None
         header = server.header_timeout
         self.http = ServerConnection(
-            loop.time,
+            server.clock,
             header_timeout=min(header, SHED_TIMEOUT) if shed else header,
             keepalive_timeout=SHED_TIMEOUT if shed else server.keepalive_timeout,
             slice_bytes=HEAD_READ_BYTES,

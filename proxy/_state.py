@@ -64,6 +64,7 @@ class AppState:
         "host",
         "memory_refusals",
         "metrics",
+        "on_release",
         "reading_bytes",
         "registry",
         "settings",
@@ -120,6 +121,8 @@ class AppState:
         )
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
+        #: Every exchange's ``on_release``: one bound method, not one made per exchange.
+        self.on_release: Final = self.allocator.released
         # Every exchange in flight, a session's or not (the registry counts only the
         # former: 4,000 session-less streams looked quiet and paid a 300 ms collection).
         # The dict, not self: the state would hold itself through the hook.

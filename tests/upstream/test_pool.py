@@ -15,6 +15,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import openai
 import pytest
@@ -713,6 +714,53 @@ async def test_a_kept_connection_gone_silent_times_out_at_the_head_deadline() ->
             assert head_timeout - 0.05 <= elapsed < head_timeout + 3.0
             assert pool.connections_in_use == 0 and pool.idle_connections == 0
         finally:
+            await pool.close()
+
+
+async def test_requests_on_a_kept_connection_arm_no_timer_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The head deadline of a request on a kept connection is the connection's one timer,
+    armed already (for the keep-alive time): no timeout context, no timer handle."""
+
+    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    async with Scripted(answering) as upstream:
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=0)
+        target = UpstreamTarget(upstream.url)
+        loop = asyncio.get_running_loop()
+        made: list[str] = []
+        real_timeout, real_at, real_call_at = asyncio.timeout, asyncio.timeout_at, loop.call_at
+
+        def timeout(delay: float | None) -> asyncio.Timeout:
+            made.append("timeout")
+            return real_timeout(delay)
+
+        def timeout_at(when: float | None) -> asyncio.Timeout:
+            made.append("timeout_at")
+            return real_at(when)
+
+        def call_at(when: float, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            made.append("call_at")
+            return real_call_at(when, *args, **kwargs)
+
+        try:
+            async with asyncio.timeout(20):  # the bound on it all, made before counting
+                for n in range(4):
+                    if n == 1:  # the connection is made and kept: count from here
+                        monkeypatch.setattr(asyncio, "timeout", timeout)
+                        monkeypatch.setattr(asyncio, "timeout_at", timeout_at)
+                        monkeypatch.setattr(loop, "call_at", call_at)
+                    answer = await pool.request(target, "GET", "/", {}, head_timeout=HEAD_TIMEOUT)
+                    assert await answer.read() == b"{}"
+                    answer.release()
+            assert upstream.connections == 1
+            assert made == []
+        finally:
+            monkeypatch.undo()
             await pool.close()
 
 
