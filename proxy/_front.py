@@ -39,6 +39,7 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import typing
@@ -384,13 +385,19 @@ class ClientConnection(asyncio.Protocol):
                 nothing for :data:`SEND_TIMEOUT` seconds (it is closed).
         """
         flow = self._flow
-        if flow.writing_paused:
-            try:
-                async with asyncio.timeout(SEND_TIMEOUT):  # a timer only while paused
-                    await flow.drain()
-            except TimeoutError:
+        transport = self.transport
+        if flow.writing_paused and transport is not None:
+            left = transport.get_write_buffer_size() + 1
+            # Each pass waits SEND_TIMEOUT at most (a timer only while paused); another
+            # only if the client took something meanwhile (the buffer shrank).
+            while flow.writing_paused and transport.get_write_buffer_size() < left:
+                left = transport.get_write_buffer_size()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SEND_TIMEOUT):
+                        await flow.drain()
+            if flow.writing_paused:
                 self.abort()
-                raise ConnectionResetError("the client took nothing for too long") from None
+                raise ConnectionResetError("the client took nothing for too long")
         elif self.transport is None:
             raise ConnectionResetError("the client closed the connection")
 
