@@ -728,17 +728,6 @@ class _Relay:
             elif isinstance(action, Finish):
                 return _Verdict.DONE
             elif isinstance(action, Fail):
-                client = self.client
-                if (
-                    action.cut
-                    and outcome is Outcome.STREAM_ERROR  # (an orderly stop keeps its own end)
-                    and client is not None
-                    and not client.head_sent
-                ):
-                    # Not a byte of it went out (a coding corrupt from its first byte): an
-                    # error answer in the client's shape replaces it, not a 200 cut at once.
-                    self.request.answer = None
-                    return self._reject(Reject(502, action.message))
                 self._send_head()
                 self._fail(action, outcome)
                 return _Verdict.DONE
@@ -751,18 +740,13 @@ class _Relay:
                 return _Verdict.RETRY
             else:
                 assert isinstance(action, Reject)
-                return self._reject(action)
+                ex.conclude(action.status, Outcome.UPSTREAM_ERROR, action.message)
+                log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
+                self.rejection = error_response(ex.protocol, action.status, action.message)
+                return _Verdict.DONE
         if send_head:
             self._send_head()
         return None
-
-    def _reject(self, action: Reject) -> _Verdict:
-        """Answer with an error of ours instead of the upstream's answer (none of it sent)."""
-        ex = self.ex
-        ex.conclude(action.status, Outcome.UPSTREAM_ERROR, action.message)
-        log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
-        self.rejection = error_response(ex.protocol, action.status, action.message)
-        return _Verdict.DONE
 
     async def _refold(self, action: Refold, resp: UpstreamAnswer | None) -> _Verdict | None:
         """Re-prepare at the next fold level; ``refold`` means send again.

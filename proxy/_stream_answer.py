@@ -122,8 +122,3 @@ class StreamAnswer:
     def ended(self) -> bool:
         """:meth:`write_eof` was called."""
         return self._ended
-
-    @property
-    def head_sent(self) -> bool:
-        """The head was written (nothing else may answer the request from then on)."""
-        return self._head_sent
