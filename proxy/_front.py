@@ -39,6 +39,7 @@ per loop and has none).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import typing
@@ -104,6 +105,13 @@ SMALL_BODY_BYTES: Final = 256 * 1024
 """A declared body under this many bytes is read in reads of up to :data:`MAX_READ_BYTES`
 (its rest in one read, usually): reading a 100 KB body 16 KiB at a time cost ~30 % more
 CPU per request (seven read cycles instead of two)."""
+
+SEND_TIMEOUT: Final = 60.0
+"""Seconds a client may take nothing of what was written to it (its socket full) before the
+connection is closed as a hang-up (nginx's ``send_timeout``): a client that stopped reading
+without closing would otherwise hold its exchange, its upstream connection and two
+descriptors for as long as it lives. A slow reader that takes something within it is waited
+for; gaps between the upstream's events do not count (nothing is waiting to be taken)."""
 
 SHED_TIMEOUT: Final = 5.0
 """Seconds a connection accepted from the descriptor reserve may take to send its request
@@ -373,11 +381,23 @@ class ClientConnection(asyncio.Protocol):
         """Wait until the client has taken what was written (backpressure).
 
         Raises:
-            ConnectionResetError: the connection was lost meanwhile.
+            ConnectionResetError: the connection was lost meanwhile, or the client took
+                nothing for :data:`SEND_TIMEOUT` seconds (it is closed).
         """
         flow = self._flow
-        if flow.writing_paused:
-            await flow.drain()
+        transport = self.transport
+        if flow.writing_paused and transport is not None:
+            left = transport.get_write_buffer_size() + 1
+            # Each pass waits SEND_TIMEOUT at most (a timer only while paused); another
+            # only if the client took something meanwhile (the buffer shrank).
+            while flow.writing_paused and transport.get_write_buffer_size() < left:
+                left = transport.get_write_buffer_size()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SEND_TIMEOUT):
+                        await flow.drain()
+            if flow.writing_paused:
+                self.abort()
+                raise ConnectionResetError("the client took nothing for too long")
         elif self.transport is None:
             raise ConnectionResetError("the client closed the connection")
 

@@ -25,7 +25,7 @@ import pytest
 import uvloop
 from multidict import CIMultiDict
 
-from proxy import _http1
+from proxy import _front, _http1
 from proxy._answer import SmallAnswer
 from proxy._front import Handler, StreamAnswer
 from proxy._http1 import END, MAX_HEAD_BYTES, MalformedRequest, RequestFraming, RequestHead
@@ -285,6 +285,91 @@ async def test_an_answer_returned_after_the_client_hung_up_is_dropped_without_an
         await wait_until(lambda: not server.connections, "the connection is gone")
     finally:
         await server.shutdown(grace=1.0)
+
+
+async def test_a_client_that_takes_nothing_of_its_answer_is_cut_at_the_send_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that stops reading without closing (a stuck process, a suspended agent)
+    fills its socket: the stream waits for it to make room. With no bound it waited
+    forever, holding its exchange, its upstream connection and two descriptors (the
+    upstream's idle-read deadline does not run: nothing is being read). Taking nothing
+    for ``SEND_TIMEOUT`` seconds (nginx's ``send_timeout``) ends it as a hang-up."""
+    monkeypatch.setattr(_front, "SEND_TIMEOUT", 0.5, raising=False)
+    outcome: list[str] = []
+
+    async def endless(request: Request) -> StreamAnswer:
+        answer = StreamAnswer(200, CIMultiDict({"Content-Type": "text/event-stream"}))
+        await answer.prepare(request)
+        try:
+            for _ in range(100_000):  # bounded: far more than any socket buffer
+                await answer.write(b"data: " + b"x" * 16_000 + b"\n\n")
+        except ConnectionError:
+            outcome.append("cut")
+            raise
+        return answer
+
+    async with serving(endless) as (server, port):
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.transport.pause_reading()  # it reads nothing from here on
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            started = time.monotonic()
+            await wait_until(lambda: bool(outcome), "the stream was cut")
+            elapsed = time.monotonic() - started
+            await wait_until(lambda: not server.connections, "the connection is closed")
+        finally:
+            writer.close()
+    assert outcome == ["cut"]
+    assert elapsed < 8.0, elapsed  # the 0.5 s bound once the socket filled (loaded machine)
+
+
+async def test_a_slow_reader_that_keeps_taking_its_answer_is_not_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The send timeout is about a client taking nothing: one reading slowly but steadily
+    (here 40 KiB/s, through small socket buffers) gets its whole answer, however long the
+    transport's buffer takes to fall to its low-water mark."""
+    monkeypatch.setattr(_front, "SEND_TIMEOUT", 0.5, raising=False)
+    outcome: list[str] = []
+    piece = b"x" * 2048
+    pieces = 60
+
+    async def steady(request: Request) -> StreamAnswer:
+        transport = request.transport
+        assert transport is not None
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        answer = StreamAnswer(200, CIMultiDict({"Content-Type": "text/plain"}))
+        await answer.prepare(request)
+        try:
+            for _ in range(pieces):
+                await answer.write(piece)
+            await answer.write_eof()
+        except ConnectionError:
+            outcome.append("cut")
+            raise
+        outcome.append("done")
+        return answer
+
+    async with serving(steady) as (_server, port):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        received = 0
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(30):
+                for _ in range(10_000):  # bounded: 4 KiB every 0.1 s until the end
+                    data = await reader.read(4096)
+                    if not data or outcome:
+                        break
+                    received += len(data)
+                    await asyncio.sleep(0.1)
+        finally:
+            writer.close()
+    assert outcome == ["done"], f"{received} bytes taken before the cut"
 
 
 async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> None:
