@@ -105,7 +105,7 @@ async def handle_exchange(request: Request, state: AppState, *, shed: bool = Fal
         path=request.path,
         query=request.query_string,
         keep_for_resend=state.settings.fake_completion_retries > 0,
-        on_release=state.allocator.released,
+        on_release=state.on_release,
     )
     # Each request runs in a task of its own: the id marks this task's records only.
     logs.EXCHANGE_ID.set(ex.id)
@@ -382,8 +382,7 @@ async def _run_exchange(
     # tombstoned session. Nothing below, the stream included, calls Redis.
     async with state.admitted(sid, ex, task):
         if preparable:
-            lock = (lambda: state.registry.locked(sid)) if sid else null_lock
-            ex.bind_preparer(Preparer(state.host, lock, sid))
+            ex.bind_preparer(Preparer(state.host, _session_lock(state, sid), sid))
             await prepare(ex)
         response = await relay(
             request,
@@ -405,6 +404,18 @@ async def _run_exchange(
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
         return response
+
+
+def _session_lock(
+    state: AppState, sid: str | None
+) -> Callable[[], contextlib.AbstractAsyncContextManager[object]]:
+    """The lock context factory of a request's session (``sid``; none: a null lock).
+
+    A function of its own, not a lambda in the handler: variables a closure captures
+    are cells for the whole function that makes it, two more objects kept per open
+    stream (the handler's frame lives as long as the stream)."""
+    registry = state.registry
+    return (lambda: registry.locked(sid)) if sid else null_lock
 
 
 async def _read_body(
@@ -631,6 +642,7 @@ class ProxyApp:
         if stored:
             log.info("%d stored session(s) listed as not live", listed)
         state.upstream = Upstream(state.settings, self.environ)
+        state.collector.start()  # the full collections' time valve (proxy/_gc.py)
         if state.cluster is not None:
             await state.cluster.start()
 

@@ -388,7 +388,9 @@ async def _pump(
     hard = loop.time() + body_timeout if body_timeout is not None else float("inf")
     # A body already received whole (a small one, usually: the parser has seen its
     # end) cannot keep a read waiting: no timer at all then.
-    timer = None if content.is_eof() else asyncio.timeout(min(loop.time() + idle_timeout, hard))
+    # (An absolute deadline: timeout_at. asyncio.timeout would take it as a delay, and a
+    # body whose first byte never came waited ~2 x the loop clock, not idle_timeout.)
+    timer = None if content.is_eof() else asyncio.timeout_at(min(loop.time() + idle_timeout, hard))
     try:
         async with timer if timer is not None else _NO_TIMER:
             while True:

@@ -47,6 +47,7 @@ from typing import Final, cast
 
 from ._answer import SmallAnswer
 from ._coding import MIN_PIECE_BYTES, io_piece_bytes
+from ._gc import drop_transport_cycle
 from ._http1 import (
     END,
     NEED_DATA,
@@ -126,6 +127,7 @@ class Listener(typing.Protocol):
     (:class:`proxy._listener.FrontServer`; see its arguments)."""
 
     loop: asyncio.AbstractEventLoop
+    clock: Callable[[], float]  # the loop's time (one bound method for every connection)
     handler: Handler
     shed_handler: Handler
     header_timeout: float
@@ -254,11 +256,11 @@ class ClientConnection(asyncio.Protocol):
         self._server = server
         # Accepted from the descriptor reserve: one answer (a probe's, or a 503), then closed.
         self.shed = shed
-        self._loop = loop = server.loop
+        self._loop = server.loop
         self.transport: asyncio.Transport | None = None
         header = server.header_timeout
         self.http = ServerConnection(
-            loop.time,
+            server.clock,
             header_timeout=min(header, SHED_TIMEOUT) if shed else header,
             keepalive_timeout=SHED_TIMEOUT if shed else server.keepalive_timeout,
             slice_bytes=HEAD_READ_BYTES,
@@ -328,6 +330,7 @@ class ClientConnection(asyncio.Protocol):
             # Trailers: not relayed (the body reader has no place for them).
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        drop_transport_cycle(self.transport)
         self.transport = None
         self._server.lost(self)
         if self._timer is not None:
@@ -459,8 +462,13 @@ class ClientConnection(asyncio.Protocol):
         try:
             try:
                 answer = await (server.shed_handler if self.shed else server.handler)(request)
-            except asyncio.CancelledError:
+            except asyncio.CancelledError as exc:
                 self._close()
+                # The task keeps the error it ended with, and the traceback every frame
+                # the cancel went through, the handler's own task among their locals: a
+                # cycle holding the whole exchange until a collection. Re-raised without
+                # it, the traceback is this frame alone.
+                exc.__traceback__ = None
                 raise
             except Exception as exc:  # a handler's bug: a 500, never a traceback page
                 log.error(
@@ -494,6 +502,8 @@ class ClientConnection(asyncio.Protocol):
             self._finished(request)
 
     async def _write_response(self, request: Request, resp: SmallAnswer) -> None:
+        if self.transport is None:
+            return  # the client hung up as its handler answered (an orderly stop's 503)
         http = self.http
         if resp.close:
             http.close_after_answer()

@@ -41,6 +41,7 @@ Three sections:
 from __future__ import annotations
 
 import collections
+import contextlib
 import email.utils
 import enum
 import http
@@ -400,6 +401,17 @@ class RequestFraming:
                 raise self._fault("the request's trailer fields are over the size limit")
         events, self.events = self.events, []
         return events
+
+    def close(self) -> None:
+        """The connection is gone: nothing more is fed; drops the parser (idempotent).
+
+        The parser keeps this object's bound ``on_*`` callbacks, and this object the
+        parser: a reference cycle that only the cyclic collector would free, with
+        every object of the connection hanging off it. Dropped, reference counting
+        frees the connection the moment it closes.
+        """
+        with contextlib.suppress(AttributeError):  # closed already
+            del self._parser
 
     def _fault(self, words: str) -> MalformedRequest:
         """The fault ``words``, carrying the events this feed completed before it."""
@@ -1101,6 +1113,7 @@ class ServerConnection:
         self._events = ()
         self._next = 0
         self._held = b""
+        self._framing.close()  # its parser and it form a cycle (RequestFraming.close)
 
 
 # ====================================================================== Client side
@@ -1290,10 +1303,14 @@ class Expiry(enum.Enum):
     IDLE = "idle"
     #: A reader waited ``idle_read_s`` seconds for body bytes that did not come.
     READ = "read"
+    #: The ``head_due`` given to ``send_head`` passed before the final response head
+    #: came and the request's body went out: :attr:`ClientConnection.late`.
+    HEAD = "head"
 
 
 _BYTES_AFTER: Final = "upstream sent bytes after its answer"
 _HEAD_UNPARSED: Final = "upstream sent a response head that could not be parsed"
+_HEAD_LATE: Final = "upstream sent no response headers in time"
 _LINE_LIMIT: Final = (
     f"upstream response headers over the parser's limit ({MAX_LINE_BYTES} bytes a line)"
 )
@@ -1332,8 +1349,8 @@ class ClientConnection:
 
     Deadlines (seconds, the caller's clock): :meth:`next_deadline` is when the
     caller must call :meth:`expired` next: the keep-alive time of an idle kept
-    connection, or ``idle_read_s`` after a reader began to wait
-    (:meth:`reader_waits`) for body bytes.
+    connection, the final head's ``head_due`` (:meth:`send_head`), or
+    ``idle_read_s`` after a reader began to wait (:meth:`reader_waits`) for body bytes.
 
     Limits: a field line over :data:`MAX_LINE_BYTES`, more than
     :data:`MAX_FIELDS` fields, or a head over :data:`MAX_RESPONSE_HEAD_BYTES` is a
@@ -1349,6 +1366,7 @@ class ClientConnection:
         "_events",
         "_fields",
         "_head_bytes",
+        "_head_due",
         "_head_only",
         "_idle_since",
         "_our_close",
@@ -1360,6 +1378,7 @@ class ClientConnection:
         "idle_read_s",
         "keep_alive",
         "keep_alive_s",
+        "late",
         "our_state",
         "status",
         "their_state",
@@ -1382,6 +1401,7 @@ class ClientConnection:
         self.buffered_bytes = 0
         self._fields: list[tuple[str, str]] = []
         self._head_bytes = 0
+        self._head_due: float | None = None
         self._since_field = 0
         self._head_only = False
         self._our_close = False
@@ -1399,11 +1419,18 @@ class ClientConnection:
         self.until_close = False
         #: Whether the response's end was parsed (its event may not be taken yet).
         self.ended = False
+        #: Whether ``head_due`` (:meth:`send_head`) passed first (:data:`Expiry.HEAD`).
+        self.late = False
 
     # ---- sending
 
-    def send_head(self, head: Request, body_bytes: int = 0) -> bytes:
+    def send_head(
+        self, head: Request, body_bytes: int = 0, *, head_due: float | None = None
+    ) -> bytes:
         """The request head's bytes (``body_bytes``: the declared body length, bytes).
+        ``head_due``: when the final response head must have come and the body gone
+        out (the caller's clock, seconds; ``None``: no bound), a deadline of
+        :meth:`next_deadline`.
 
         Raises:
             StateError: a request is under way already.
@@ -1417,6 +1444,7 @@ class ClientConnection:
         self._idle_since = None
         self._head_only = head.method == "HEAD"
         self._declared = body_bytes
+        self._head_due = head_due
         self._our_close = head.close
         # The last answer's Keep-Alive timeout bounded the idle time just ended; this
         # answer says its own (or nothing: the default).
@@ -1447,6 +1475,8 @@ class ClientConnection:
         self.our_state = CLIENT_OURS.get((self.our_state, _M_END)) or _illegal(
             self.our_state, _M_END
         )
+        if self.their_state is not _S_AWAIT_HEAD:
+            self._head_due = None  # the head came before the body's end
         return b""
 
     def abandon(self) -> None:
@@ -1455,17 +1485,28 @@ class ClientConnection:
             self.our_state = CLIENT_OURS.get((self.our_state, _M_ABANDON)) or _illegal(
                 self.our_state, _M_ABANDON
             )
+            if self.their_state is not _S_AWAIT_HEAD:
+                self._head_due = None
+
+    def close(self) -> None:
+        """The connection is gone (closed, or it never connected): nothing more is
+        received; drops the parser (idempotent). The parser keeps this object's bound
+        ``on_*`` callbacks and this object the parser: a cycle only the cyclic
+        collector would free, with every event and field still held here."""
+        with contextlib.suppress(AttributeError):  # closed already
+            del self._parser
 
     # ---- receiving
 
     def receive_data(self, data: bytes) -> None:
         """Parse ``data``, the next bytes read (``b""``: the peer closed). Nothing is
-        parsed after a fault or a close."""
+        parsed after a fault or a close, and no bytes may come after :meth:`close`."""
         state = self.their_state
         if state is _S_ERROR or state is _S_CLOSED:
             return
         if not data:
             self._peer_closed()
+            self.close()  # nothing comes after the peer's close
             return
         if state is _S_DONE or state is _S_IDLE:
             self._fault(_BYTES_AFTER, closed=False)
@@ -1599,17 +1640,27 @@ class ClientConnection:
         """When :meth:`expired` must be asked next (the caller's clock); ``None``: never."""
         if self._idle_since is not None:
             return self._idle_since + self.keep_alive_s
+        due = self._head_due
         if self._waiting_since is not None:
-            return self._waiting_since + self.idle_read_s
-        return None
+            read_due = self._waiting_since + self.idle_read_s
+            return read_due if due is None or read_due < due else due
+        return due
 
     def expired(self, now: float) -> Expiry | None:
-        """What passed by ``now``: the idle connection's keep-alive time, a reader's wait."""
+        """What passed by ``now``: the idle connection's keep-alive time, the final head's
+        deadline (:attr:`late`; a :class:`Fault` is queued: nothing more is parsed), a
+        reader's wait."""
         deadline = self.next_deadline()
         if deadline is None or now < deadline:
             return None
         if self._idle_since is not None:
             return Expiry.IDLE
+        due = self._head_due
+        if due is not None and now >= due:
+            self._head_due = None
+            self.late = True
+            self._fault(_HEAD_LATE, closed=False)
+            return Expiry.HEAD
         self._waiting_since = None
         return Expiry.READ
 
@@ -1657,6 +1708,8 @@ class ClientConnection:
         self.their_state = CLIENT_THEIRS.get((self.their_state, _M_FINAL)) or _illegal(
             self.their_state, _M_FINAL
         )
+        if self.our_state is not _S_SEND_BODY:
+            self._head_due = None  # in time (an upload under way stays bounded)
         self.status = status
         self.keep_alive = parser.should_keep_alive()
         chunked = content_length = False

@@ -95,6 +95,7 @@ class FrontServer:
         "_resume_timer",
         "_shed_log",
         "_sockets",
+        "clock",
         "connections",
         "draining",
         "fd_budget",
@@ -128,6 +129,8 @@ class FrontServer:
         self.fd_budget = fd_budget
         self.shed_handler: Handler = shed_handler or _shed_answer
         self.loop = asyncio.get_running_loop()
+        #: The loop's clock, one bound method every connection's machine shares.
+        self.clock = self.loop.time
         self.connections: set[ClientConnection] = set()
         #: Client connections open and served (not shed), for the descriptor budget.
         self.served = 0

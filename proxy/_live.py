@@ -200,10 +200,14 @@ async def stream_events(request: Request, state: AppState) -> Answer:
             "X-Accel-Buffering": "no",
         }
     )
-    if request.method == "HEAD":
-        return SmallAnswer(headers=headers)
     answer = StreamAnswer(200, headers)
     try:
+        if request.method == "HEAD":
+            # A streamed answer's head: no length (a SmallAnswer's would say 0, and a
+            # GET's stream has none).
+            await answer.prepare(request)
+            await answer.write_eof()
+            return answer
         await answer.prepare(request)
         await answer.write(b"retry: %d\n\n" % _RETRY_MS)
         loop = asyncio.get_running_loop()

@@ -56,6 +56,7 @@ class AppState:
         "allocator",
         "background_closes",
         "cluster",
+        "collector",
         "commits",
         "draining",
         "exchanges",
@@ -63,6 +64,7 @@ class AppState:
         "host",
         "memory_refusals",
         "metrics",
+        "on_release",
         "reading_bytes",
         "registry",
         "settings",
@@ -119,8 +121,16 @@ class AppState:
         )
         #: Hands released body memory back to the OS (glibc); see proxy/_alloc.py.
         self.allocator: Final = Allocator.for_process()
-        # A full garbage collection while quiet, when it visits few objects (proxy/_gc.py).
-        self.allocator.on_idle = IdleCollector(lambda: self.registry.in_flight_total)
+        #: Every exchange's ``on_release``: one bound method, not one made per exchange.
+        self.on_release: Final = self.allocator.released
+        # Every exchange in flight, a session's or not (the registry counts only the
+        # former: 4,000 session-less streams looked quiet and paid a 300 ms collection).
+        # The dict, not self: the state would hold itself through the hook.
+        exchanges = self.exchanges
+        #: Full garbage collections while quiet, when they visit few objects, and at least
+        #: every 10 minutes once started (proxy/_gc.py).
+        self.collector: Final = IdleCollector(lambda: len(exchanges))
+        self.allocator.on_idle = self.collector
         self.metrics: Final = Metrics(self)  # it reads the state when registering
         #: Requests refused for want of memory (503): one WARNING, then a count per 10 s.
         self.memory_refusals: Final = LogLimiter(log)
@@ -207,6 +217,7 @@ class AppState:
                 log.error("closing a session failed at shutdown: %s", exc)
         await self.host.shutdown()
         self.allocator.close()
+        self.collector.stop()
 
 
 class ExchangeAdmission:

@@ -8,12 +8,17 @@ module only decides when the head leaves and waits on the client's pace.
 
 from __future__ import annotations
 
-from multidict import CIMultiDict
+from typing import Final
+
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from ._http1 import END, Response, bodiless
 from ._request import Link, Request
 
 __all__ = ["StreamAnswer"]
+
+#: A sent head's fields: read-only and empty, shared by every answer streaming on.
+_SENT: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
 
 
 class StreamAnswer:
@@ -36,7 +41,8 @@ class StreamAnswer:
 
     def __init__(self, status: int, headers: CIMultiDict[str]) -> None:
         self.status = status
-        self.headers = headers
+        #: The fields until the head leaves; then none (not kept for the stream's life).
+        self.headers: CIMultiDict[str] | CIMultiDictProxy[str] = headers
         self._conn: Link | None = None
         self.prepared = False
         self._head_sent = False
@@ -63,7 +69,8 @@ class StreamAnswer:
         # a GET would get, the only length a HEAD answer may state (RFC 9110 §8.6): the
         # handler's own Content-Length, in headers, if any.
         known = None if self._head_request or bodiless(self.status) else length
-        return conn.send_head(Response(self.status, self.headers, length=known))
+        headers, self.headers = self.headers, _SENT
+        return conn.send_head(Response(self.status, headers, length=known))
 
     def send_head(self) -> None:
         """Send the head now if it still waits (a client must not wait on the upstream)."""

@@ -112,6 +112,10 @@ async def upload(
     """
     assert flow is not None
     pieces = aiter(body)
+    # Declared here for the finally below (see there).
+    piece: Piece | None = None
+    view: memoryview | None = None
+    rest: memoryview | None = None
     try:
         if body_bytes <= _COALESCE_BYTES:
             # A small body leaves with its head in one write (one syscall).
@@ -166,6 +170,11 @@ async def upload(
             del piece  # the transport copied what it could not send
         machine.send_end()
     finally:
+        # An upload cut from outside (the head's deadline, the client gone) ends with an
+        # exception whose traceback keeps this frame alive past the release boundary:
+        # the slice in hand must not be among its locals (a view of a spooled body made
+        # the mapping's close fail).
+        piece = view = rest = None  # noqa: F841  (read by nobody: the traceback holds them)
         close = getattr(pieces, "aclose", None)
         if close is not None:
             await close()

@@ -23,12 +23,11 @@ import asyncio
 import contextvars
 import ssl
 import typing
-from collections.abc import AsyncIterable, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterable, Callable, Mapping
 from typing import Any, Final
 
-from multidict import CIMultiDict, CIMultiDictProxy
-
 from ._connect import Connector, RouteKey, UpstreamTarget, status_words
+from ._gc import drop_transport_cycle
 from ._http1 import (
     NEED_DATA,
     ClientConnection,
@@ -41,6 +40,7 @@ from ._http1 import (
 )
 from ._pool import OPEN, WAIT, Close, Fail, Park, PoolPolicy, Reuse, Wake
 from ._upload import FlowControl, Piece, upload
+from ._upstream_answer import UpstreamAnswer
 from ._upstream_errors import (
     AnswerCut,
     BadResponseHead,
@@ -81,94 +81,12 @@ READ_HIGH_WATER_BYTES: Final = 64 * 1024
 #: trip. Later, the upstream may have acted on the request: it is not sent again.
 RESEND_WINDOW_S: Final = 0.5
 
-_NO_FIELDS: Final[CIMultiDictProxy[str]] = CIMultiDictProxy(CIMultiDict())
 _CLOSING: Final = "proxy is shutting down"
+_LATE: Final = "upstream sent no response headers in time"
+_UNREAD: Final = "upstream answered but did not read the request body in time"
 _ERROR: Final = ClientState.ERROR  # (a global: read per received piece)
 _SEEN: Final = ResponseHead(0, [], False)  # the final head came and was handed on
 _TIMER_CONTEXT: Final = contextvars.Context()  # shared and empty: holds no task's variables
-
-
-class UpstreamAnswer:
-    """An upstream answer whose head is here: status, header fields, the body to read.
-
-    The body is read with :meth:`read` (pieces as they come, ``b""`` at its
-    end); afterwards :meth:`release` keeps the connection for the next
-    request, and :meth:`close` (for an answer not read to its end) drops it,
-    which is how the upstream learns nobody reads on.
-    """
-
-    __slots__ = ("_conn", "content_type", "headers", "status", "wait_s")
-
-    def __init__(
-        self,
-        conn: _Connection,
-        status: int,
-        fields: list[tuple[str, str]],
-        wait_s: float | None = None,
-    ) -> None:
-        self._conn: _Connection | None = conn
-        self.status = status
-        #: Seconds from starting to send the request to the complete response head
-        #: (nginx's ``$upstream_header_time``); ``None`` when not measured.
-        self.wait_s = wait_s
-        #: The answer's header fields (empty after :meth:`drop_head`).
-        self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict(fields))
-        raw_type = self.headers.get("Content-Type")
-        #: The media type, lowercased, without parameters (``""``: no Content-Type).
-        self.content_type = (
-            raw_type.split(";", 1)[0].strip().lower() if raw_type is not None else ""
-        )
-
-    @property
-    def arrived(self) -> bool:
-        """Whether body bytes (or the body's end, or a failure) are here: a read will not wait."""
-        conn = self._conn
-        return conn is None or conn.machine.has_events or conn.ended or conn.cut is not None
-
-    @property
-    def ended(self) -> bool:
-        """Whether the body's end was parsed (bytes may still wait to be read)."""
-        conn = self._conn
-        return conn is None or conn.machine.ended
-
-    @property
-    def at_eof(self) -> bool:
-        """Whether the body ended and every byte of it was read."""
-        conn = self._conn
-        return conn is None or (conn.machine.ended and not conn.machine.buffered_bytes)
-
-    def read(self) -> Coroutine[Any, Any, bytes]:
-        """The next body bytes (all that are here, joined), ``b""`` once it ended (awaitable).
-
-        The connection's own coroutine is handed over: an idle stream waits in
-        one frame less (each is held per open stream).
-
-        Raises:
-            AnswerCut: the connection closed before the body's end, or its framing broke.
-            IdleReadTimeout: nothing came for the pool's ``idle_read`` seconds.
-        """
-        conn = self._conn
-        if conn is None:
-            return _nothing()
-        return conn.read_body()
-
-    def drop_head(self) -> None:
-        """Forget the header fields (the client's head was built from them); idempotent."""
-        self.headers = _NO_FIELDS
-
-    def release(self) -> None:
-        """Done with the answer: keep the connection if the body was read to its end."""
-        conn = self._conn
-        if conn is not None:
-            self._conn = None
-            conn.finish()
-
-    def close(self) -> None:
-        """Drop the connection (the body may be unread); idempotent."""
-        conn = self._conn
-        if conn is not None:
-            self._conn = None
-            conn.abort()
 
 
 class _Connection(asyncio.Protocol):
@@ -177,7 +95,6 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "__weakref__",  # tests prove a closed connection is freed
-        "_bound",
         "_final",
         "_head",
         "_loop",
@@ -213,8 +130,6 @@ class _Connection(asyncio.Protocol):
         self.ended = False  # the body's end was read; cut: why the answer is unusable
         self.cut: Fault | None = None
         self._head: asyncio.Future[None] | None = None
-        # The deadline on the answer's head while it is awaited (UpstreamPool.request).
-        self._bound: asyncio.Timeout | None = None
         self._reader: asyncio.Future[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -252,6 +167,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._closed()
+        drop_transport_cycle(self.transport)
         self._stop_timer()
         if not self.in_use:
             self.pool._gone(self, in_use=False)
@@ -280,9 +196,6 @@ class _Connection(asyncio.Protocol):
                 if event.interim:
                     continue  # 100 Continue, 103 Early Hints: the final one follows
                 self._final = event
-                bound = self._bound
-                if bound is not None and not bound.expired():
-                    bound.reschedule(None)  # in time, whenever the task runs on
                 _wake(self._head)
                 if self.flow is not None:
                     self.flow.interrupt()  # an answer during the upload may end it
@@ -302,12 +215,14 @@ class _Connection(asyncio.Protocol):
         head: Request,
         body: AsyncIterable[Piece] | None,
         body_bytes: int,
-        bound: asyncio.Timeout | None = None,
+        head_due: float | None = None,
     ) -> UpstreamAnswer:
         """Write the request, wait for the answer's head; the answer to read
-        (``bound``: the head's deadline, lifted as the head is parsed).
+        (``head_due``: the loop time by which the final head must be here; the
+        connection's one timer watches it, armed lazily, so no timer per request).
 
         Raises:
+            HeadTimeout: no final head by ``head_due`` (the upload stops too).
             ServerDisconnected: the connection closed before a complete head.
             BadResponseHead: the head could not be parsed or is over a limit.
         """
@@ -315,32 +230,31 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         loop = self._loop
         self._sent_at = loop.time()
-        data = self.machine.send_head(head, body_bytes if body is not None else 0)
+        machine = self.machine
+        data = machine.send_head(head, body_bytes if body is not None else 0, head_due=head_due)
+        if head_due is not None:
+            self._arm(loop)
         if body is None:
             transport.write(data)
         else:
             # Bound whole, even after a 2xx head (an upstream that answers, then stops
             # reading the body, would hold it forever).
-            await upload(
-                transport, self.flow, self.machine, data, body, body_bytes, self._upload_over
-            )
-        self._bound = bound
-        try:
-            while self._final is None:
-                cut = self.cut
-                if cut is not None:
-                    if cut.closed:
-                        raise ServerDisconnected(cut.words)
-                    raise BadResponseHead(cut.words)
-                if self.lost:
-                    raise ServerDisconnected("upstream closed the connection before answering")
-                self._head = loop.create_future()
-                try:
-                    await self._head
-                finally:
-                    self._head = None
-        finally:
-            self._bound = None  # it holds the request's task
+            await upload(transport, self.flow, machine, data, body, body_bytes, self._upload_over)
+        while self._final is None or machine.late:
+            if machine.late:  # the deadline passed in the upload or the wait for the head
+                raise HeadTimeout(_UNREAD if machine.status else _LATE)  # a 2xx head came
+            cut = self.cut
+            if cut is not None:
+                if cut.closed:
+                    raise ServerDisconnected(cut.words)
+                raise BadResponseHead(cut.words)
+            if self.lost:
+                raise ServerDisconnected("upstream closed the connection before answering")
+            self._head = loop.create_future()
+            try:
+                await self._head
+            finally:
+                self._head = None
         final = self._final
         answer = UpstreamAnswer(self, final.status, final.fields, loop.time() - self._sent_at)
         self._final = _SEEN  # not kept per stream: the answer has the fields' only copy
@@ -412,6 +326,10 @@ class _Connection(asyncio.Protocol):
             if not self.in_use:
                 self.abort()
             return  # else: taken from the pool; its next park arms the timer again
+        if expiry is Expiry.HEAD:
+            self._take_head()  # the fault: the upload stops, send() raises
+            self._wake_all()
+            return
         if expiry is Expiry.READ:
             waiter = self._reader
             if waiter is not None and not waiter.done():
@@ -436,6 +354,7 @@ class _Connection(asyncio.Protocol):
         was_in_use = self.in_use
         self.in_use = False
         self._stop_timer()
+        self.machine.close()  # its parser and it form a cycle; nothing is read any more
         if self.transport is not None and not self.lost:
             self.transport.abort()
         self.pool._gone(self, in_use=was_in_use)
@@ -456,10 +375,6 @@ class _Connection(asyncio.Protocol):
         self._arm(loop)
 
 
-async def _nothing() -> bytes:
-    return b""
-
-
 def _wake(waiter: asyncio.Future[None] | None) -> None:
     if waiter is not None and not waiter.done():
         waiter.set_result(None)
@@ -468,10 +383,6 @@ def _wake(waiter: asyncio.Future[None] | None) -> None:
 def _usable(conn: _Connection) -> bool:
     """Whether an idle connection may still carry a request (the upstream may have closed it)."""
     return not conn.lost and conn.transport is not None and not conn.transport.is_closing()
-
-
-def _waiting(waiter: asyncio.Future[None]) -> bool:
-    return not waiter.done()
 
 
 class UpstreamPool:
@@ -501,7 +412,7 @@ class UpstreamPool:
         self.idle_read = idle_read
         self.max_connections = max_connections
         self._policy: PoolPolicy[RouteKey, _Connection, asyncio.Future[None]] = PoolPolicy(
-            max_connections, _waiting
+            max_connections, lambda waiter: not waiter.done()
         )
 
     @property
@@ -559,19 +470,8 @@ class UpstreamPool:
                 answered 407 (its credentials are missing or wrong).
         """
         head = target.request_head(method, path, fields)
-        waiting = [True]  # whether the bound ran out in the wait for a free connection
-        try:
-            async with asyncio.timeout(head_timeout) as bound:
-                answer = await self._exchange(target, head, body, body_bytes, waiting, bound)
-        except ConnectTimeout:
-            raise
-        except TimeoutError:
-            if waiting[0]:
-                raise PoolBusy(
-                    f"all {self.max_connections} upstream connections are in use "
-                    "(upstream_max_connections); retry later"
-                ) from None
-            raise HeadTimeout("upstream sent no response headers in time") from None
+        due = None if head_timeout is None else asyncio.get_running_loop().time() + head_timeout
+        answer = await self._exchange(target, head, body, body_bytes, due)
         if target.origin and answer.status == 407:
             # An http upstream through a forward proxy: 407 can only be the proxy's own
             # answer (RFC 9110 section 15.5.8), never the upstream's, so the client
@@ -592,14 +492,13 @@ class UpstreamPool:
         head: Request,
         body: Callable[[], AsyncIterable[Piece]] | None,
         body_bytes: int,
-        waiting: list[bool],
-        bound: asyncio.Timeout,
+        due: float | None,
     ) -> UpstreamAnswer:
-        """:meth:`request`'s attempts: a kept connection, then maybe a new one."""
-        deadline = bound.when()
-        conn = await self._acquire(target, waiting)
+        """:meth:`request`'s attempts: a kept connection, then maybe a new one (``due``:
+        the loop time the head must come by; a kept connection at hand needs no timer)."""
+        conn = self._kept(target) or await self._acquire_by(target, due)
         try:
-            answer = await conn.send(head, body() if body is not None else None, body_bytes, bound)
+            answer = await conn.send(head, body() if body is not None else None, body_bytes, due)
         except ServerDisconnected:
             conn.abort()
             if not (conn.reused and conn.machine.received_nothing and conn.raced()):
@@ -610,16 +509,52 @@ class UpstreamPool:
         else:
             if not (conn.reused and answer.status == 408 and conn.raced()):
                 return answer
-            answer.close()
-            # The head in hand is not the answer: bound again (at once if it passed).
-            bound.reschedule(deadline)
-        waiting[0] = True
-        conn = await self._acquire(target, waiting, fresh=True)
+            answer.close()  # not the answer: the same deadline holds (at once if it passed)
+        conn = await self._acquire_by(target, due, fresh=True)
         try:
-            return await conn.send(head, body() if body is not None else None, body_bytes, bound)
+            return await conn.send(head, body() if body is not None else None, body_bytes, due)
         except BaseException:
             conn.abort()
             raise
+
+    def _kept(self, target: UpstreamTarget) -> _Connection | None:
+        """An idle kept connection taken at once (no wait, no connect), or ``None``.
+
+        Raises:
+            PoolClosed: the pool is closed.
+        """
+        if self._policy.closed:
+            raise PoolClosed(_CLOSING)
+        grant = self._policy.checkout(target.key, usable=_usable)
+        if not isinstance(grant, Reuse):
+            return None  # (WAIT and OPEN hold nothing: _acquire asks again)
+        conn: _Connection = grant.conn
+        conn.reuse()
+        return conn
+
+    async def _acquire_by(
+        self, target: UpstreamTarget, due: float | None, *, fresh: bool = False
+    ) -> _Connection:
+        """:meth:`_acquire` by ``due`` (loop time; ``None``: no bound).
+
+        Raises:
+            PoolBusy: no connection came free by ``due``.
+            HeadTimeout: the connect went on past ``due``.
+            And :meth:`_acquire`'s errors.
+        """
+        waiting = [True]  # whether the bound ran out in the wait for a free connection
+        try:
+            async with asyncio.timeout_at(due):
+                return await self._acquire(target, waiting, fresh=fresh)
+        except ConnectTimeout:
+            raise
+        except TimeoutError:
+            if waiting[0]:
+                raise PoolBusy(
+                    f"all {self.max_connections} upstream connections are in use "
+                    "(upstream_max_connections); retry later"
+                ) from None
+            raise HeadTimeout(_LATE) from None
 
     async def _acquire(
         self, target: UpstreamTarget, waiting: list[bool], *, fresh: bool = False
@@ -660,7 +595,7 @@ class UpstreamPool:
         try:
             await self.connector.connect(conn, target)
         except BaseException:
-            self._apply(policy.dropped(conn))
+            conn.abort()  # never connected: its place is free, its parser dropped
             raise
         return conn
 

@@ -148,6 +148,29 @@ async def test_events_list_an_exchange_without_its_prompt_or_key() -> None:
     assert b"Bearer" not in raw
 
 
+async def test_a_head_of_the_event_stream_does_not_claim_an_empty_body() -> None:
+    """``HEAD /admin/events`` gets the head a ``GET`` gets, which has no length (the stream
+    does not end): no ``Content-Length: 0`` (RFC 9110 §9.3.2), and the connection goes on
+    to the next request."""
+    async with proxy_with_emulator() as h:
+        host, _, port = h.url.removeprefix("http://").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(
+                b"HEAD /admin/events HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+            )
+            async with asyncio.timeout(10):
+                head = await reader.readuntil(b"\r\n\r\n")
+                after = await reader.readuntil(b"\r\n\r\n")
+        finally:
+            writer.close()
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"text/event-stream" in head
+    assert b"content-length:" not in head.lower()
+    assert after.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
 async def test_events_end_at_drain_without_holding_shutdown_up() -> None:
     async with proxy_with_emulator(shutdown_grace=30.0) as h:
         lines: list[bytes] = []

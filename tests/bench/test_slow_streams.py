@@ -8,6 +8,8 @@ chunks and reads, failures by reason), not anyone's speed.
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -160,3 +162,40 @@ async def test_rounds_through_one_target_pool_their_streams_gaps_and_errors(
     assert (first.streams, first.complete) == (5, 5)
     assert first.gaps == pooled and len(pooled) == 10
     assert first.errors == {"timed out": 1}
+
+
+async def test_the_client_runs_no_garbage_collection_while_streams_stream(
+    serve: Callable[[_Handler], Awaitable[str]],
+) -> None:
+    """A collection in the client stops every stream's reads alike (the instrument's
+    pause, not a server's): none runs from the first event sent to the last, even with
+    thresholds that would run one every few allocations."""
+    sent: list[float] = []
+    handler = _sse_handler(deltas=4, gap=0.02, split=False)
+
+    async def stamped(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sent.append(time.perf_counter())
+        await handler(reader, writer)
+        sent.append(time.perf_counter())
+
+    url = await serve(stamped)
+    collections: list[float] = []
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(time.perf_counter())
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(2, 1, 1)
+    gc.callbacks.append(record)
+    try:
+        figures = await run_slow_streams(
+            "ours", url, _CHAT, b"{}", streams=8, deltas=4, gap=0.02, ramp=0.0
+        )
+    finally:
+        gc.callbacks.remove(record)
+        gc.set_threshold(*thresholds)
+    assert figures.complete == 8
+    assert gc.isenabled()
+    assert collections, "the thresholds make collections run around the measurement"
+    assert not [t for t in collections if min(sent) <= t <= max(sent)]

@@ -50,15 +50,21 @@ IO_TIMEOUT = 20.0  # seconds; bounds every wait
 
 @pytest.fixture
 def timers(monkeypatch: pytest.MonkeyPatch) -> list[float | None]:
-    """Deadlines of the ``asyncio.timeout`` contexts made while the test runs."""
+    """Delays or deadlines of the ``asyncio.timeout`` and ``asyncio.timeout_at`` contexts
+    made while the test runs."""
     made: list[float | None] = []
-    real = asyncio.timeout
+    real, real_at = asyncio.timeout, asyncio.timeout_at
 
     def counted(delay: float | None) -> asyncio.Timeout:
         made.append(delay)
         return real(delay)
 
+    def counted_at(when: float | None) -> asyncio.Timeout:
+        made.append(when)
+        return real_at(when)
+
     monkeypatch.setattr(asyncio, "timeout", counted)
+    monkeypatch.setattr(asyncio, "timeout_at", counted_at)
     return made
 
 

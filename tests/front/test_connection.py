@@ -212,6 +212,81 @@ async def test_a_client_that_hangs_up_cancels_its_handler() -> None:
         await server.shutdown(grace=1.0)
 
 
+async def test_a_client_that_shuts_only_its_sending_side_is_taken_as_gone() -> None:
+    """Deliberate, and surprising: a client that sends a whole request and then shuts its
+    sending side (``shutdown(SHUT_WR)``, ``nc -N``) gets no answer. Its FIN is the one sign
+    of a hang-up the socket gives (a client that closed entirely sends the same FIN
+    first), and a gone client must cost nothing from that moment on (docs/design.md), so
+    its handler is cancelled and the connection closed, as aiohttp's server did."""
+    started = asyncio.Event()
+    outcome: list[str] = []
+
+    async def answers_soon(request: Request) -> SmallAnswer:
+        started.set()
+        try:
+            await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            outcome.append("cancelled")
+            raise
+        return SmallAnswer(body=b"late")
+
+    async with serving(answers_soon) as (server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(5):
+                await started.wait()
+            writer.write_eof()
+            async with asyncio.timeout(5):
+                answer = await reader.read(-1)
+        finally:
+            writer.close()
+        assert answer == b""
+        assert outcome == ["cancelled"]
+        await wait_until(lambda: not server.connections, "the connection is closed")
+
+
+async def test_an_answer_returned_after_the_client_hung_up_is_dropped_without_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The app answers a cancel that is an orderly stop (the drain) with a 503 instead of
+    raising. When the client hangs up after the drain's cancel and before the handler
+    runs on, the hang-up's own cancel is absorbed by the first, and that 503 comes back
+    for a connection already gone. It is dropped: writing its head raised ``StateError``
+    out of the request's task, logged as "Task exception was never retrieved"."""
+    started = asyncio.Event()
+
+    async def stops_in_order(request: Request) -> SmallAnswer:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            assert task is not None
+            task.uncancel()  # as the app does for an orderly stop
+            return SmallAnswer(503, body=b"stopping", close=True)
+        return SmallAnswer(body=b"late")
+
+    done: list[int] = []
+    server = FrontServer(stops_in_order, header_timeout=5.0, on_request_done=lambda: done.append(1))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        async with asyncio.timeout(5):
+            await started.wait()
+        (conn,) = server.connections
+        task = conn.task
+        assert task is not None
+        writer.transport.abort()
+        await wait_until(lambda: task.done(), "the handler's task ended")
+        assert task.exception() is None
+        assert done == [1]
+        await wait_until(lambda: not server.connections, "the connection is gone")
+    finally:
+        await server.shutdown(grace=1.0)
+
+
 async def test_shutdown_closes_idle_connections_and_lets_a_busy_one_finish() -> None:
     release = asyncio.Event()
 
@@ -579,6 +654,45 @@ async def test_a_lingering_connection_is_closed_at_the_linger_timeout(
         # Cut at the linger timeout (0.5 s), not by the client's 10 s of uploading; the
         # upper bound is generous for a loaded machine.
         assert 0.4 <= elapsed < 6.0, elapsed
+        await wait_until(lambda: not h.state.exchanges, "no exchange is left")
+
+
+async def test_a_request_pipelined_behind_a_refused_expect_is_taken_as_its_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Deliberate: a head with ``Expect: 100-continue`` whose declared body is over the
+    limit gets its 413 (with ``Connection: close``) instead of ``100 Continue``. The
+    client may still send that body (RFC 9110 §10.1.1 lets it), so what follows on the
+    connection is read as the body and dropped while it lingers: a request a client
+    pipelines behind it is never answered, and the connection closes at the linger
+    timeout. The 413 said so: such a client retries on a new connection."""
+    monkeypatch.setattr(_http1, "LINGER_TIMEOUT", 0.5)
+    async with proxy_with_emulator(max_body_bytes=LIMIT) as h:
+        host, _, port = h.url.removeprefix("http://").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(
+                f"POST {CHAT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Expect: 100-continue\r\nContent-Length: {2 * LIMIT}\r\n\r\n".encode()
+            )
+            async with asyncio.timeout(5.0):
+                head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 413")
+            assert b"connection: close" in head.lower()
+            body = stream_body(CHAT_PATH)
+            writer.write(
+                f"POST {CHAT_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            async with asyncio.timeout(5.0):
+                rest = await reader.read(-1)
+        finally:
+            writer.close()
+        length = int(head.lower().partition(b"content-length:")[2].split(b"\r\n")[0])
+        # Nothing follows the 413's body: the pipelined request was dropped as body bytes.
+        assert len(rest) == length
+        assert h.emulator.stats == []
         await wait_until(lambda: not h.state.exchanges, "no exchange is left")
 
 

@@ -370,3 +370,35 @@ def test_a_waiting_reader_expires_after_idle_read_unless_bytes_came() -> None:
     assert conn.expired(79.0) is None
     assert conn.expired(80.0) is Expiry.READ
     assert conn.next_deadline() is None  # reported once
+
+
+def test_the_head_deadline_holds_until_the_head_came_and_the_body_went_out() -> None:
+    # In time: the final head lifts it (an interim one does not).
+    conn = ClientConnection()
+    conn.send_head(Request("GET", "/", []), head_due=10.0)
+    assert conn.next_deadline() == 10.0
+    events(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
+    assert conn.next_deadline() == 10.0
+    events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert conn.next_deadline() is None and conn.expired(99.0) is None and not conn.late
+    # A head during the upload leaves it until the body's end (a server that answers,
+    # then stops reading, would hold the upload forever).
+    conn = ClientConnection()
+    conn.send_head(Request("POST", "/", []), 4, head_due=10.0)
+    events(conn, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert conn.next_deadline() == 10.0
+    conn.send_body(4)
+    conn.send_end()
+    assert conn.next_deadline() is None
+    # Late: reported once, the connection is unusable and says why in our words.
+    conn = ClientConnection()
+    conn.send_head(Request("GET", "/", []), head_due=10.0)
+    events(conn, b"HTTP/1.1 200 OK\r\n")  # half a head
+    assert conn.expired(9.9) is None
+    assert conn.expired(10.0) is Expiry.HEAD
+    assert conn.late and conn.their_state is ClientState.ERROR
+    fault = conn.next_event()
+    assert isinstance(fault, Fault) and fault.words == "upstream sent no response headers in time"
+    assert conn.next_deadline() is None and conn.expired(99.0) is None
+    events(conn, b"Content-Length: 0\r\n\r\n")  # too late: nothing more is parsed
+    assert conn.next_event() is NEED_DATA and not conn.reusable

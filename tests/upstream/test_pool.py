@@ -15,6 +15,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import openai
 import pytest
@@ -677,6 +678,89 @@ async def test_a_head_that_never_came_is_still_a_timeout_and_a_cancel_still_a_ca
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(task, 5)
         finally:
+            await pool.close()
+
+
+async def test_a_kept_connection_gone_silent_times_out_at_the_head_deadline() -> None:
+    """On a kept connection the head's deadline rides on the connection's one timer,
+    armed for the keep-alive time: that firing first (1 s here) is not the deadline,
+    and the deadline (2 s) still fires."""
+    head_timeout = 2.0
+
+    async def once_then_silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int
+    ) -> None:
+        await read_request(reader)
+        # Keep-Alive: timeout=2 -> the pool keeps the connection idle 1 s at most.
+        writer.write(b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=2\r\nContent-Length: 2\r\n\r\n{}")
+        await read_request(reader)
+        await asyncio.sleep(10)
+
+    async with Scripted(once_then_silent) as upstream:
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=0)
+        target = UpstreamTarget(upstream.url)
+        try:
+            answer = await pool.request(target, "GET", "/", {}, head_timeout=head_timeout)
+            assert await asyncio.wait_for(answer.read(), 5) == b"{}"
+            answer.release()
+            assert pool.idle_connections == 1
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):  # HeadTimeout is one
+                await asyncio.wait_for(
+                    pool.request(target, "GET", "/", {}, head_timeout=head_timeout), 8
+                )
+            elapsed = time.monotonic() - started
+            assert upstream.connections == 1  # the kept connection carried it
+            assert head_timeout - 0.05 <= elapsed < head_timeout + 3.0
+            assert pool.connections_in_use == 0 and pool.idle_connections == 0
+        finally:
+            await pool.close()
+
+
+async def test_requests_on_a_kept_connection_arm_no_timer_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The head deadline of a request on a kept connection is the connection's one timer,
+    armed already (for the keep-alive time): no timeout context, no timer handle."""
+
+    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+
+    async with Scripted(answering) as upstream:
+        pool = UpstreamPool(connect_timeout=5, idle_read=5, max_connections=0)
+        target = UpstreamTarget(upstream.url)
+        loop = asyncio.get_running_loop()
+        made: list[str] = []
+        real_timeout, real_at, real_call_at = asyncio.timeout, asyncio.timeout_at, loop.call_at
+
+        def timeout(delay: float | None) -> asyncio.Timeout:
+            made.append("timeout")
+            return real_timeout(delay)
+
+        def timeout_at(when: float | None) -> asyncio.Timeout:
+            made.append("timeout_at")
+            return real_at(when)
+
+        def call_at(when: float, *args: Any, **kwargs: Any) -> asyncio.TimerHandle:
+            made.append("call_at")
+            return real_call_at(when, *args, **kwargs)
+
+        try:
+            async with asyncio.timeout(20):  # the bound on it all, made before counting
+                for n in range(4):
+                    if n == 1:  # the connection is made and kept: count from here
+                        monkeypatch.setattr(asyncio, "timeout", timeout)
+                        monkeypatch.setattr(asyncio, "timeout_at", timeout_at)
+                        monkeypatch.setattr(loop, "call_at", call_at)
+                    answer = await pool.request(target, "GET", "/", {}, head_timeout=HEAD_TIMEOUT)
+                    assert await answer.read() == b"{}"
+                    answer.release()
+            assert upstream.connections == 1
+            assert made == []
+        finally:
+            monkeypatch.undo()
             await pool.close()
 
 
