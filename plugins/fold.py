@@ -1186,6 +1186,14 @@ class FoldPlugin(Plugin):
             self._sessions.popitem(last=False)
         return folds
 
+    def wants_commit(self, session_id: str | None) -> bool:
+        """Decline an exchange without a session: :meth:`commit` keeps nothing for it.
+
+        A subclass that overrides :meth:`commit` is never declined (its hook may do
+        more), unless it overrides this method too.
+        """
+        return type(self).commit is not FoldPlugin.commit or session_id is not None
+
     async def commit(self, record: ExchangeRecord) -> None:
         """Keep the fold of an accepted exchange as its session's carried fold.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -182,7 +183,8 @@ def _book(state: AppState, ex: Exchange) -> None:
     Not booked (it enters the committed phase without a record): a request
     refused because its session's commits are behind (``commit_backlog``), one
     refused because the proxy drains (``proxy_shutdown``), and every exchange
-    when no plugin has a ``commit`` hook (counted only).
+    whose session no plugin's ``commit`` takes (none has the hook, or each
+    ``wants_commit`` declined it: counted only).
     """
     if ex.error == COMMIT_BACKLOG:
         # Booking the refusal would queue one more record behind the session's
@@ -191,10 +193,18 @@ def _book(state: AppState, ex: Exchange) -> None:
     elif ex.outcome is Outcome.REJECTED and ex.error == PROXY_SHUTDOWN.code:
         # Refused on arrival during the drain, which may have shut the plugins down.
         ex.skip_commit()
-    elif state.commits.hooked:
-        state.commits.start(ex.begin_commit())
+    elif state.commits.hooked and (takers := state.host.committers(ex.session_id)):
+        record = ex.begin_commit()
+        if len(takers) == len(state.host.implementing("commit")):
+            state.commits.start(record)
+        else:  # some declined: only the others' hooks run
+            state.commits.start(
+                record, run=functools.partial(state.host.run_commit, plugins=takers)
+            )
     else:
-        ex.skip_commit()  # no plugin books anything: no record, no task
+        # No plugin books anything (none has a commit hook, or each declined this
+        # exchange's session in wants_commit): no record, no task.
+        ex.skip_commit()
         state.commits.count_unbooked()
 
 

@@ -172,15 +172,17 @@ class CommitTracker:
         self._bump("started")
         self._bump("finished")
 
-    def start(self, record: ExchangeRecord) -> asyncio.Task[None]:
+    def start(self, record: ExchangeRecord, run: CommitRunner | None = None) -> asyncio.Task[None]:
         """Book ``record`` in the background; returns at once (synchronous).
 
-        The task runs in a fresh context, so the caller's cancellation, session
-        lock and context variables do not reach it. Must run on the event loop.
+        ``run``: what books this record instead of the tracker's runner (the app's:
+        the commit hooks of the plugins that take it). The task runs in a fresh
+        context, so the caller's cancellation, session lock and context variables
+        do not reach it. Must run on the event loop.
         """
         self._bump("started")
         task = asyncio.get_running_loop().create_task(
-            self._book(record), context=contextvars.Context()
+            self._book(record, self._run if run is None else run), context=contextvars.Context()
         )
         self._pending.add(task)
         sid = record.session_id
@@ -199,13 +201,13 @@ class CommitTracker:
                 if not tasks:
                     del self._by_session[sid]
 
-    async def _book(self, record: ExchangeRecord) -> None:
+    async def _book(self, record: ExchangeRecord, run: CommitRunner) -> None:
         try:
-            await self._booked(record)
+            await self._booked(record, run)
         finally:
             self._done(record.session_id, asyncio.current_task())
 
-    async def _booked(self, record: ExchangeRecord) -> None:
+    async def _booked(self, record: ExchangeRecord, run: CommitRunner) -> None:
         # A fresh context: give its log records the exchange's ids again.
         logs.EXCHANGE_ID.set(record.exchange_id)
         logs.SESSION_ID.set(record.session_id)
@@ -215,12 +217,12 @@ class CommitTracker:
             if isinstance(lock, contextlib.nullcontext):
                 # No lock to hold (no session): its enter and exit would do nothing.
                 began = time.monotonic()
-                await _run_within(self._run(record), self.timeout)
+                await _run_within(run(record), self.timeout)
             else:
                 async with lock:
                     began = time.monotonic()  # the budget starts with the hooks
                     # No timer unless a hook suspends (_run_within).
-                    await _run_within(self._run(record), self.timeout)
+                    await _run_within(run(record), self.timeout)
         except TimeoutError:
             self._bump("timed_out")
             log.warning(

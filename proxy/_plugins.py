@@ -19,6 +19,13 @@ Hooks, in the order an exchange meets them (docs/design.md §5):
     overflow. Edit through ``ctx.view`` (the structural view, no copy of the
     body) or, if granted, ``ctx.body`` (the whole object). Return ``True`` if
     you changed the body; edits made through the view are sent either way.
+``wants_commit(session_id) -> bool``
+    Asked when an exchange ends, before its record is built. Return ``False``
+    when ``commit`` would do nothing for a record of this session (``None``:
+    the request has none), e.g. ``fold`` for a request without a session: its
+    ``commit`` is then not called for that exchange. When no plugin takes an
+    exchange's record, no record, task or session lock is spent on it (the
+    commit is still counted). Default: ``True``.
 ``commit(record)``
     Runs under the session's lock after the response has been forwarded (or has
     failed, or the request was refused after its head), once per finished
@@ -464,6 +471,16 @@ class Plugin:
         """Inspect or change the request; return ``True`` if the body was changed."""
         return False
 
+    def wants_commit(self, session_id: str | None) -> bool:
+        """Whether ``commit`` has anything to do for an exchange of ``session_id``
+        (``None``: it has no session); default: yes.
+
+        Return ``False`` only when ``commit`` would return without doing anything
+        for such a record: it is then not called for that exchange. Synchronous
+        and instant (no I/O); an exception is logged and counts as ``True``.
+        """
+        return True
+
     async def commit(self, record: ExchangeRecord) -> None:
         """Book-keep one finished exchange. Keep only scalars from ``record``."""
 
@@ -564,6 +581,7 @@ _HOOKS: Final = (
     "wants_prepare",
     "wants_body",
     "prepare",
+    "wants_commit",
     "commit",
     "session_closed",
     "session_state",
@@ -745,7 +763,15 @@ class PluginHost:
             0 or less means no limit.
     """
 
-    __slots__ = ("_asks_body", "_asks_prepare", "_by_hook", "failures", "plugins", "timeout")
+    __slots__ = (
+        "_asks_body",
+        "_asks_commit",
+        "_asks_prepare",
+        "_by_hook",
+        "failures",
+        "plugins",
+        "timeout",
+    )
 
     def __init__(self, plugins: Iterable[Plugin], *, timeout: float) -> None:
         self.plugins: tuple[Plugin, ...] = tuple(plugins)
@@ -760,6 +786,10 @@ class PluginHost:
         )
         self._asks_body: Final = tuple(
             _overrides(p, "wants_body") for p in self._by_hook["prepare"]
+        )
+        # Per plugin with a commit hook: whether it has a wants_commit to ask.
+        self._asks_commit: Final = tuple(
+            _overrides(p, "wants_commit") for p in self._by_hook["commit"]
         )
 
     def implementing(self, hook: str) -> tuple[Plugin, ...]:
@@ -889,9 +919,28 @@ class PluginHost:
             type(exc).__name__,
         )
 
-    async def run_commit(self, record: ExchangeRecord) -> None:
-        """Run every ``commit`` hook in order with the same immutable record."""
-        for plugin in self._by_hook["commit"]:
+    def committers(self, session_id: str | None) -> tuple[Plugin, ...]:
+        """The plugins whose ``commit`` takes an exchange of ``session_id``, in order:
+        every one with a ``commit`` hook but those whose ``wants_commit`` returned
+        ``False`` (one that raises takes part). ``()``: nothing to book."""
+        hooked = self._by_hook["commit"]
+        if not any(self._asks_commit):
+            return hooked
+        takers: list[Plugin] = []
+        for plugin, asks in zip(hooked, self._asks_commit, strict=True):
+            if asks:
+                takes = self._dispatch_sync(plugin, "wants_commit", plugin.wants_commit, session_id)
+                if takes is not SKIPPED and not takes:
+                    continue
+            takers.append(plugin)
+        return tuple(takers)
+
+    async def run_commit(
+        self, record: ExchangeRecord, plugins: Sequence[Plugin] | None = None
+    ) -> None:
+        """Run ``plugins``' ``commit`` hooks (default: every one, see :meth:`committers`)
+        in order with the same immutable record."""
+        for plugin in self._by_hook["commit"] if plugins is None else plugins:
             await self._dispatch(plugin, "commit", plugin.commit, record)
 
     async def run_session_closed(self, session_id: str) -> None:

@@ -1,8 +1,9 @@
 """The per-request work a small exchange skips, and what must still happen when it does.
 
 Issue 11 item 3 (CPU per request): a body already received whole is read
-without a timer; a proxy whose plugins have no ``commit`` hook spends no task
-or record on commits (but still counts them); the client's answer leaves in as
+without a timer; a proxy whose plugins have no ``commit`` hook, or whose hooks
+all decline the exchange's session (``wants_commit``: fold without a session),
+spends no task or record on commits (but still counts them); the client's answer leaves in as
 few writes as the upstream's pieces allow (its head with the first bytes, a
 whole JSON answer with its end). Each skip is checked together with the
 behaviour it must not change: the idle-body deadline, the commit counters and
@@ -26,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 import proxy._app as app_module
+from plugins.fold import FoldPlugin
 from proxy import ExchangeRecord, Plugin, PrepareContext
 from proxy._body import BodyTimeout, read_body
 from proxy._commits import CommitTracker
@@ -131,9 +133,9 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[ExchangeRecord]:
     seen: list[ExchangeRecord] = []
     real = CommitTracker.start
 
-    def counted(self: CommitTracker, record: ExchangeRecord) -> asyncio.Task[None]:
+    def counted(self: CommitTracker, record: ExchangeRecord, **run: Any) -> asyncio.Task[None]:
         seen.append(record)
-        return real(self, record)
+        return real(self, record, **run)
 
     monkeypatch.setattr(CommitTracker, "start", counted)
     return seen
@@ -171,6 +173,69 @@ async def test_a_commit_hook_still_gets_every_record(started: list[ExchangeRecor
     assert len(started) == 3
     assert [r.exchange_id for r in booker.records] == [r.exchange_id for r in started]
     assert {(r.status, r.outcome) for r in booker.records} == {(200, "ok")}
+
+
+class Declines(Booker):
+    """A commit hook that declines exchanges without a session (``wants_commit``)."""
+
+    name = "declines"
+
+    def wants_commit(self, session_id: str | None) -> bool:
+        return session_id is not None
+
+
+class AsksAndFails(Booker):
+    name = "asks-and-fails"
+
+    def wants_commit(self, session_id: str | None) -> bool:
+        raise RuntimeError("no answer")
+
+
+async def _post_chat_as(url: str, session: str | None) -> None:
+    headers = {} if session is None else {"x-session-id": session}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + CHAT_PATH, data=stream_body(CHAT_PATH), headers=headers) as resp,
+    ):
+        assert resp.status == 200
+        assert b"[DONE]" in await resp.read()
+
+
+async def test_fold_spends_no_record_or_task_on_a_request_without_a_session(
+    started: list[ExchangeRecord],
+) -> None:
+    async with proxy_with_emulator(plugins=[FoldPlugin()]) as h:
+        await _post_chat(h.url, 3)
+        await _post_chat_as(h.url, "s-1")
+        await h.settle()
+        commits = h.state.commits
+        assert (commits.count("started"), commits.count("finished")) == (4, 4)
+        assert h.metric("context_proxy_commits_total", event="finished") == 4
+    # Only the request with a session is booked: its fold may be carried.
+    assert [r.session_id for r in started] == ["s-1"]
+
+
+async def test_a_commit_hook_that_declines_gets_no_record_and_the_others_do(
+    started: list[ExchangeRecord],
+) -> None:
+    declines, booker = Declines(), Booker()
+    async with proxy_with_emulator(plugins=[declines, booker]) as h:
+        await _post_chat(h.url, 2)
+        await _post_chat_as(h.url, "s-2")
+        await h.settle()
+        assert h.state.commits.count("finished") == 3
+    assert len(started) == 3
+    assert [r.session_id for r in booker.records] == [None, None, "s-2"]
+    assert [r.session_id for r in declines.records] == ["s-2"]
+
+
+async def test_a_wants_commit_that_raises_takes_part_and_is_counted() -> None:
+    plugin = AsksAndFails()
+    async with proxy_with_emulator(plugins=[plugin]) as h:
+        await _post_chat(h.url, 2)
+        await h.settle()
+        assert h.state.host.failures == {"asks-and-fails": 2}
+    assert len(plugin.records) == 2
 
 
 @pytest.fixture
