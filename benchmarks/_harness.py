@@ -307,13 +307,15 @@ class Service:
         """The process id."""
         return self.proc.pid
 
-    async def wait_ready(self, session: aiohttp.ClientSession) -> None:
-        """Poll ``ready_path`` until it answers 200.
+    async def wait_ready(
+        self, session: aiohttp.ClientSession, timeout: float = _START_TIMEOUT
+    ) -> None:
+        """Poll ``ready_path`` until it answers 200, for up to ``timeout`` seconds (30).
 
         Raises:
-            ServiceError: the process exited, or was not ready within 30 s.
+            ServiceError: the process exited, or was not ready within ``timeout``.
         """
-        deadline = time.monotonic() + _START_TIMEOUT
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServiceError(
@@ -324,7 +326,7 @@ class Service:
                     if resp.status == 200:
                         return
             await asyncio.sleep(0.02)
-        raise ServiceError(f"{self.name} not ready within {_START_TIMEOUT} s; see {self.log_path}")
+        raise ServiceError(f"{self.name} not ready within {timeout:g} s; see {self.log_path}")
 
     def check_alive(self) -> None:
         """Raise :class:`ServiceError` if the process has exited."""
@@ -367,13 +369,14 @@ def _spawn(
     log_dir: Path,
     ready_path: str,
     env: Mapping[str, str],
+    wrapper: Sequence[str] = (),
 ) -> Service:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     log = log_path.open("ab")
     try:
         proc = subprocess.Popen(
-            [sys.executable, *argv],
+            [*wrapper, sys.executable, *argv],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -405,6 +408,7 @@ def start_proxy(
     module: str = "proxy",
     name: str = "proxy",
     event_loop: str = "asyncio",
+    wrapper: Sequence[str] = (),
 ) -> Service:
     """Start this proxy (``python -m proxy serve``) in front of ``upstream``.
 
@@ -414,7 +418,8 @@ def start_proxy(
     ``MALLOC_*`` tunables). ``module`` replaces ``proxy`` in ``python -m proxy``
     (a wrapper that patches the proxy before running its CLI). ``event_loop``
     is the ``event_loop`` setting (``uvloop`` or ``asyncio``); give the naive
-    baseline the same one for a fair comparison.
+    baseline the same one for a fair comparison. ``wrapper`` is a command the
+    interpreter runs under (e.g. ``valgrind --tool=callgrind``; the pid is then its).
     """
     port = free_port()
     argv = [
@@ -442,7 +447,7 @@ def start_proxy(
         f"{_ENV_PREFIX}EVENT_LOOP": event_loop,
         **(env or {}),
     }
-    return _spawn(name, argv, port, log_dir, "/healthz", extra)
+    return _spawn(name, argv, port, log_dir, "/healthz", extra, wrapper)
 
 
 def start_naive(
@@ -452,13 +457,15 @@ def start_naive(
     env: Mapping[str, str] | None = None,
     name: str = "naive",
     event_loop: str = "asyncio",
+    wrapper: Sequence[str] = (),
 ) -> Service:
     """Start the naive baseline proxy (``python -m benchmarks.naive``) in front of ``upstream``,
-    on ``event_loop`` (``uvloop`` or ``asyncio``, as this proxy's run)."""
+    on ``event_loop`` (``uvloop`` or ``asyncio``, as this proxy's run), under ``wrapper``
+    as :func:`start_proxy`."""
     port = free_port()
     argv = ["-m", "benchmarks.naive", "--host", HOST, "--port", str(port), "--upstream", upstream]
     argv += ["--event-loop", event_loop]
-    return _spawn(name, argv, port, log_dir, "/", dict(env or {}))
+    return _spawn(name, argv, port, log_dir, "/", dict(env or {}), wrapper)
 
 
 # --------------------------------------------------------------------------- client side

@@ -206,7 +206,7 @@ def demo(port: int, once: bool) -> None:
         pass
 
 
-_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak", "agent")
+_BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak", "agent", "instructions")
 
 
 @main.command(
@@ -220,7 +220,7 @@ _BENCHMARKS = ("memory", "overhead", "concurrency", "cluster", "soak", "agent")
 @click.argument("kind", required=False)
 @click.pass_context
 def bench(ctx: click.Context, kind: str | None) -> None:
-    """Run a benchmark: memory | overhead | concurrency (vs naive) | cluster | soak | agent.
+    """Run a benchmark: memory | overhead | concurrency | cluster | soak | agent | instructions.
 
     Arguments after KIND go to the benchmark; `context-proxy bench KIND --help`
     lists them. Needs the `bench` extra.
