@@ -308,14 +308,14 @@ class Service:
         return self.proc.pid
 
     async def wait_ready(
-        self, session: aiohttp.ClientSession, timeout: float = _START_TIMEOUT
+        self, session: aiohttp.ClientSession, within_s: float = _START_TIMEOUT
     ) -> None:
-        """Poll ``ready_path`` until it answers 200, for up to ``timeout`` seconds (30).
+        """Poll ``ready_path`` until it answers 200, for up to ``within_s`` seconds (30).
 
         Raises:
-            ServiceError: the process exited, or was not ready within ``timeout``.
+            ServiceError: the process exited, or was not ready within ``within_s``.
         """
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServiceError(
@@ -326,7 +326,7 @@ class Service:
                     if resp.status == 200:
                         return
             await asyncio.sleep(0.02)
-        raise ServiceError(f"{self.name} not ready within {timeout:g} s; see {self.log_path}")
+        raise ServiceError(f"{self.name} not ready within {within_s:g} s; see {self.log_path}")
 
     def check_alive(self) -> None:
         """Raise :class:`ServiceError` if the process has exited."""

@@ -68,15 +68,11 @@ _SUMMARY: Final = re.compile(rb"^summary:\s+(\d+)", re.MULTILINE)
     context_settings=CONTEXT_SETTINGS,
     help="Instructions (callgrind Ir) per small request, this proxy and the naive proxy.",
 )
-@click.option(
-    "--requests", type=click.IntRange(min=1), default=500, help="measured per kind [500]"
-)
+@click.option("--requests", type=click.IntRange(min=1), default=500, help="measured per kind [500]")
 @click.option(
     "--warmup", type=click.IntRange(min=0), default=200, help="unmeasured, per kind [200]"
 )
-@click.option(
-    "--concurrency", type=click.IntRange(min=1), default=50, help="requests at once [50]"
-)
+@click.option("--concurrency", type=click.IntRange(min=1), default=50, help="requests at once [50]")
 @click.option("--bytes", "size", type=click.IntRange(min=1), default=1024, help="body [1024]")
 @click.option(
     "--out", type=click.Path(path_type=Path), default=Path("bench-results"), help="output dir"
@@ -171,7 +167,10 @@ async def _collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path)
     results = Results(started=datetime.datetime.now(datetime.UTC))
     started = time.monotonic()
     streamed = build_small_body(BenchProtocol.CHAT, args.size, Corpus.load())
-    bodies = {"streamed": streamed, "json": streamed.replace(b'"stream":true', b'"stream":false', 1)}
+    bodies = {
+        "streamed": streamed,
+        "json": streamed.replace(b'"stream":true', b'"stream":false', 1),
+    }
     env = {"PYTHONHASHSEED": "0"}  # the same hashes, so the same dict probes, in every run
     async with open_client_and_emulator(log_dir) as (session, emulator):
         with reporter.progress(len(TARGETS), "instructions") as steps:
