@@ -13,7 +13,7 @@ request count is the figure. JSON answers, then streamed ones, per process.
 
 Figures: Ir/request for this proxy and the naive one per answer kind, and the ratio
 (no target: it is a measure for A/B comparisons of a change, not a pass/fail line).
-Valgrind makes a process about 50x slower, so the defaults are small. Without
+A process runs far slower under valgrind, so the defaults are small (1.5 min). Without
 ``valgrind`` on the PATH it prints one ``skipped`` line and exits 3.
 
 Outputs in ``--out``: ``instructions.json``, ``instructions.md``.
@@ -199,8 +199,8 @@ async def _collect(args: SimpleNamespace, reporter: rpt.Reporter, log_dir: Path)
 def _table(results: Results, args: SimpleNamespace) -> rpt.Table:
     table = rpt.Table(
         title=(
-            f"Instructions per request (callgrind Ir): {args.requests} {args.size}-byte chat "
-            f"requests per kind, {args.concurrency} at once, both on asyncio"
+            f"Instructions per request (callgrind Ir), {args.requests} x {args.size} B chat "
+            f"per kind, {args.concurrency} at once, asyncio"
         ),
         columns=("answer", "ours Ir/request", "naive Ir/request", "÷ naive"),
     )
