@@ -75,6 +75,7 @@ def test_bench_help_lists_the_benchmarks_and_rejects_unknown_ones() -> None:
     shown = runner.invoke(main, ["bench", "--help"])
     assert shown.exit_code == 0
     assert "memory | overhead | concurrency" in " ".join(shown.output.split())  # click wraps
+    assert "| instructions." in " ".join(shown.output.split())
     wrong = runner.invoke(main, ["bench", "speed"])
     assert wrong.exit_code == 2
     assert "'speed' is not one of memory, overhead, concurrency" in wrong.output
