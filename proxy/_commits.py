@@ -23,58 +23,25 @@ import contextvars
 import logging
 import math
 import time
-import types
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Final, TypeVar
+from typing import Final
 
 from prometheus_client import CollectorRegistry
 
 from . import _logs as logs
-from ._plugins import ExchangeRecord, Resumed
+from ._plugins import ExchangeRecord, within
 from ._tally import CounterTally, TallyCollector
 
 __all__ = ["CommitTracker"]
 
 log = logging.getLogger("context_proxy.commits")
 
-_T = TypeVar("_T")
-
 #: ``run(record)``: books one record (the app's: the plugins' commit hooks).
 CommitRunner = Callable[[ExchangeRecord], Awaitable[None]]
 #: ``lock(record)``: what ``run`` must hold (the app's: the session's lock), entered
 #: before the budget starts.
 CommitLock = Callable[[ExchangeRecord], AbstractAsyncContextManager[object]]
-
-
-async def _run_within(call: Awaitable[_T], seconds: float) -> _T:
-    """Await ``call`` for at most ``seconds`` (``math.inf``: no bound).
-
-    The same as ``async with asyncio.timeout(seconds): await call``, deadline
-    counted from now, but the timer is armed only once the coroutine suspends:
-    a commit whose hooks return without awaiting anything (most of a request
-    without a session) costs no timer for it (~6 µs of CPU each, armed and
-    cancelled). Must run in a task. Each hook in a commit has its own budget,
-    armed the same way (:meth:`proxy._plugins.PluginHost._dispatch`).
-
-    Raises:
-        TimeoutError: ``call`` was still running ``seconds`` after the call.
-        Whatever ``call`` raises.
-    """
-    if not math.isfinite(seconds):
-        return await call
-    if not isinstance(call, types.CoroutineType):  # a future or another awaitable
-        async with asyncio.timeout(seconds):
-            return await call
-    deadline = asyncio.get_running_loop().time() + seconds
-    try:
-        first = call.send(None)
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
-    # A first step longer than the budget: the deadline has passed, and the timeout
-    # cancels at the first suspension, as one armed before the step would have.
-    async with asyncio.timeout_at(deadline):
-        return await Resumed(call, first)  # type: ignore[no-any-return]
 
 
 def _no_lock(record: ExchangeRecord) -> AbstractAsyncContextManager[object]:
@@ -217,12 +184,12 @@ class CommitTracker:
             if isinstance(lock, contextlib.nullcontext):
                 # No lock to hold (no session): its enter and exit would do nothing.
                 began = time.monotonic()
-                await _run_within(run(record), self.timeout)
+                await within(run(record), self.timeout)
             else:
                 async with lock:
                     began = time.monotonic()  # the budget starts with the hooks
-                    # No timer unless a hook suspends (_run_within).
-                    await _run_within(run(record), self.timeout)
+                    # No timer unless a hook suspends (within).
+                    await within(run(record), self.timeout)
         except TimeoutError:
             self._bump("timed_out")
             log.warning(

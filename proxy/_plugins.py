@@ -152,20 +152,33 @@ class Resumed:
                     return stop.value
 
 
-async def _armed_on_suspend(call: Awaitable[_T], clock: asyncio.Timeout, deadline: float) -> _T:
-    """Await ``call``; ``clock`` (entered, unarmed) is set to ``deadline`` (loop time) only
-    once ``call`` suspends. A hook that returns without awaiting then costs no timer
-    handle (armed and cancelled: ~6 µs of CPU); a first step that ran past the
-    deadline is cut at its first suspension, as a timer armed before it would."""
-    if not isinstance(call, types.CoroutineType):  # a future or another awaitable
-        clock.reschedule(deadline)
+async def within(call: Awaitable[_T], seconds: float) -> _T:
+    """Await ``call`` for at most ``seconds`` (``math.inf``: no bound).
+
+    The same as ``async with asyncio.timeout(seconds): await call``, the deadline
+    counted from now, but the timer is armed only once ``call`` suspends: a hook
+    or a commit that returns without awaiting anything costs no timer handle
+    (armed and cancelled: ~6 µs of CPU). A first step that ran past the deadline
+    is cut at its first suspension, as a timer armed before it would have been.
+    Must run in a task.
+
+    Raises:
+        TimeoutError: ``call`` was still running ``seconds`` after the call.
+        Whatever ``call`` raises.
+    """
+    if not math.isfinite(seconds):
         return await call
-    try:
-        first = call.send(None)
-    except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
-    clock.reschedule(deadline)
-    return await Resumed(call, first)  # type: ignore[no-any-return]
+    deadline = asyncio.get_running_loop().time() + seconds
+    async with asyncio.timeout(None) as clock:  # entered unarmed
+        if not isinstance(call, types.CoroutineType):  # a future or another awaitable
+            clock.reschedule(deadline)
+            return await call
+        try:
+            first = call.send(None)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        clock.reschedule(deadline)
+        return await Resumed(call, first)  # type: ignore[no-any-return]
 
 
 class PluginError(Exception):
@@ -821,12 +834,7 @@ class PluginHost:
         """
         budget = max(self.timeout, 10.0) if hook == "shutdown" else self.timeout
         try:
-            if not math.isfinite(budget):
-                async with asyncio.timeout(None):
-                    return await call(*args, **kwargs)
-            deadline = asyncio.get_running_loop().time() + budget
-            async with asyncio.timeout(None) as clock:
-                return await _armed_on_suspend(call(*args, **kwargs), clock, deadline)
+            return await within(call(*args, **kwargs), budget)
         except Exception as exc:
             self._failed(plugin, hook, exc, budget)
             return SKIPPED
