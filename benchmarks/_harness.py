@@ -35,7 +35,7 @@ from typing import Any, Final, TypeVar
 
 import aiohttp
 import click
-import psutil  # type: ignore[import-untyped]  # no stubs; types-psutil is not a dependency
+import psutil  # type: ignore[import-untyped,unused-ignore]  # no stubs; types-psutil is not a dependency
 
 from ._report import Reporter
 from ._workload import BenchProtocol

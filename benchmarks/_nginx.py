@@ -22,7 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Final
 
-import psutil  # type: ignore[import-untyped]  # no stubs; types-psutil is not a dependency
+import psutil  # type: ignore[import-untyped,unused-ignore]  # no stubs; types-psutil is not a dependency
 
 from ._harness import HOST, Service, free_port
 

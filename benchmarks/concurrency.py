@@ -82,7 +82,7 @@ _WARMUP_BYTES = 64 * 1024
 @click.option("--interval", type=float, default=0.005, help="RSS sampling, s")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.pass_context
-def command(ctx: click.Context, **options: Any) -> int:
+def command(ctx: click.Context, /, **options: Any) -> int:
     """``context-proxy bench concurrency``."""
     return _run(types.SimpleNamespace(**options), list(ctx.obj or []))
 

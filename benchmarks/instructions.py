@@ -79,7 +79,7 @@ _SUMMARY: Final = re.compile(rb"^summary:\s+(\d+)", re.MULTILINE)
 )
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.pass_context
-def command(ctx: click.Context, **options: Any) -> int:
+def command(ctx: click.Context, /, **options: Any) -> int:
     """``context-proxy bench instructions``."""
     return _run(SimpleNamespace(**options), list(ctx.obj or []))
 

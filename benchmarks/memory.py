@@ -733,7 +733,7 @@ out_option: Final = click.option(
 @click.option("--interval", type=float, default=0.005, help="RSS sampling interval, s [0.005]")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.pass_context
-def command(ctx: click.Context, **options: Any) -> int:
+def command(ctx: click.Context, /, **options: Any) -> int:
     """``context-proxy bench memory``: the options become the ``args`` of :func:`collect`."""
     args = SimpleNamespace(**options, argv=list(ctx.obj or []))
     return _run(args)
@@ -891,12 +891,13 @@ class RefoldCpu:
 def measure_refold_cpu(protocol: BenchProtocol, body: bytes, repeats: int = 3) -> RefoldCpu:
     """Time one refold of ``body`` in this process (see :class:`RefoldCpu`), in CPU seconds."""
     from plugins.fold import FoldPlugin
+    from proxy._protocols import Protocol
     from proxy._structure import BodyView
 
     wire_protocol = {
-        BenchProtocol.CHAT: "openai-chat",
-        BenchProtocol.RESPONSES: "openai-responses",
-        BenchProtocol.MESSAGES: "anthropic-messages",
+        BenchProtocol.CHAT: Protocol.CHAT,
+        BenchProtocol.RESPONSES: Protocol.RESPONSES,
+        BenchProtocol.MESSAGES: Protocol.MESSAGES,
     }[protocol]
     fold = FoldPlugin()
     ours: list[float] = []

@@ -23,7 +23,7 @@ import aiohttp
 import click
 from aiohttp import web
 
-from proxy._loops import EVENT_LOOPS, loop_factory
+from proxy._loops import EVENT_LOOPS, EventLoopName, loop_factory
 
 __all__ = ["build_naive_app", "main"]
 
@@ -106,7 +106,7 @@ def build_naive_app(upstream: str, *, max_body_bytes: int = 1 << 30) -> web.Appl
     show_default=True,
     help="the same loop as the proxy it is compared with",
 )
-def command(host: str, port: int, upstream: str, event_loop: str) -> None:
+def command(host: str, port: int, upstream: str, event_loop: EventLoopName) -> None:
     """``python -m benchmarks.naive``: run the baseline until SIGINT/SIGTERM."""
     factory, _ = loop_factory(event_loop)
     web.run_app(

@@ -191,7 +191,7 @@ _SETTLE_S: Final = 2.5
 )
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.pass_context
-def command(ctx: click.Context, **options: Any) -> int:
+def command(ctx: click.Context, /, **options: Any) -> int:
     """``context-proxy bench overhead``."""
     return _run(SimpleNamespace(**options), list(ctx.obj or []))
 

@@ -123,7 +123,7 @@ class Options:
 )
 @click.option("--quiet", is_flag=True, help="no per-sample lines")
 @click.pass_context
-def command(ctx: click.Context, **options: Any) -> int:
+def command(ctx: click.Context, /, **options: Any) -> int:
     """``context-proxy bench soak``."""
     return _run(Options(**options), list(ctx.obj or []))
 
