@@ -245,6 +245,10 @@ class GateState(enum.Enum):
     TERMINAL = "terminal"
     DONE = "done"
 
+    # The table is looked up a few times per answer: hash by identity (in C), not by
+    # name (Enum's own __hash__ is Python code); members are singletons anyway.
+    __hash__ = object.__hash__
+
 
 class GateInput(enum.Enum):
     """What the driver tells a :class:`StreamGate`: one member per method (its name)."""
@@ -254,6 +258,8 @@ class GateInput(enum.Enum):
     END = "end"
     REFOLD_DECLINED = "refold_declined"
     ABORT = "abort"
+
+    __hash__ = object.__hash__  # as GateState's
 
 
 class GateError(RuntimeError):
