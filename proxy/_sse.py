@@ -37,6 +37,7 @@ _LF: Final = 0x0A
 _COLON: Final = 0x3A
 _SPACE: Final = 0x20
 _BOM: Final = b"\xef\xbb\xbf"
+_BOM_FIRST: Final = _BOM[0]
 _DATA_FIELD: Final = b"data:"
 _DATA_SPACE: Final = b"data: "
 _EVENT_FIELD: Final = b"event:"
@@ -219,17 +220,20 @@ class SSEFramer:
             return events
         if self._bom_check:
             held = self._head
-            head = held + buf[: 3 - len(held)]
-            if len(head) < 3 and _BOM.startswith(head):
-                self._head = head  # still ambiguous: wait for more bytes
-                return events
-            self._bom_check = False
-            self._head = b""
-            if head == _BOM:
-                self._offset += 3  # the BOM is part of the first block's bytes
-                buf = buf[3 - len(held) :]
-            elif held:
-                buf = held + buf  # (no copy of the first chunk when nothing was held)
+            if not held and buf[0] != _BOM_FIRST:
+                self._bom_check = False  # the usual first chunk: no BOM can start it
+            else:
+                head = held + buf[: 3 - len(held)]
+                if len(head) < 3 and _BOM.startswith(head):
+                    self._head = head  # still ambiguous: wait for more bytes
+                    return events
+                self._bom_check = False
+                self._head = b""
+                if head == _BOM:
+                    self._offset += 3  # the BOM is part of the first block's bytes
+                    buf = buf[3 - len(held) :]
+                elif held:
+                    buf = held + buf  # (no copy of the first chunk when nothing was held)
         self._scan(buf, events)
         return events
 

@@ -167,8 +167,10 @@ def _has_output(choices: list[_Choice] | None) -> bool:
         delta = choice.delta
         if delta is None:
             continue
+        content = delta.content  # the usual output first: no tuple of the six for it
+        if content and (len(content) > 4 or bytes(content) not in _EMPTY_RAW):
+            return True
         for raw in (
-            delta.content,
             delta.tool_calls,
             delta.function_call,
             delta.refusal,
