@@ -1361,10 +1361,12 @@ class ClientConnection:
     """
 
     __slots__ = (
+        "_body",
         "_body_bytes",
         "_declared",
         "_events",
         "_fields",
+        "_framing",
         "_head_bytes",
         "_head_due",
         "_head_only",
@@ -1396,10 +1398,16 @@ class ClientConnection:
 
     def _reset(self) -> None:
         self._events: list[ClientEvent | list[bytes]] = []
+        #: The body pieces at the end of ``_events`` (the list the next piece joins), if any.
+        self._body: list[bytes] | None = None
         #: Body bytes parsed and not yet taken (a reader's backlog: pause reading above
         #: a bound).
         self.buffered_bytes = 0
-        self._fields: list[tuple[str, str]] = []
+        #: The head's (or trailers') fields as llhttp gave them: name, value, name, ...
+        #: (decoded all at once at the head's end: see _decoded).
+        self._fields: list[bytes] = []
+        #: Where in ``_fields`` the names that may frame the answer are (see on_header).
+        self._framing: list[int] = []
         self._head_bytes = 0
         self._head_due: float | None = None
         self._since_field = 0
@@ -1560,6 +1568,7 @@ class ClientConnection:
         self.their_state = CLIENT_THEIRS.get((self.their_state, _M_FAULT)) or _illegal(
             self.their_state, _M_FAULT
         )
+        self._body = None
         self._events.append(Fault(words, closed=closed))
 
     def _end(self) -> None:
@@ -1567,9 +1576,10 @@ class ClientConnection:
             self.their_state, _M_END
         )
         self.ended = True
+        self._body = None
         fields = self._fields
         if fields:
-            self._events.append(EndOfMessage(fields))
+            self._events.append(EndOfMessage(_decoded(fields)))
             self._fields = []
         else:
             self._events.append(_NO_TRAILERS)
@@ -1582,6 +1592,8 @@ class ClientConnection:
             return NEED_DATA
         event = events.pop(0)
         if isinstance(event, list):
+            if event is self._body:
+                self._body = None  # the next piece starts a list of its own
             self.buffered_bytes = 0
             return event[0] if len(event) == 1 else b"".join(event)
         return event
@@ -1674,31 +1686,39 @@ class ClientConnection:
             raise _Stop
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) + 2 > MAX_LINE_BYTES:
+        size = len(name)
+        if size + len(value) + 2 > MAX_LINE_BYTES:
             self._fault(_LINE_LIMIT, closed=False)
             raise _Stop
         self._since_field = 0
         fields = self._fields
-        if len(fields) >= MAX_FIELDS:
+        if len(fields) >= _MAX_FIELD_BYTES:
             self._fault(
                 "upstream response headers over the parser's limit (too many fields)",
                 closed=False,
             )
             raise _Stop
-        # As aiohttp's parser decodes them: field_lines turns them back to the same
-        # bytes (UTF-8 text stays UTF-8, other bytes survive too).
-        fields.append(
-            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
-        )
+        if size in _FRAMING_SIZES:
+            # Maybe a field on_headers_complete reads: it looks at these only, not at
+            # every field. (llhttp takes only token bytes in a name, ASCII: lowering it
+            # keeps its length.)
+            self._framing.append(len(fields))
+        # Bytes, as they came: the head's are decoded at once at its end (one call per
+        # head, not two per field).
+        fields += (name, value)
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         status = parser.get_status_code()
-        fields = self._fields
+        fields = _decoded(self._fields)
         self._fields = []
+        framing = self._framing
+        if framing:
+            self._framing = []
         if status == 101:
             self._fault("upstream switched protocols", closed=False)
             raise _Stop
+        self._body = None
         if 100 <= status < 200:
             self.their_state = CLIENT_THEIRS.get((self.their_state, _M_INTERIM)) or _illegal(
                 self.their_state, _M_INTERIM
@@ -1713,7 +1733,8 @@ class ClientConnection:
         self.status = status
         self.keep_alive = parser.should_keep_alive()
         chunked = content_length = False
-        for name, value in fields:
+        for at in framing:  # (the fields of a framing name's length, in order)
+            name, value = fields[at >> 1]
             lowered = name.lower()
             if lowered == "transfer-encoding":
                 # Chunked framing only when chunked is the last coding (RFC 9112 section 6.3).
@@ -1738,17 +1759,44 @@ class ClientConnection:
             # After a HEAD's head, which llhttp cannot be told has no body.
             self._fault(_BYTES_AFTER, closed=False)
             raise _Stop
-        events = self._events
-        last = events[-1] if events else None
-        if isinstance(last, list):
-            last.append(body)
+        # The list the pieces since the last next_event join, kept at hand: no look at
+        # the events' last one (and its type) per piece.
+        pieces = self._body
+        if pieces is None:
+            pieces = self._body = [body]
+            self._events.append(pieces)
         else:
-            events.append([body])
+            pieces.append(body)
         self.buffered_bytes += len(body)
 
     def on_message_complete(self) -> None:
         if self.their_state is _S_BODY:
             self._end()
+
+
+#: ``_fields`` holds a name and a value per field.
+_MAX_FIELD_BYTES: Final = 2 * MAX_FIELDS
+#: The lengths of the names on_headers_complete reads: keep-alive, content-length,
+#: transfer-encoding.
+_FRAMING_SIZES: Final = frozenset({10, 14, 17})
+
+
+def _decoded(raw: list[bytes]) -> list[tuple[str, str]]:
+    """``(name, value)`` pairs of llhttp's name, value, ... bytes, decoded as aiohttp's
+    parser decodes them: field_lines turns them back to the same bytes (UTF-8 text
+    stays UTF-8, other bytes survive too).
+
+    All in one decode, joined by NUL (one decode per head, not two per field): NUL is
+    ASCII, so each piece decodes as it would alone. llhttp refuses a NUL in a name or
+    value; should one be there, the count of pieces tells, and each is decoded apart.
+    """
+    if not raw:
+        return []
+    parts = b"\x00".join(raw).decode("utf-8", "surrogateescape").split("\x00")
+    if len(parts) != len(raw):
+        parts = [piece.decode("utf-8", "surrogateescape") for piece in raw]
+    pairs = iter(parts)
+    return list(zip(pairs, pairs, strict=True))
 
 
 def keep_alive_timeout(value: str) -> float:

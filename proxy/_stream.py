@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import ClassVar, Final
 
@@ -245,6 +245,10 @@ class GateState(enum.Enum):
     TERMINAL = "terminal"
     DONE = "done"
 
+    # The table is looked up a few times per answer: hash by identity (in C), not by
+    # name (Enum's own __hash__ is Python code); members are singletons anyway.
+    __hash__ = object.__hash__
+
 
 class GateInput(enum.Enum):
     """What the driver tells a :class:`StreamGate`: one member per method (its name)."""
@@ -254,6 +258,8 @@ class GateInput(enum.Enum):
     END = "end"
     REFOLD_DECLINED = "refold_declined"
     ABORT = "abort"
+
+    __hash__ = object.__hash__  # as GateState's
 
 
 class GateError(RuntimeError):
@@ -722,6 +728,9 @@ class StreamGate:
         if not events:
             return
         row = self._row
+        if row.see is not None:
+            self._see_each(row.see, events)
+            return
         meter = self._usage
         usage_of = row.usage_from_event
         usage_events = row.usage_events
@@ -761,6 +770,38 @@ class StreamGate:
                     self._failed = protocols.is_error_event(self._protocol, event)
         self._output, self._terminal = output, terminal
         self._precounted, self._next_seq = precounted, next_seq
+
+    def _see_each(
+        self,
+        see: Callable[[SSEEvent, bool], tuple[protocols.UsageReport | None, bool, bool]],
+        events: list[SSEEvent],
+    ) -> None:
+        """:meth:`_see_all` for a dialect that answers the three questions of an event
+        at once (:attr:`~proxy._protocols.Dialect.see`: chat; metered, unnamed, no
+        sequence numbers, an exchange): one call and one decode an event, not three."""
+        meter = self._usage
+        gated = self._state is GateState.GATED
+        output, terminal = self._output, self._terminal
+        precounted = self._precounted
+        for event in events:
+            report, is_output, is_terminal = see(event, output)
+            if precounted:
+                precounted -= 1  # its usage was read by _probe_tail
+            elif report is not None:
+                meter.merge(report)
+            if not output:
+                if is_output:
+                    output = True
+                elif is_terminal:
+                    terminal = True
+                    self._failed = protocols.is_error_event(self._protocol, event)
+                    if gated and protocols.is_overflow_event(self._protocol, event):
+                        self._overflow = True
+            elif not terminal and is_terminal:
+                terminal = True
+                self._failed = protocols.is_error_event(self._protocol, event)
+        self._output, self._terminal = output, terminal
+        self._precounted = precounted
 
     def _settle(self, actions: list[Action]) -> list[Action]:
         """GATED after a feed: hold on, refold, resend or open the gate."""

@@ -67,6 +67,11 @@ class Dialect:
             ``named_events``; empty otherwise).
         input_excludes_cache: whether the reported input tokens leave out
             cached ones (Anthropic), so the meter adds them back.
+        see: ``(event, output_seen) -> (usage, output, terminal)``, the answers
+            of ``usage_from_event``, ``is_output`` (``False`` once
+            ``output_seen``) and ``is_terminal`` at once, for a protocol whose
+            events answer all three from one decode (chat); ``None``: ask each.
+            Only on a metered row whose events are not named.
     """
 
     protocol: Protocol
@@ -82,6 +87,7 @@ class Dialect:
     usage_from_body: Callable[[bytes], UsageReport | None] | None
     usage_events: frozenset[str]
     input_excludes_cache: bool
+    see: Callable[[SSEEvent, bool], tuple[UsageReport | None, bool, bool]] | None = None
 
 
 # -- adapters: one signature per column ----------------------------------------
@@ -169,6 +175,7 @@ def _openai_row(protocol: Protocol, *, metered: bool) -> Dialect:
         usage_from_body=_chat_usage_from_body if metered else None,
         usage_events=frozenset(),
         input_excludes_cache=False,
+        see=_openai.chat_see if metered else None,
     )
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "chat_inband_error",
     "chat_is_output",
     "chat_is_terminal",
+    "chat_see",
     "chat_usage",
     "chat_usage_from_event",
     "error_body",
@@ -155,23 +156,30 @@ def chat_is_output(event: SSEEvent) -> bool:
     if not data or data.startswith(_DONE):
         return False
     chunk = decode_typed(_CHUNK, data)
-    if chunk is None or not chunk.choices:
+    return chunk is not None and _has_output(chunk.choices)
+
+
+def _has_output(choices: list[_Choice] | None) -> bool:
+    """Whether a decoded chunk's ``choices`` carry output (see :func:`chat_is_output`)."""
+    if not choices:
         return False
-    for choice in chunk.choices:
+    for choice in choices:
         delta = choice.delta
         if delta is None:
             continue
+        content = delta.content  # the usual output first: no tuple of the six for it
+        if content and (len(content) > 4 or bytes(content) not in _EMPTY_RAW):
+            return True
         for raw in (
-            delta.content,
             delta.tool_calls,
             delta.function_call,
             delta.refusal,
             delta.reasoning_content,
             delta.reasoning,
         ):
-            # Only a value of at most 4 bytes can be empty; len() of a Raw copies nothing.
-            size = len(raw)
-            if size > 4 or (size > 0 and bytes(raw) not in _EMPTY_RAW):
+            # An absent field is an empty Raw, false at C speed (no len() call); only a
+            # value of at most 4 bytes can be empty; len() of a Raw copies nothing.
+            if raw and (len(raw) > 4 or bytes(raw) not in _EMPTY_RAW):
                 return True
     return False
 
@@ -234,6 +242,11 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
         return None
     if usage is None or _USAGE_KEY not in data:
         return None
+    return _usage_report(usage, data)
+
+
+def _usage_report(usage: _ChatUsage, data: bytes) -> UsageReport:
+    """The report of a decoded ``usage`` of the payload ``data`` (its model decoded apart)."""
     details = usage.prompt_tokens_details
     named = decode_typed(_NAMED, data)
     return UsageReport(
@@ -242,6 +255,42 @@ def chat_usage(data: bytes, *, limit: int | None) -> UsageReport | None:
         cache_read_tokens=None if details is None else details.cached_tokens,
         response_model=None if named is None else named.model,
     )
+
+
+# What chat_see says of most events, as shared tuples (none is built per event).
+_NOTHING: Final = (None, False, False)
+_OUTPUT: Final = (None, True, False)
+_TERMINAL: Final = (None, False, True)
+
+
+def chat_see(event: SSEEvent, output_seen: bool) -> tuple[UsageReport | None, bool, bool]:
+    """``(chat_usage_from_event, chat_is_output, chat_is_terminal)`` of one event, at once.
+
+    One decode of the chunk answers all three: decoding it once per question
+    was most of the per-event cost of a chat stream. With ``output_seen`` the
+    caller no longer asks whether the event is output, and the middle answer is
+    ``False`` (the chunk's deltas are not looked at).
+    """
+    if event.truncated or event.data_size > SMALL_EVENT:
+        # Rare (a large delta): the three answers as they are, each reading what it needs.
+        output = not output_seen and chat_is_output(event)
+        return chat_usage_from_event(event), output, chat_is_terminal(event)
+    data = event.data  # whole: len(data) == data_size (SSEEvent), small enough for all three
+    if data.startswith(_DONE):
+        return _TERMINAL
+    try:
+        chunk = _CHUNK.decode(data)  # decode_typed, inlined: this runs on every chunk
+    except (msgspec.DecodeError, RecursionError):
+        return _NOTHING  # (b"" too): no usage, no output, no error in it
+    output = not output_seen and _has_output(chunk.choices)
+    # chat_is_terminal: an error chunk (chat_error_code finds an error in it).
+    terminal = chunk.error is not None and _ERROR_KEY in data
+    usage = chunk.usage
+    if usage is not None and _USAGE_KEY in data:
+        return _usage_report(usage, data), output, terminal
+    if terminal:
+        return None, output, True
+    return _OUTPUT if output else _NOTHING
 
 
 # -- Responses --------------------------------------------------------------

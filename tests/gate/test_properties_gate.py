@@ -206,3 +206,44 @@ def test_each_pre_check_claim_holds_for_the_callable_it_skips(
                 assert report is None
         if row.stream_error(event) is not None:
             assert row.is_terminal(event)
+
+
+@settings(max_examples=400)
+@given(st.sampled_from(list(Protocol)), events(), st.booleans(), st.integers(0, 2))
+def test_the_fused_column_answers_as_the_three_callables(
+    protocol: Protocol, raw: bytes, output_seen: bool, cut: int
+) -> None:
+    """``see`` (one decode an event) says what ``usage_from_event``, ``is_output`` and
+    ``is_terminal`` say, for whole events and for ones the framer truncated."""
+    row = DIALECTS[protocol]
+    if row.see is None:
+        return
+    assert row.usage_from_event is not None and not row.named_events
+    for event in SSEFramer(max_data=[1 << 20, 4, 0][cut]).feed(raw):
+        expected = (
+            row.usage_from_event(event),
+            not output_seen and row.is_output(event),
+            row.is_terminal(event),
+        )
+        assert row.see(event, output_seen) == expected
+
+
+def test_the_fused_column_answers_as_the_three_callables_for_large_events() -> None:
+    big = "x" * (70 * 1024)
+    payloads = [
+        {"choices": [{"delta": {"content": big}}], "usage": None},
+        {"choices": [], "usage": {"prompt_tokens": 7}, "pad": big},
+        {"error": {"message": big, "code": "context_length_exceeded"}},
+        {"choices": [{"delta": {}}], "pad": big},
+    ]
+    row = DIALECTS[Protocol.CHAT]
+    assert row.see is not None and row.usage_from_event is not None
+    for payload in payloads:
+        (event,) = SSEFramer().feed(b"data: " + json.dumps(payload).encode() + b"\n\n")
+        for output_seen in (False, True):
+            expected = (
+                row.usage_from_event(event),
+                not output_seen and row.is_output(event),
+                row.is_terminal(event),
+            )
+            assert row.see(event, output_seen) == expected
