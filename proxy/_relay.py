@@ -13,7 +13,6 @@ rule, usage) is the gate's; this module only does the I/O around it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import os
@@ -810,8 +809,11 @@ class _Relay:
         # Handed to the connection below: a hang-up from now on is no failure (as
         # the handler's own end of the answer, proxy/_app.py).
         self.ex.response_complete()
-        with contextlib.suppress(ConnectionError):
+        # A try, not contextlib.suppress: that is three Python calls on every answer.
+        try:  # noqa: SIM105
             await self.client.write_eof(data)
+        except ConnectionError:
+            pass
         self.ex.count_response_bytes(len(data))
 
 
