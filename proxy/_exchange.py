@@ -160,7 +160,8 @@ class Exchange(Books):
         """Take the body read from the wire (for a spooled body, the read-only view of
         its file's mapping) and its metadata; raw is the outbound body until a plugin
         changes the body. Raises ``IllegalTransition`` past ``reading``."""
-        self._check(_PARSED)
+        if _PARSED not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+            raise IllegalTransition(self.id, self._phase, _PARSED)
         self._raw = BodyHolder(buffer)
         self._outbound = self._raw
         self.outbound_size = len(buffer)
@@ -358,14 +359,16 @@ class Exchange(Books):
         if self._phase is _ACCEPTED:
             self.release()
             return
-        self._check(_ACCEPTED)
+        if _ACCEPTED not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+            raise IllegalTransition(self.id, self._phase, _ACCEPTED)
         self.release()
         self._move(_ACCEPTED)
 
     def mark_streaming(self, *, upstream_head: HeadHolder | None = None) -> None:
         """The first response byte is going to the client; no resend can follow.
         ``upstream_head`` (the answer the client's head was built from) forgets its fields."""
-        self._check(_STREAMING)
+        if _STREAMING not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+            raise IllegalTransition(self.id, self._phase, _STREAMING)
         if self._outbound is not None or self._headers is not None:
             self.drop_outbound()
         if upstream_head is not None:
@@ -388,7 +391,8 @@ class Exchange(Books):
         if self.releases and not drops_outbound:
             # Released before and nothing more to let go (close() after accept()): no
             # held bytes change, so none are counted twice over.
-            self._settle_spool()
+            if self._spool is not None:  # nothing to settle without one (a call less)
+                self._settle_spool()
             return
         before = self._held_total()
         if drops_outbound:
@@ -400,7 +404,8 @@ class Exchange(Books):
             self._parsed = None
             self._drop_raw()
         self._freed(before)
-        self._settle_spool()
+        if self._spool is not None:  # nothing to settle without one (a call less)
+            self._settle_spool()
 
     def drop_outbound(self) -> None:
         """No resend can follow any more: let the outbound body and its header fields go."""
@@ -410,7 +415,8 @@ class Exchange(Books):
         self._headers = None
         self._drop_raw()
         self._freed(before)
-        self._settle_spool()
+        if self._spool is not None:  # nothing to settle without one (a call less)
+            self._settle_spool()
 
     def close(self) -> None:
         """Final cleanup in the handler's ``finally``: nothing is held afterwards (idempotent)."""

@@ -238,7 +238,9 @@ class RequestHead:
         chunked: bool,
     ) -> None:
         self.method = method
-        if target.startswith(("http://", "https://")):
+        # An origin-form target starts with "/" (nearly all): no startswith (its argument
+        # parsing) for it.
+        if target[:1] != "/" and target.startswith(("http://", "https://")):
             # Absolute form (RFC 9112 §3.2.2): the host is not ours to pick.
             parts = urllib.parse.urlsplit(target)
             raw_path, query = parts.path or "/", parts.query
@@ -1075,7 +1077,7 @@ class ServerConnection:
             return _CONTINUE if head.version >= (1, 1) else b""
         assert isinstance(event, Response)  # bytes and END are handled above
         status, length = event.status, event.length
-        empty = bodiless(status)
+        empty = status < 200 or status == 204 or status == 304  # bodiless(), inline
         no_body = empty or head.method == "HEAD"
         chunked = False
         if empty:
