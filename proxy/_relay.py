@@ -352,7 +352,11 @@ def _finishes(actions: list[Action], start: int) -> bool:
     """
     if start >= len(actions) or not isinstance(actions[-1], Finish):
         return False
-    return all(isinstance(a, (Usage, Linger)) for a in actions[start:-1])
+    # A loop, not all() over a generator: a generator and its frame on every answer.
+    for action in actions[start:-1]:  # noqa: SIM110
+        if not isinstance(action, (Usage, Linger)):
+            return False
+    return True
 
 
 class _Verdict(enum.Enum):
