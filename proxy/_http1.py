@@ -246,7 +246,8 @@ class RequestHead:
             raw_path, query = parts.path or "/", parts.query
         else:
             raw_path, _, query = target.partition("?")
-            raw_path, _, _ = raw_path.partition("#")
+            if "#" in raw_path:  # never sent by a client, nearly: no partition for nothing
+                raw_path, _, _ = raw_path.partition("#")
         self.raw_path = raw_path
         self.path = urllib.parse.unquote(raw_path) if "%" in raw_path else raw_path
         self.query_string = query
