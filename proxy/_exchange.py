@@ -434,8 +434,17 @@ class Exchange(Books):
 
     def _heap(self) -> tuple[int, int, int]:
         """Heap bytes held: ``(raw, parsed, outbound beyond raw)``, see ``heap_parts``."""
-        raw, parsed, out, view = self._raw, self.parsed_holder, self._outbound, self._raw_view
-        return heap_parts(raw, parsed, out, view, self._spool is not None, self.reading_bytes)
+        # parsed_holder and _raw_view, inline: this runs around every drop (a few a request).
+        draft, spool = self._draft, self._spool
+        parsed = (
+            draft.object_holder
+            if draft is not None and draft.object_holder is not None
+            else self._parsed
+        )
+        view = spool.view if spool is not None else None
+        return heap_parts(
+            self._raw, parsed, self._outbound, view, spool is not None, self.reading_bytes
+        )
 
     def _held_total(self) -> int:
         """``held_bytes().total`` when drops are reported (else 0: nothing compares it)."""

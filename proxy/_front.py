@@ -333,8 +333,8 @@ class ClientConnection(asyncio.Protocol):
                 if parsing is not None:  # None: a request without a body (already at EOF)
                     parsing.content.feed_eof()
                     self._parsing = None
-                    if self._sized:
-                        self._set_read_size(HEAD_READ_BYTES)
+                    if self._sized and self.transport is not None:  # _set_read_size, inline
+                        self.transport.max_size = HEAD_READ_BYTES  # type: ignore[attr-defined]
             elif isinstance(event, RequestHead):
                 self._head(event)
             elif event is NEED_DATA:

@@ -1113,8 +1113,14 @@ class ServerConnection:
         """
         if self.state not in _ANSWERING:
             raise StateError(f"no answer to finish in state {self.state.value}")
-        close = self.will_close()
         head = self._ahead.popleft()
+        # will_close(), inline (its head is the one being answered: state is _ANSWERING).
+        close = (
+            self._must_close
+            or not head.keep_alive
+            or head.version < (1, 1)
+            or head is self._unended
+        )
         self._chunked = self._no_body = False
         if head is self._unended:
             if self._broken is None:
