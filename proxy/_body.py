@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 from ._coding import (
     MAX_CONTENT_CODINGS,
@@ -204,9 +203,9 @@ def _check_declared(content_length: int | None, codings: tuple[str, ...], limit:
 # --------------------------------------------------------------------------- reading
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReadResult:
-    """A body read to the end.
+class ReadResult(NamedTuple):
+    """A body read to the end (immutable: a NamedTuple is built in one C call, a frozen
+    dataclass's ``__init__`` is an ``object.__setattr__`` call per field).
 
     Attributes:
         buffer: the decoded body, exactly its length; the only copy, owned by the
@@ -379,18 +378,23 @@ async def _pump(
     BodyErrors are returned, not raised, detached from their traceback so the
     caller can raise them outside any ``except`` block (no ``__context__``).
     """
-    loop = asyncio.get_running_loop()
     wire = 0
     chunk = b""
     # One timer for the whole read, for both clocks: its deadline is the nearer
     # of "idle_timeout after the last chunk" and the body deadline, pushed back
     # on each chunk. No task or timer per read call.
-    hard = loop.time() + body_timeout if body_timeout is not None else float("inf")
     # A body already received whole (a small one, usually: the parser has seen its
-    # end) cannot keep a read waiting: no timer at all then.
+    # end) cannot keep a read waiting: no timer at all then, nor a look at the clock
+    # (the loop and its time are read only for a timer: both are used with it alone).
     # (An absolute deadline: timeout_at. asyncio.timeout would take it as a delay, and a
     # body whose first byte never came waited ~2 x the loop clock, not idle_timeout.)
-    timer = None if content.is_eof() else asyncio.timeout_at(min(loop.time() + idle_timeout, hard))
+    timer: asyncio.Timeout | None = None
+    hard = float("inf")
+    if not content.is_eof():
+        loop = asyncio.get_running_loop()
+        if body_timeout is not None:
+            hard = loop.time() + body_timeout
+        timer = asyncio.timeout_at(min(loop.time() + idle_timeout, hard))
     try:
         async with timer if timer is not None else _NO_TIMER:
             while True:

@@ -25,6 +25,12 @@ _ids = itertools.count(1)
 #: Usage before the upstream reported any (a NamedTuple: one shared value serves all).
 _NO_USAGE: Final = UsageReport()
 
+# Enum members read on every request, as module constants: an Enum class attribute
+# is looked up through the enum metaclass's __getattr__ hook, many times a global's cost.
+_OK: Final = Outcome.OK
+_UPSTREAM_ERROR: Final = Outcome.UPSTREAM_ERROR
+_CLIENT_GONE: Final = Outcome.CLIENT_GONE
+
 
 class Books:
     """The bookkeeping scalars of one exchange (a base of ``Exchange``).
@@ -107,7 +113,7 @@ class Books:
         self.started_wall: Final = time.time()
         self.session_id: str | None = None
         self.status = 0
-        self.outcome = Outcome.OK
+        self.outcome = _OK
         self.error: str | None = None
         self._complete = False
         self.refolds = 0
@@ -170,8 +176,8 @@ class Books:
         """The client hung up: the outcome becomes ``client_gone`` unless the answer was
         already complete, or the outcome already names a failure of the proxy's own side
         (an upstream that failed, a cancel, a rejection) that says more."""
-        if not self._complete and self.outcome in (Outcome.OK, Outcome.UPSTREAM_ERROR):
-            self.outcome = Outcome.CLIENT_GONE
+        if not self._complete and self.outcome in (_OK, _UPSTREAM_ERROR):
+            self.outcome = _CLIENT_GONE
 
     def count_refold(self) -> None:
         """One more refold that shrank the outbound body."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 import typing
 from collections.abc import AsyncIterator, Callable, Generator, MutableMapping
+from typing import Final
 
 import xxhash
 
@@ -32,6 +33,17 @@ from ._structure import Draft, ParsedHolder, Splice
 from ._wire import WireMetadata
 
 __all__ = ["Exchange", "Observer", "Preparing"]
+
+# Enum members read on every request, as module constants: an Enum class attribute
+# is looked up through the enum metaclass's __getattr__ hook, many times a global's cost.
+_READING: Final = Phase.READING
+_PARSED: Final = Phase.PARSED
+_PREPARED: Final = Phase.PREPARED
+_SENT: Final = Phase.SENT
+_ACCEPTED: Final = Phase.ACCEPTED
+_STREAMING: Final = Phase.STREAMING
+_COMMITTED: Final = Phase.COMMITTED
+_CLOSED: Final = Phase.CLOSED
 
 #: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
 Observer = Callable[["Exchange", Phase, Phase], object]
@@ -91,7 +103,7 @@ class Exchange(Books):
         self.keep_for_resend = keep_for_resend
         self.on_release = on_release
         self.observer = observer
-        self._phase = Phase.READING
+        self._phase = _READING
         self._raw: BodyHolder | None = None
         self._parsed: ParsedHolder | None = None
         self._draft: Draft | None = None
@@ -109,7 +121,8 @@ class Exchange(Books):
     def _move(self, new: Phase) -> None:
         """Go to ``new`` (:meth:`_check` first), then tell the observer."""
         old = self._phase
-        self._check(new)
+        if new not in TRANSITIONS[old]:  # _check, inline: a few moves a request
+            raise IllegalTransition(self.id, old, new)
         self._phase = new
         if self.observer is not None:
             self.observer(self, old, new)
@@ -125,8 +138,8 @@ class Exchange(Books):
         A declaration reserves no memory (docs/design.md §2): only bytes received
         (``count_received``) count as ``raw``. Raises ``IllegalTransition`` past ``reading``.
         """
-        if self._phase is not Phase.READING:
-            raise IllegalTransition(self.id, self._phase, Phase.READING)
+        if self._phase is not _READING:
+            raise IllegalTransition(self.id, self._phase, _READING)
         self.declared_bytes = declared_bytes
         self.reading_bytes = 0
 
@@ -147,13 +160,14 @@ class Exchange(Books):
         """Take the body read from the wire (for a spooled body, the read-only view of
         its file's mapping) and its metadata; raw is the outbound body until a plugin
         changes the body. Raises ``IllegalTransition`` past ``reading``."""
-        self._check(Phase.PARSED)
+        if _PARSED not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+            raise IllegalTransition(self.id, self._phase, _PARSED)
         self._raw = BodyHolder(buffer)
         self._outbound = self._raw
         self.outbound_size = len(buffer)
         self.outbound_digest = meta.digest
         self.meta = meta
-        self._move(Phase.PARSED)
+        self._move(_PARSED)
 
     def bind_preparer(self, preparer: Preparing) -> None:
         """Set the prepare closure used at fold level 0 and by every refold."""
@@ -209,7 +223,7 @@ class Exchange(Books):
         meta = self.meta
         if self._preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
-        self._check(Phase.PREPARED)
+        self._check(_PREPARED)
         if self._raw is None and self._parsed is None:
             raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
         self.fold_level = level
@@ -234,7 +248,7 @@ class Exchange(Books):
 
     def end_prepare(self) -> None:
         """The prepare run is over: the phase becomes ``prepared``."""
-        self._move(Phase.PREPARED)
+        self._move(_PREPARED)
 
     def adopt_splice(self, splice: Splice) -> None:
         """Edits made through the view: the splice over raw becomes the outbound body.
@@ -337,29 +351,31 @@ class Exchange(Books):
 
     def mark_sent(self) -> None:
         """The request went upstream (again, after a refold or retry)."""
-        self._move(Phase.SENT)
+        self._move(_SENT)
 
     def accept(self) -> None:
         """The release boundary: the upstream accepted the request; no refold can follow.
         Idempotent once accepted (a gated stream accepts again when its gate opens)."""
-        if self._phase is Phase.ACCEPTED:
+        if self._phase is _ACCEPTED:
             self.release()
             return
-        self._check(Phase.ACCEPTED)
+        if _ACCEPTED not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+            raise IllegalTransition(self.id, self._phase, _ACCEPTED)
         self.release()
-        self._move(Phase.ACCEPTED)
+        self._move(_ACCEPTED)
 
     def mark_streaming(self, *, upstream_head: HeadHolder | None = None) -> None:
         """The first response byte is going to the client; no resend can follow.
         ``upstream_head`` (the answer the client's head was built from) forgets its fields."""
-        self._check(Phase.STREAMING)
+        if _STREAMING not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+            raise IllegalTransition(self.id, self._phase, _STREAMING)
         if self._outbound is not None or self._headers is not None:
             self.drop_outbound()
         if upstream_head is not None:
             upstream_head.drop_head()
         if self.ttfb is None:
             self.ttfb = time.monotonic() - self.started
-        self._move(Phase.STREAMING)
+        self._move(_STREAMING)
 
     def release(self, *, keep_outbound: bool = False) -> None:
         """Drop the raw buffer, the parsed body and the preparer; idempotent.
@@ -375,7 +391,8 @@ class Exchange(Books):
         if self.releases and not drops_outbound:
             # Released before and nothing more to let go (close() after accept()): no
             # held bytes change, so none are counted twice over.
-            self._settle_spool()
+            if self._spool is not None:  # nothing to settle without one (a call less)
+                self._settle_spool()
             return
         before = self._held_total()
         if drops_outbound:
@@ -387,7 +404,8 @@ class Exchange(Books):
             self._parsed = None
             self._drop_raw()
         self._freed(before)
-        self._settle_spool()
+        if self._spool is not None:  # nothing to settle without one (a call less)
+            self._settle_spool()
 
     def drop_outbound(self) -> None:
         """No resend can follow any more: let the outbound body and its header fields go."""
@@ -397,11 +415,12 @@ class Exchange(Books):
         self._headers = None
         self._drop_raw()
         self._freed(before)
-        self._settle_spool()
+        if self._spool is not None:  # nothing to settle without one (a call less)
+            self._settle_spool()
 
     def close(self) -> None:
         """Final cleanup in the handler's ``finally``: nothing is held afterwards (idempotent)."""
-        if self._phase is Phase.CLOSED:
+        if self._phase is _CLOSED:
             return
         self.keep_for_resend = False
         # Drops the outbound body and its fields too (keep_for_resend is off now); what
@@ -411,12 +430,21 @@ class Exchange(Books):
         # A body whose read failed never became raw: its partial file goes too.
         self._raw = None
         self._settle_spool(closing=True)
-        self._move(Phase.CLOSED)
+        self._move(_CLOSED)
 
     def _heap(self) -> tuple[int, int, int]:
         """Heap bytes held: ``(raw, parsed, outbound beyond raw)``, see ``heap_parts``."""
-        raw, parsed, out, view = self._raw, self.parsed_holder, self._outbound, self._raw_view
-        return heap_parts(raw, parsed, out, view, self._spool is not None, self.reading_bytes)
+        # parsed_holder and _raw_view, inline: this runs around every drop (a few a request).
+        draft, spool = self._draft, self._spool
+        parsed = (
+            draft.object_holder
+            if draft is not None and draft.object_holder is not None
+            else self._parsed
+        )
+        view = spool.view if spool is not None else None
+        return heap_parts(
+            self._raw, parsed, self._outbound, view, spool is not None, self.reading_bytes
+        )
 
     def _held_total(self) -> int:
         """``held_bytes().total`` when drops are reported (else 0: nothing compares it)."""
@@ -438,13 +466,13 @@ class Exchange(Books):
     def begin_commit(self) -> ExchangeRecord:
         """Enter the committed phase; the record for the ``commit`` hooks. Raises
         :class:`IllegalTransition` when already committed or closed (a commit runs once)."""
-        self._move(Phase.COMMITTED)
+        self._move(_COMMITTED)
         return self.commit_record()
 
     def skip_commit(self) -> None:
         """Enter the committed phase without a record (no plugin has a ``commit`` hook);
         raises as :meth:`begin_commit`."""
-        self._move(Phase.COMMITTED)
+        self._move(_COMMITTED)
 
     def __repr__(self) -> str:
         return f"<Exchange {self.id} {self.protocol} {self._phase.value} held={self.held_bytes()}>"

@@ -89,6 +89,17 @@ log = logging.getLogger("context_proxy.server")
 # its exchange id, past its end for up to the keep-alive time).
 _TIMER_CONTEXT: Final = contextvars.Context()
 
+# Enum members read on every request, as module constants: an Enum class attribute
+# is looked up through the enum metaclass's __getattr__ hook, many times a global's cost.
+_IDLE: Final = ServerState.IDLE
+_IN_HEAD: Final = ServerState.IN_HEAD
+_CLOSING: Final = ServerState.CLOSING
+_CLOSED: Final = ServerState.CLOSED
+_AFTER_NEXT: Final = After.NEXT
+_AFTER_WAIT: Final = After.WAIT
+_AFTER_LINGER: Final = After.LINGER
+_AFTER_REFUSE: Final = After.REFUSE
+
 HEAD_READ_BYTES: Final = MIN_PIECE_BYTES
 """Bytes per socket read while no body with a declared length is arriving (16 KiB), and
 per parse while a read holds more than a body's rest (pipelined requests).
@@ -301,10 +312,10 @@ class ClientConnection(asyncio.Protocol):
         http = self.http
         if self.transport is None:
             return
-        waiting = http.state is ServerState.IDLE
+        waiting = http.state is _IDLE
         http.receive_data(data)
         self._pump()
-        if waiting and http.state is ServerState.IN_HEAD:
+        if waiting and http.state is _IN_HEAD:
             # Headers not complete in this segment: the slowloris clock runs (once per
             # head: later pieces do not push it back).
             self._start_header_clock()
@@ -322,8 +333,8 @@ class ClientConnection(asyncio.Protocol):
                 if parsing is not None:  # None: a request without a body (already at EOF)
                     parsing.content.feed_eof()
                     self._parsing = None
-                    if self._sized:
-                        self._set_read_size(HEAD_READ_BYTES)
+                    if self._sized and self.transport is not None:  # _set_read_size, inline
+                        self.transport.max_size = HEAD_READ_BYTES  # type: ignore[attr-defined]
             elif isinstance(event, RequestHead):
                 self._head(event)
             elif event is NEED_DATA:
@@ -455,7 +466,7 @@ class ClientConnection(asyncio.Protocol):
         if parsing is not None:
             parsing.content.set_exception(ClientFramingError(words))
             self._parsing = None
-        if self.http.state is ServerState.CLOSING:  # nothing ahead of the fault to answer
+        if self.http.state is _CLOSING:  # nothing ahead of the fault to answer
             self._refuse(words)
 
     def _refuse(self, words: str) -> None:
@@ -558,22 +569,22 @@ class ClientConnection(asyncio.Protocol):
         http = self.http
         transport = self.transport
         if transport is None or transport.is_closing():
-            if http.state is not ServerState.CLOSED:
+            if http.state is not _CLOSED:
                 http.close_after_answer()
                 http.finish_answer()
             return
         if server.draining():
             http.close_after_answer()
         after = http.finish_answer()
-        if after is After.NEXT:
+        if after is _AFTER_NEXT:
             self._start(self._queue.pop(0))
             self._pump()  # what waited unparsed behind the full queue, if anything
-        elif after is After.WAIT:
-            if http.state is ServerState.IN_HEAD:
+        elif after is _AFTER_WAIT:
+            if http.state is _IN_HEAD:
                 self._start_header_clock()
             else:
                 self._arm()
-        elif after is After.LINGER:
+        elif after is _AFTER_LINGER:
             # The answer is out, the request body is not: its rest is dropped as it comes,
             # then the connection closes (the client's end, or the linger deadline), so that
             # the client reads the answer first.
@@ -581,7 +592,7 @@ class ClientConnection(asyncio.Protocol):
             self._queue = []
             self._flow.resume_reading()
             self._arm()
-        elif after is After.REFUSE:
+        elif after is _AFTER_REFUSE:
             self._refuse(http.refusal or "malformed HTTP request")
         else:
             self._close()
@@ -621,7 +632,7 @@ class ClientConnection(asyncio.Protocol):
             # The deadline moved on since this timer was set (a later request).
             self._timer = self._loop.call_at(deadline, self._on_timer, context=_TIMER_CONTEXT)
             return
-        if http.state is ServerState.IN_HEAD:
+        if http.state is _IN_HEAD:
             log.debug("%s: request headers not complete in time: closing", self._peer())
         self._close()
 

@@ -114,6 +114,11 @@ fields as :data:`MAX_FIELDS`, each as long as :data:`MAX_LINE_BYTES` (an upstrea
 head is trusted further than a client's)."""
 
 
+_REITERABLE: Final = (list, tuple, ItemsView)
+"""Field collections :func:`field_lines` can iterate twice as given (a tuple built
+once: ``list | tuple | ItemsView`` in the call built a union each time)."""
+
+
 def field_lines(fields: Iterable[tuple[str, str]], count: int) -> bytes:
     """``name: value\\r\\n`` for each of ``fields`` (``count`` of them), as one block.
 
@@ -126,7 +131,7 @@ def field_lines(fields: Iterable[tuple[str, str]], count: int) -> bytes:
         UnicodeEncodeError: a name is not latin-1.
     """
     # Iterated twice when not ASCII: a one-pass iterable is made a list first.
-    pairs = fields if isinstance(fields, list | tuple | ItemsView) else list(fields)
+    pairs = fields if isinstance(fields, _REITERABLE) else list(fields)
     text = "\r\n".join(map(": ".join, pairs))
     if text:
         text += "\r\n"
@@ -233,13 +238,16 @@ class RequestHead:
         chunked: bool,
     ) -> None:
         self.method = method
-        if target.startswith(("http://", "https://")):
+        # An origin-form target starts with "/" (nearly all): no startswith (its argument
+        # parsing) for it.
+        if target[:1] != "/" and target.startswith(("http://", "https://")):
             # Absolute form (RFC 9112 §3.2.2): the host is not ours to pick.
             parts = urllib.parse.urlsplit(target)
             raw_path, query = parts.path or "/", parts.query
         else:
             raw_path, _, query = target.partition("?")
-            raw_path, _, _ = raw_path.partition("#")
+            if "#" in raw_path:  # never sent by a client, nearly: no partition for nothing
+                raw_path, _, _ = raw_path.partition("#")
         self.raw_path = raw_path
         self.path = urllib.parse.unquote(raw_path) if "%" in raw_path else raw_path
         self.query_string = query
@@ -459,18 +467,25 @@ class RequestFraming:
             raise MalformedRequest("a request line or header field is over the size limit")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        # Called once a field: the three limits are tested in one condition, and only a
+        # field over one of them goes on to _over_limit, which says which (in this order).
         size = len(name) + len(value)
-        if size > MAX_LINE_BYTES:
-            raise MalformedRequest("a request line or header field is over the size limit")
         fields = self._fields
-        if len(fields) >= MAX_FIELDS:
-            raise MalformedRequest("too many header fields")
         # A head parsed in one feed is counted here (the feed count sees unfinished ones).
-        self._field_bytes += size + 4
-        if self._field_bytes > MAX_HEAD_BYTES:
-            raise MalformedRequest("the request head is over the size limit")
+        field_bytes = self._field_bytes = self._field_bytes + size + 4
+        if size > MAX_LINE_BYTES or len(fields) >= MAX_FIELDS or field_bytes > MAX_HEAD_BYTES:
+            self._over_limit(size, len(fields))
         # Values as UTF-8 with surrogateescape: any byte survives the round trip upstream.
         fields.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+
+    def _over_limit(self, size: int, count: int) -> NoReturn:
+        """The fault of a header field of ``size`` bytes after ``count`` fields, one of
+        :meth:`on_header`'s limits passed."""
+        if size > MAX_LINE_BYTES:
+            raise MalformedRequest("a request line or header field is over the size limit")
+        if count >= MAX_FIELDS:
+            raise MalformedRequest("too many header fields")
+        raise MalformedRequest("the request head is over the size limit")
 
     def on_headers_complete(self) -> None:
         if self._priming:  # our own head (_reframe): the body that follows is the request's
@@ -484,18 +499,22 @@ class RequestFraming:
         self._fields = []
         self._head_bytes = 0
         version = parser.get_http_version()
-        if version != "1.0" and "Host" not in headers:
-            # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host.
-            raise MalformedRequest("an HTTP/1.1 request without a Host field")
-        if len(headers.getall("Host", ())) > 1:
-            # RFC 9112 §3.2: a request with more than one Host field is answered 400.
-            raise MalformedRequest("a request with more than one Host field")
+        hosts = headers.getall("Host", ())
+        if len(hosts) != 1:  # one lookup for both rules, the usual one Host passes it
+            if not hosts and version != "1.0":
+                # RFC 9112 §3.2: a server MUST answer 400 to an HTTP/1.1 request without Host.
+                raise MalformedRequest("an HTTP/1.1 request without a Host field")
+            if hosts:
+                # RFC 9112 §3.2: a request with more than one Host field is answered 400.
+                raise MalformedRequest("a request with more than one Host field")
         declared = headers.get("Content-Length")
         chunked = "Transfer-Encoding" in headers
-        if chunked and _codings(headers.getall("Transfer-Encoding")) != ["chunked"]:
-            # RFC 9112 §6.1: a transfer coding the server does not implement is a 501,
-            # and the body cannot be framed, so the connection closes after it.
-            raise MalformedRequest(UNSUPPORTED_TRANSFER_CODING)
+        if chunked:
+            if _codings(headers.getall("Transfer-Encoding")) != ["chunked"]:
+                # RFC 9112 §6.1: a transfer coding the server does not implement is a 501,
+                # and the body cannot be framed, so the connection closes after it.
+                raise MalformedRequest(UNSUPPORTED_TRANSFER_CODING)
+            declared = None
         self.events.append(
             RequestHead(
                 parser.get_method().decode("ascii"),
@@ -504,7 +523,7 @@ class RequestFraming:
                 (1, 0) if version == "1.0" else (1, 1),
                 parser.should_keep_alive(),
                 # llhttp has checked it: digits only, one value, not with chunked.
-                int(declared) if declared is not None and not chunked else None,
+                None if declared is None else int(declared),
                 chunked,
             )
         )
@@ -637,6 +656,16 @@ class ServerState(enum.Enum):
 
 
 _S = ServerState
+# The members as module constants: a hot path reads a global, not an Enum class
+# attribute (a lookup through the enum's metaclass, several times dearer).
+_IDLE: Final = _S.IDLE
+_IN_HEAD: Final = _S.IN_HEAD
+_RESPONSE: Final = _S.RESPONSE
+_SEND_BODY: Final = _S.SEND_BODY
+_DONE: Final = _S.DONE
+_LINGERING: Final = _S.LINGERING
+_CLOSING: Final = _S.CLOSING
+_CLOSED: Final = _S.CLOSED
 _ANSWERING: Final = frozenset({_S.RESPONSE, _S.SEND_BODY, _S.DONE})
 _READING: Final = frozenset({_S.IDLE, _S.IN_HEAD} | _ANSWERING)
 _AFTER_ANSWER: Final = frozenset({_S.IDLE, _S.IN_HEAD, _S.RESPONSE, _S.LINGERING, _S.CLOSING})
@@ -672,6 +701,13 @@ class After(enum.Enum):
     """Close the connection."""
     REFUSE = "refuse"
     """Send the 400 of the :class:`BadRequest` (:func:`closing_answer`), then close."""
+
+
+_AFTER_NEXT: Final = After.NEXT
+_AFTER_WAIT: Final = After.WAIT
+_AFTER_LINGER: Final = After.LINGER
+_AFTER_CLOSE: Final = After.CLOSE
+_AFTER_REFUSE: Final = After.REFUSE
 
 
 _STATUS_LINES: Final = {
@@ -811,7 +847,7 @@ class ServerConnection:
         self._slice_bytes = slice_bytes
         self._framing = RequestFraming()
         # The current state (read it; only the machine's moves change it).
-        self.state = ServerState.IDLE
+        self.state = _IDLE
         self._since = clock()
         # Heads taken and not answered yet: [0] is the one being answered, the rest wait.
         self._ahead: collections.deque[RequestHead] = collections.deque()
@@ -836,7 +872,7 @@ class ServerConnection:
     def _set(self, new: ServerState) -> None:
         if new not in SERVER_TRANSITIONS[self.state]:
             raise StateError(f"{self.state.value} -> {new.value} is not a legal move")
-        if new is ServerState.IDLE or new is ServerState.IN_HEAD or new is ServerState.LINGERING:
+        if new is _IDLE or new is _IN_HEAD or new is _LINGERING:
             self._since = self._clock()
         self.state = new
 
@@ -870,11 +906,11 @@ class ServerConnection:
         :data:`LINGER_TIMEOUT` after the answer.
         """
         state = self.state
-        if state is ServerState.IDLE:
+        if state is _IDLE:
             return self._since + self._keepalive_timeout
-        if state is ServerState.IN_HEAD:
+        if state is _IN_HEAD:
             return self._since + self._header_timeout
-        if state is ServerState.LINGERING:
+        if state is _LINGERING:
             return self._since + LINGER_TIMEOUT
         return None
 
@@ -889,9 +925,9 @@ class ServerConnection:
             StateError: the connection is closed.
         """
         state = self.state
-        if state is ServerState.CLOSED:
+        if state is _CLOSED:
             raise StateError("bytes received on a closed connection")
-        if self._broken is not None or state is ServerState.LINGERING or state is _S.CLOSING:
+        if self._broken is not None or state is _LINGERING or state is _CLOSING:
             return
         held = self._held
         self._held = bytes(held) + data if held else data
@@ -925,13 +961,13 @@ class ServerConnection:
                 self._unended = event
                 self._body_left = event.content_length or 0
             state = self.state
-            if state is ServerState.IDLE or state is ServerState.IN_HEAD:
-                self.state = ServerState.RESPONSE  # a move the table allows from both
+            if state is _IDLE or state is _IN_HEAD:
+                self.state = _RESPONSE  # a move the table allows from both
         elif isinstance(event, BadRequest):
             self._broken = event.words
             self._held = b""
             if self.state not in _ANSWERING:
-                self._set(ServerState.CLOSING)
+                self._set(_CLOSING)
         return event
 
     def _parse_more(self) -> _Signal | None:
@@ -943,8 +979,8 @@ class ServerConnection:
         if not held:  # the usual end of a read: nothing left to parse
             if len(self._ahead) > QUEUED_MAX and self._broken is None and self.state in _ANSWERING:
                 return PAUSED
-            if self.state is ServerState.IDLE and self._framing.in_head:
-                self._set(ServerState.IN_HEAD)  # a head begun while idle: its clock starts
+            if self.state is _IDLE and self._framing.in_head:
+                self._set(_IN_HEAD)  # a head begun while idle: its clock starts
             return NEED_DATA
         # Bounded: each pass parses at least a slice of what is held.
         for _ in range(len(held) // self._slice_bytes + 1):
@@ -957,8 +993,8 @@ class ServerConnection:
             self._parse_slice()
             if self._events:
                 return None
-        if self.state is ServerState.IDLE and self._framing.in_head:
-            self._set(ServerState.IN_HEAD)  # a head begun while idle: its clock starts
+        if self.state is _IDLE and self._framing.in_head:
+            self._set(_IN_HEAD)  # a head begun while idle: its clock starts
         return NEED_DATA
 
     def _parse_slice(self) -> None:
@@ -1023,7 +1059,7 @@ class ServerConnection:
         """
         state = self.state
         if isinstance(event, bytes):
-            if state is not ServerState.SEND_BODY:
+            if state is not _SEND_BODY:
                 raise StateError(f"body bytes sent in state {state.value}")
             if self._no_body or not event:
                 return b""
@@ -1031,18 +1067,18 @@ class ServerConnection:
                 return b"%x\r\n%s\r\n" % (len(event), event)
             return event
         if event is END:
-            if state is not ServerState.SEND_BODY:
+            if state is not _SEND_BODY:
                 raise StateError(f"the end of an answer sent in state {state.value}")
-            self.state = ServerState.DONE  # the table's one move from SEND_BODY but CLOSED
+            self.state = _DONE  # the table's one move from SEND_BODY but CLOSED
             return b"0\r\n\r\n" if self._chunked and not self._no_body else b""
-        if state is not ServerState.RESPONSE:
+        if state is not _RESPONSE:
             raise StateError(f"{type(event).__name__} sent in state {state.value}")
         head = self._ahead[0]
         if isinstance(event, InformationalResponse):
             return _CONTINUE if head.version >= (1, 1) else b""
         assert isinstance(event, Response)  # bytes and END are handled above
         status, length = event.status, event.length
-        empty = bodiless(status)
+        empty = status < 200 or status == 204 or status == 304  # bodiless(), inline
         no_body = empty or head.method == "HEAD"
         chunked = False
         if empty:
@@ -1066,7 +1102,7 @@ class ServerConnection:
             framing += b"Connection: close\r\n"
         out = answer_head(status, event.reason, event.headers, framing)
         self._chunked, self._no_body = chunked, no_body
-        self.state = ServerState.SEND_BODY  # checked above: RESPONSE
+        self.state = _SEND_BODY  # checked above: RESPONSE
         return out
 
     def finish_answer(self) -> After:
@@ -1077,29 +1113,35 @@ class ServerConnection:
         """
         if self.state not in _ANSWERING:
             raise StateError(f"no answer to finish in state {self.state.value}")
-        close = self.will_close()
         head = self._ahead.popleft()
+        # will_close(), inline (its head is the one being answered: state is _ANSWERING).
+        close = (
+            self._must_close
+            or not head.keep_alive
+            or head.version < (1, 1)
+            or head is self._unended
+        )
         self._chunked = self._no_body = False
         if head is self._unended:
             if self._broken is None:
                 self._linger()
-                return After.LINGER
-            self._set(ServerState.CLOSING)
-            return After.CLOSE
+                return _AFTER_LINGER
+            self._set(_CLOSING)
+            return _AFTER_CLOSE
         if close:
-            self._set(ServerState.CLOSING)
-            return After.CLOSE
+            self._set(_CLOSING)
+            return _AFTER_CLOSE
         if self._ahead:
-            self._set(ServerState.RESPONSE)
-            return After.NEXT
+            self._set(_RESPONSE)
+            return _AFTER_NEXT
         if self._broken is not None:
-            self._set(ServerState.CLOSING)
-            return After.REFUSE
-        self._set(ServerState.IN_HEAD if self._framing.in_head else ServerState.IDLE)
-        return After.WAIT
+            self._set(_CLOSING)
+            return _AFTER_REFUSE
+        self._set(_IN_HEAD if self._framing.in_head else _IDLE)
+        return _AFTER_WAIT
 
     def _linger(self) -> None:
-        self._set(ServerState.LINGERING)
+        self._set(_LINGERING)
         self._ahead.clear()
         self._unended = None
         self._events = ()
@@ -1108,7 +1150,7 @@ class ServerConnection:
 
     def connection_lost(self) -> None:
         """The connection is gone (any state but CLOSED)."""
-        self._set(ServerState.CLOSED)
+        self._set(_CLOSED)
         self._ahead.clear()
         self._events = ()
         self._next = 0

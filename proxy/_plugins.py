@@ -865,21 +865,29 @@ class PluginHost:
         caller may skip the run: :meth:`run_prepare` would call nothing.
         """
         answers: list[bool | None] = []
+        # The calls are _dispatch_sync's, inline (a call less per plugin, every request):
+        # one that raises is booked as a failure and counts as skipped.
         for plugin, asks_prepare, asks_body in zip(
             self._by_hook["prepare"], self._asks_prepare, self._asks_body, strict=True
         ):
             if asks_prepare:
-                takes = self._dispatch_sync(
-                    plugin, "wants_prepare", plugin.wants_prepare, meta, fold_level
-                )
-                if takes is not SKIPPED and not takes:
-                    answers.append(None)
-                    continue
+                hook = plugin.wants_prepare  # looked up outside the try, as for _dispatch_sync
+                try:
+                    takes = hook(meta, fold_level)
+                except Exception as exc:
+                    self._failed(plugin, "wants_prepare", exc, self.timeout)
+                else:
+                    if not takes:
+                        answers.append(None)
+                        continue
             if asks_body:
-                answer = self._dispatch_sync(
-                    plugin, "wants_body", plugin.wants_body, meta, fold_level
-                )
-                answers.append(answer is not SKIPPED and bool(answer))
+                wants = plugin.wants_body
+                try:
+                    answer = wants(meta, fold_level)
+                except Exception as exc:
+                    self._failed(plugin, "wants_body", exc, self.timeout)
+                    answer = False
+                answers.append(bool(answer))
             else:
                 answers.append(False)
         return answers
@@ -937,9 +945,15 @@ class PluginHost:
         takers: list[Plugin] = []
         for plugin, asks in zip(hooked, self._asks_commit, strict=True):
             if asks:
-                takes = self._dispatch_sync(plugin, "wants_commit", plugin.wants_commit, session_id)
-                if takes is not SKIPPED and not takes:
-                    continue
+                # _dispatch_sync, inline (a call less per plugin, every request).
+                hook = plugin.wants_commit  # looked up outside the try, as for _dispatch_sync
+                try:
+                    takes = hook(session_id)
+                except Exception as exc:
+                    self._failed(plugin, "wants_commit", exc, self.timeout)
+                else:
+                    if not takes:
+                        continue
             takers.append(plugin)
         return tuple(takers)
 

@@ -13,7 +13,6 @@ rule, usage) is the gate's; this module only does the I/O around it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import os
@@ -353,7 +352,11 @@ def _finishes(actions: list[Action], start: int) -> bool:
     """
     if start >= len(actions) or not isinstance(actions[-1], Finish):
         return False
-    return all(isinstance(a, (Usage, Linger)) for a in actions[start:-1])
+    # A loop, not all() over a generator: a generator and its frame on every answer.
+    for action in actions[start:-1]:  # noqa: SIM110
+        if not isinstance(action, (Usage, Linger)):
+            return False
+    return True
 
 
 class _Verdict(enum.Enum):
@@ -369,6 +372,13 @@ class _Verdict(enum.Enum):
 
 # Gate states after which nothing more may be fed: the driver acts on what it has first.
 _DECIDING: Final = (GateState.DONE, GateState.REFOLDING)
+
+# Enum members read on every request, as module constants: an Enum class attribute
+# is looked up through the enum metaclass's __getattr__ hook, many times a global's cost.
+_DONE: Final = _Verdict.DONE
+_RETRY: Final = _Verdict.RETRY
+_REFOLD: Final = _Verdict.REFOLD
+_TERMINAL: Final = GateState.TERMINAL
 
 
 class _Relay:
@@ -523,7 +533,7 @@ class _Relay:
                 finally:
                     if attempt is not None:
                         attempt.end()
-                if verdict is _Verdict.DONE:
+                if verdict is _DONE:
                     if self.rejection is not None:
                         return self.rejection
                     assert self.client is not None
@@ -531,7 +541,7 @@ class _Relay:
                 # A new attempt: what the last gate held (the head of a refolded answer) goes.
                 self.gate = None
                 ex.hold_response(0)
-                if verdict is _Verdict.RETRY:
+                if verdict is _RETRY:
                     ex.count_retry()
                     attempt_reason = "resend"
                 else:
@@ -574,7 +584,7 @@ class _Relay:
             ex.conclude(502, Outcome.UPSTREAM_ERROR, message)
             log.warning("%s %s: %s", ex.id, ex.protocol, message)
             self.rejection = error_response(ex.protocol, 502, message)
-            return _Verdict.DONE
+            return _DONE
         # Each attempt starts clean: a refold or resend discards what the last one saw.
         gate = self.gate = StreamGate(
             ex.protocol,
@@ -647,8 +657,7 @@ class _Relay:
                 return gate.end(clean=True)
             actions = gate.feed(chunk)
             if resp.at_eof and (
-                gate.state is GateState.TERMINAL
-                or (not gate.framed and gate.state not in _DECIDING)
+                gate.state is _TERMINAL or (not gate.framed and gate.state not in _DECIDING)
             ):
                 # The body ended with this chunk, and the answer is whole: a plain one
                 # (JSON), or an event stream whose terminal event came in it (R1:
@@ -702,7 +711,7 @@ class _Relay:
                         if isinstance(rest, Usage):
                             ex.set_usage(rest.tokens)
                     await self._write_last(data)
-                    return _Verdict.DONE
+                    return _DONE
                 client = self.client
                 assert client is not None
                 try:
@@ -726,24 +735,24 @@ class _Relay:
             elif isinstance(action, Usage):
                 ex.set_usage(action.tokens)
             elif isinstance(action, Finish):
-                return _Verdict.DONE
+                return _DONE
             elif isinstance(action, Fail):
                 self._send_head()
                 self._fail(action, outcome)
-                return _Verdict.DONE
+                return _DONE
             elif isinstance(action, Refold):
                 return await self._refold(action, resp)
             elif isinstance(action, Resend):
                 if self.request.client_gone():
                     raise ClientGone
                 log.info("%s: empty completion; resending (retry %d)", ex.id, ex.retries + 1)
-                return _Verdict.RETRY
+                return _RETRY
             else:
                 assert isinstance(action, Reject)
                 ex.conclude(action.status, Outcome.UPSTREAM_ERROR, action.message)
                 log.warning("%s %s: %s", ex.id, ex.protocol, action.message)
                 self.rejection = error_response(ex.protocol, action.status, action.message)
-                return _Verdict.DONE
+                return _DONE
         if send_head:
             self._send_head()
         return None
@@ -759,7 +768,7 @@ class _Relay:
             raise ClientGone
         if await refold(ex, prompt_tokens=action.prompt_tokens, window_tokens=action.window_tokens):
             log.info("%s: %s; refolded to level %d", ex.id, action.reason, ex.fold_level)
-            return _Verdict.REFOLD
+            return _REFOLD
         assert self.gate is not None
         return await self._perform(self.gate.refold_declined(), resp=resp)
 
@@ -804,8 +813,11 @@ class _Relay:
         # Handed to the connection below: a hang-up from now on is no failure (as
         # the handler's own end of the answer, proxy/_app.py).
         self.ex.response_complete()
-        with contextlib.suppress(ConnectionError):
+        # A try, not contextlib.suppress: that is three Python calls on every answer.
+        try:  # noqa: SIM105
             await self.client.write_eof(data)
+        except ConnectionError:
+            pass
         self.ex.count_response_bytes(len(data))
 
 

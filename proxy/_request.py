@@ -183,10 +183,30 @@ class Request:
     ``content_length``; ``content`` is the :class:`BodyStream`.
     """
 
-    __slots__ = ("_conn", "_query", "answer", "content", "head")
+    __slots__ = (
+        "_conn",
+        "_query",
+        "answer",
+        "content",
+        "content_length",
+        "head",
+        "headers",
+        "method",
+        "path",
+        "query_string",
+        "raw_path",
+    )
 
     def __init__(self, head: RequestHead, conn: Link | None) -> None:
         self.head = head
+        # The head's fields a request's handling reads, a dozen times in all: copied
+        # once as attributes (a property is a Python call each time).
+        self.method: Final[str] = head.method
+        self.path: Final[str] = head.path
+        self.raw_path: Final[str] = head.raw_path
+        self.query_string: Final[str] = head.query_string
+        self.headers: Final[CIMultiDictProxy[str]] = head.headers
+        self.content_length: Final[int | None] = head.content_length
         self._conn = conn
         self.content = BodyStream(conn)
         if not head.expects_body:
@@ -196,32 +216,8 @@ class Request:
         self.answer: Begun | None = None
 
     @property
-    def method(self) -> str:
-        return self.head.method
-
-    @property
-    def path(self) -> str:
-        return self.head.path
-
-    @property
-    def raw_path(self) -> str:
-        return self.head.raw_path
-
-    @property
-    def query_string(self) -> str:
-        return self.head.query_string
-
-    @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        return self.head.headers
-
-    @property
     def version(self) -> tuple[int, int]:
         return self.head.version
-
-    @property
-    def content_length(self) -> int | None:
-        return self.head.content_length
 
     @property
     def body_exists(self) -> bool:
@@ -244,7 +240,8 @@ class Request:
 
     def client_gone(self) -> bool:
         """The connection is lost or closing: nothing written now would arrive."""
-        transport = self.transport
+        conn = self._conn  # self.transport, inline: looked at before each attempt and write
+        transport = conn.transport if conn is not None else None
         return transport is None or transport.is_closing()
 
     async def send_continue(self) -> None:

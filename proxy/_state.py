@@ -246,6 +246,9 @@ class ExchangeAdmission:
             cluster = state.cluster.admitted(self._sid, ex.id, lambda: ex.outcome == "cancelled")
             await cluster.__aenter__()
             self._cluster = cluster
+        if self._sid is None:
+            # Tracking without a session does nothing (no entry is keyed by None): none made.
+            return
         try:
             tracking = state.registry.track(self._sid, self._task)
             tracking.__enter__()
@@ -265,7 +268,8 @@ class ExchangeAdmission:
             if tracking is not None:
                 tracking.__exit__(exc_type, exc, tb)
         finally:
-            await self._leave_cluster(exc_type, exc, tb)
+            if self._cluster is not None:  # no coroutine to run outside cluster mode
+                await self._leave_cluster(exc_type, exc, tb)
 
     async def _leave_cluster(
         self,

@@ -27,6 +27,10 @@ Piece: typing.TypeAlias = memoryview | FileSlice
 # A body of at most this many bytes leaves with the request head in one write.
 _COALESCE_BYTES: Final = 16 * 1024
 
+# Enum members read on every request, as module constants: an Enum class attribute
+# is looked up through the enum metaclass's __getattr__ hook, many times a global's cost.
+_SEND_BODY: Final = ClientState.SEND_BODY
+
 
 class FlowControl:
     """Why one connection's reading or writing is paused, and the upload's one waiter.
@@ -125,7 +129,7 @@ async def upload(
                 machine.send_body(len(parts[-1]))
                 del piece
             transport.write(b"".join(parts))
-            if machine.our_state is ClientState.SEND_BODY:
+            if machine.our_state is _SEND_BODY:
                 machine.send_end()
             return
         transport.write(head)
