@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 import typing
 from collections.abc import AsyncIterator, Callable, Generator, MutableMapping
-from typing import Final
 
 import xxhash
 
@@ -34,16 +33,11 @@ from ._wire import WireMetadata
 
 __all__ = ["Exchange", "Observer", "Preparing"]
 
-# Enum members read on every request, as module constants: an Enum class attribute
-# is looked up through the enum metaclass's __getattr__ hook, many times a global's cost.
-_READING: Final = Phase.READING
-_PARSED: Final = Phase.PARSED
-_PREPARED: Final = Phase.PREPARED
-_SENT: Final = Phase.SENT
-_ACCEPTED: Final = Phase.ACCEPTED
-_STREAMING: Final = Phase.STREAMING
-_COMMITTED: Final = Phase.COMMITTED
-_CLOSED: Final = Phase.CLOSED
+# Phases read on every request, as module constants: an Enum class attribute is looked
+# up through the enum metaclass, many times a global's cost.
+_READING, _PARSED, _PREPARED, _SENT = Phase.READING, Phase.PARSED, Phase.PREPARED, Phase.SENT
+_ACCEPTED, _STREAMING, _COMMITTED = Phase.ACCEPTED, Phase.STREAMING, Phase.COMMITTED
+_CLOSED = Phase.CLOSED
 
 #: ``observer(exchange, old_phase, new_phase)``, called after every phase move.
 Observer = Callable[["Exchange", Phase, Phase], object]
@@ -119,18 +113,14 @@ class Exchange(Books):
         return self._phase
 
     def _move(self, new: Phase) -> None:
-        """Go to ``new`` (:meth:`_check` first), then tell the observer."""
+        """Go to ``new`` (raising :class:`IllegalTransition` if it is no legal move), then
+        tell the observer. Callers that must check before any work test ``TRANSITIONS``."""
         old = self._phase
-        if new not in TRANSITIONS[old]:  # _check, inline: a few moves a request
+        if new not in TRANSITIONS[old]:
             raise IllegalTransition(self.id, old, new)
         self._phase = new
         if self.observer is not None:
             self.observer(self, old, new)
-
-    def _check(self, new: Phase) -> None:
-        """Raise :class:`IllegalTransition`, before any work, if ``new`` is no legal move."""
-        if new not in TRANSITIONS[self._phase]:
-            raise IllegalTransition(self.id, self._phase, new)
 
     def start_reading(self, declared_bytes: int) -> None:
         """The body is being read; ``declared_bytes`` is its Content-Length (0: none).
@@ -144,10 +134,8 @@ class Exchange(Books):
         self.reading_bytes = 0
 
     def adopt_spool(self, spool: SpoolFile) -> SpoolFile:
-        """Own the spool file of the body being read, from its first byte; returns it.
-
-        The exchange closes it whatever happens: when neither raw nor the outbound
-        body is a view of it any more, or in :meth:`close`."""
+        """Own the spool file of the body being read, from its first byte; returns it. It is
+        closed when neither raw nor the outbound body is a view of it, or in :meth:`close`."""
         self._spool = spool
         return spool
 
@@ -160,7 +148,7 @@ class Exchange(Books):
         """Take the body read from the wire (for a spooled body, the read-only view of
         its file's mapping) and its metadata; raw is the outbound body until a plugin
         changes the body. Raises ``IllegalTransition`` past ``reading``."""
-        if _PARSED not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+        if _PARSED not in TRANSITIONS[self._phase]:
             raise IllegalTransition(self.id, self._phase, _PARSED)
         self._raw = BodyHolder(buffer)
         self._outbound = self._raw
@@ -181,8 +169,7 @@ class Exchange(Books):
 
     @property
     def parsed_holder(self) -> ParsedHolder | None:
-        """The holder of the parsed body (while prepare runs: the one a plugin took),
-        or ``None`` when never parsed or dropped."""
+        """The parsed body's holder (while prepare runs: the one a plugin took), or ``None``."""
         if self._draft is not None and self._draft.object_holder is not None:
             return self._draft.object_holder
         return self._parsed
@@ -223,7 +210,8 @@ class Exchange(Books):
         meta = self.meta
         if self._preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
-        self._check(_PREPARED)
+        if _PREPARED not in TRANSITIONS[self._phase]:
+            raise IllegalTransition(self.id, self._phase, _PREPARED)
         if self._raw is None and self._parsed is None:
             raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
         self.fold_level = level
@@ -251,10 +239,8 @@ class Exchange(Books):
         self._move(_PREPARED)
 
     def adopt_splice(self, splice: Splice) -> None:
-        """Edits made through the view: the splice over raw becomes the outbound body.
-
-        Raw stays (the splice is views of it; a refold splices it anew); the
-        previous outbound body goes."""
+        """Edits made through the view: the splice over raw becomes the outbound body. Raw
+        stays (the splice is views of it; a refold splices it anew); the old outbound goes."""
         before = self._held_total()
         self._outbound = splice
         self.outbound_size = splice.nbytes
@@ -279,7 +265,7 @@ class Exchange(Books):
         data = None if wire.encodes_plainly(parsed.body) else wire.encode_body(parsed.body)
         before = self._held_total()
         self._parsed = parsed
-        self._drop_raw()
+        self._raw = None
         self._outbound = None
         self._freed(before)
         self._settle_spool()
@@ -302,19 +288,9 @@ class Exchange(Books):
             self._raw = outbound
         self._freed(before)
 
-    def _drop_raw(self) -> None:
-        # When the raw buffer is also the outbound body, the outbound reference
-        # keeps it alive on purpose (untouched bodies are forwarded as is).
-        self._raw = None
-
     def _on_spool(self, holder: BodyHolder | Splice | None) -> bool:
         """Whether ``holder`` is (or is spliced from) the spool file's mapping."""
-        return on_view(holder, self._raw_view)
-
-    @property
-    def _raw_view(self) -> memoryview | None:
-        """The spooled body's view while the spool is open (the raw buffer as read)."""
-        return self._spool.view if self._spool is not None else None
+        return on_view(holder, self._spool.view if self._spool is not None else None)
 
     def _settle_spool(self, *, closing: bool = False) -> None:
         """Close the spool file (mapping, descriptor, disk space) once neither raw nor
@@ -333,13 +309,9 @@ class Exchange(Books):
             self.on_release(spool.size)
 
     def outbound_chunks(self) -> AsyncIterator[memoryview | FileSlice]:
-        """The outbound body in slices (:func:`proxy._slices.body_slices`), no copy; each
-        call starts a fresh pass (a resend sends the same bytes again). An async
-        iterator with ``aclose()``, the pass starting at its first step.
-
-        Raises (from the first step):
-            RuntimeError: the outbound body was already released.
-        """
+        """The outbound body in slices (:func:`proxy._slices.body_slices`), no copy: an async
+        iterator with ``aclose()``; each call starts a fresh pass (a resend sends the same
+        bytes again). Its first step raises ``RuntimeError`` if the body was released."""
         return SlicePass(self._slices)
 
     def _slices(self) -> Generator[memoryview | FileSlice, None, None]:
@@ -359,7 +331,7 @@ class Exchange(Books):
         if self._phase is _ACCEPTED:
             self.release()
             return
-        if _ACCEPTED not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+        if _ACCEPTED not in TRANSITIONS[self._phase]:
             raise IllegalTransition(self.id, self._phase, _ACCEPTED)
         self.release()
         self._move(_ACCEPTED)
@@ -367,7 +339,7 @@ class Exchange(Books):
     def mark_streaming(self, *, upstream_head: HeadHolder | None = None) -> None:
         """The first response byte is going to the client; no resend can follow.
         ``upstream_head`` (the answer the client's head was built from) forgets its fields."""
-        if _STREAMING not in TRANSITIONS[self._phase]:  # _check, inline (every request)
+        if _STREAMING not in TRANSITIONS[self._phase]:
             raise IllegalTransition(self.id, self._phase, _STREAMING)
         if self._outbound is not None or self._headers is not None:
             self.drop_outbound()
@@ -391,7 +363,7 @@ class Exchange(Books):
         if self.releases and not drops_outbound:
             # Released before and nothing more to let go (close() after accept()): no
             # held bytes change, so none are counted twice over.
-            if self._spool is not None:  # nothing to settle without one (a call less)
+            if self._spool is not None:
                 self._settle_spool()
             return
         before = self._held_total()
@@ -402,9 +374,11 @@ class Exchange(Books):
             self.releases = 1
             self._preparer = None
             self._parsed = None
-            self._drop_raw()
+            # When raw is also the outbound body, the outbound reference keeps it alive
+            # on purpose (untouched bodies are forwarded as is).
+            self._raw = None
         self._freed(before)
-        if self._spool is not None:  # nothing to settle without one (a call less)
+        if self._spool is not None:
             self._settle_spool()
 
     def drop_outbound(self) -> None:
@@ -413,9 +387,9 @@ class Exchange(Books):
         self.keep_for_resend = False
         self._outbound = None
         self._headers = None
-        self._drop_raw()
+        self._raw = None
         self._freed(before)
-        if self._spool is not None:  # nothing to settle without one (a call less)
+        if self._spool is not None:
             self._settle_spool()
 
     def close(self) -> None:
@@ -434,13 +408,10 @@ class Exchange(Books):
 
     def _heap(self) -> tuple[int, int, int]:
         """Heap bytes held: ``(raw, parsed, outbound beyond raw)``, see ``heap_parts``."""
-        # parsed_holder and _raw_view, inline: this runs around every drop (a few a request).
+        # parsed_holder, inline: this runs around every drop (a few a request).
         draft, spool = self._draft, self._spool
-        parsed = (
-            draft.object_holder
-            if draft is not None and draft.object_holder is not None
-            else self._parsed
-        )
+        held = None if draft is None else draft.object_holder
+        parsed = self._parsed if held is None else held
         view = spool.view if spool is not None else None
         return heap_parts(
             self._raw, parsed, self._outbound, view, spool is not None, self.reading_bytes

@@ -99,6 +99,7 @@ def clean_user_agent(value: str | None) -> str | None:
         return None
     return _CONTROL.sub("", value)[:USER_AGENT_CHARS] or "-"
 
+
 _CREDENTIAL_MARKERS: Final = ("authorization", "x-api-key", "bearer ")
 _WITHHELD: Final = "[log line withheld: it named a credential]"
 

@@ -137,9 +137,7 @@ async def refold(
         RuntimeError: no preparer is bound any more (released), or no body.
     """
     before = ex.outbound_size
-    changed = await _preparer(ex).run(
-        ex, ex.fold_level + 1, (before, prompt_tokens, window_tokens)
-    )
+    changed = await _preparer(ex).run(ex, ex.fold_level + 1, (before, prompt_tokens, window_tokens))
     shrank = changed and ex.outbound_size < before
     if shrank:
         ex.count_refold()

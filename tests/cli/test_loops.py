@@ -65,6 +65,7 @@ def test_without_uvloop_installed_it_falls_back_with_a_warning(
 def test_a_streamed_exchange_on_uvloop_reaches_the_client_whole() -> None:
     """The whole exchange path (our upstream client included) on uvloop's transports,
     through the emulator, with the openai SDK as the client: a stream and a JSON answer."""
+
     async def exchange(emulator_url: str) -> tuple[str, str]:
         async with proxy_at(emulator_url) as proxy:
             client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="k", max_retries=0)

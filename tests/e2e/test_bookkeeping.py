@@ -609,7 +609,5 @@ async def test_a_failing_hook_is_logged_by_its_class_never_its_text(
     for secret in (PROMPT_SECRET, SECRET):
         assert secret not in logged
     # The model is an access-log field by design; no other line may quote it.
-    elsewhere = "\n".join(
-        formatter.format(r) for r in caplog.records if r.name != ACCESS_LOG.name
-    )
+    elsewhere = "\n".join(formatter.format(r) for r in caplog.records if r.name != ACCESS_LOG.name)
     assert MODEL_SECRET not in elsewhere

@@ -322,9 +322,7 @@ async def test_a_sessions_commit_backlog_is_bounded_and_refused_in_protocol_shap
     # A hook that never returns in time: without a bound, every request of the session
     # queues one more record (and task) behind it, for as long as the client goes on.
     gate = Gate()
-    async with proxy_with_emulator(
-        plugins=[gate], plugin_timeout=60.0, max_pending_commits=3
-    ) as h:
+    async with proxy_with_emulator(plugins=[gate], plugin_timeout=60.0, max_pending_commits=3) as h:
         client = await RawClient.connect(h.url)
         try:
             statuses: list[int] = []
@@ -380,9 +378,7 @@ async def test_a_sessions_backlog_bound_counts_its_exchanges_in_flight() -> None
     # concurrent requests too (each exchange in flight has a commit on its way), so
     # exactly max_pending_commits are admitted and the rest refused.
     gate = Gate()
-    async with proxy_with_emulator(
-        plugins=[gate], plugin_timeout=60.0, max_pending_commits=3
-    ) as h:
+    async with proxy_with_emulator(plugins=[gate], plugin_timeout=60.0, max_pending_commits=3) as h:
         clients = [await RawClient.connect(h.url) for _ in range(10)]
         try:
             for client in clients:

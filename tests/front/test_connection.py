@@ -42,7 +42,6 @@ from tests.support.upstream import Scripted, proxy_for, read_request
 # client that hangs up cancelling its handler, shutdown.
 
 
-
 @contextlib.asynccontextmanager
 async def serving(handler: Handler, **options: float) -> AsyncIterator[tuple[FrontServer, int]]:
     server = FrontServer(handler, header_timeout=options.pop("header_timeout", 5.0), **options)

@@ -182,10 +182,7 @@ def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
 
 
 def is_pure(name: str) -> bool:
-    return (
-        name in PURE
-        or any(name.startswith(package + ".") for package in PURE_PACKAGES)
-    )
+    return name in PURE or any(name.startswith(package + ".") for package in PURE_PACKAGES)
 
 
 def reachable(graph: Mapping[str, set[str]], start: str) -> dict[str, str]:
