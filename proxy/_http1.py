@@ -330,7 +330,8 @@ class RequestFraming:
     def __init__(self) -> None:
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
-        self._fields: list[tuple[str, str]] = []
+        # Name, value, name, value, ... as llhttp gave them: decoded once a head is whole.
+        self._fields: list[bytes] = []
         # Bytes of the current head fed in pieces, and parsed in fields (both bounded).
         self._head_bytes = 0
         self._field_bytes = 0
@@ -473,10 +474,12 @@ class RequestFraming:
         fields = self._fields
         # A head parsed in one feed is counted here (the feed count sees unfinished ones).
         field_bytes = self._field_bytes = self._field_bytes + size + 4
-        if size > MAX_LINE_BYTES or len(fields) >= MAX_FIELDS or field_bytes > MAX_HEAD_BYTES:
-            self._over_limit(size, len(fields))
-        # Values as UTF-8 with surrogateescape: any byte survives the round trip upstream.
-        fields.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+        if size > MAX_LINE_BYTES or len(fields) >= _MAX_FIELD_BYTES or field_bytes > MAX_HEAD_BYTES:
+            self._over_limit(size, len(fields) >> 1)
+        # Bytes as they came: decoded at the head's end by _decoded (one call a head, not
+        # two a field), values as UTF-8 with surrogateescape so that any byte survives the
+        # round trip upstream (llhttp allows only ASCII token bytes in a name).
+        fields += (name, value)
 
     def _over_limit(self, size: int, count: int) -> NoReturn:
         """The fault of a header field of ``size`` bytes after ``count`` fields, one of
@@ -495,7 +498,7 @@ class RequestFraming:
             self.in_head = False
             return
         parser = self._parser
-        headers = CIMultiDictProxy(CIMultiDict(self._fields))
+        headers = CIMultiDictProxy(CIMultiDict(_decoded(self._fields)))
         self._fields = []
         self._head_bytes = 0
         version = parser.get_http_version()
@@ -539,7 +542,7 @@ class RequestFraming:
         self._ended_here = True
         self._quiet_bytes = 0
         if self._fields:  # fields after the head's end: a chunked body's trailers
-            self.events.append(Trailers(self._fields))
+            self.events.append(Trailers(_decoded(self._fields)))
             self._fields = []
         self.events.append(END)
 
