@@ -332,7 +332,7 @@ class RequestFraming:
         self._url = b""
         # Name, value, name, value, ... as llhttp gave them: decoded once a head is whole.
         self._fields: list[bytes] = []
-        # Bytes of the current head fed in pieces, and parsed in fields (both bounded).
+        # Bytes of the current head fed in pieces, and of its whole head's fields.
         self._head_bytes = 0
         self._field_bytes = 0
         # Between a request's first byte and its end.
@@ -398,7 +398,8 @@ class RequestFraming:
                 # The head began behind other requests in this read (pipelined): of its
                 # bytes only the parsed ones are known. Its unfinished field is bounded
                 # by the read, and the next reads count whole.
-                self._head_bytes = self._field_bytes + len(self._url)
+                fields = self._fields
+                self._head_bytes = sum(map(len, fields)) + 2 * len(fields) + len(self._url)
             if self._head_bytes > MAX_HEAD_BYTES:
                 raise self._fault("the request head is over the size limit")
         elif self._in_message:
@@ -468,27 +469,41 @@ class RequestFraming:
             raise MalformedRequest("a request line or header field is over the size limit")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Called once a field: the three limits are tested in one condition, and only a
-        # field over one of them goes on to _over_limit, which says which (in this order).
-        size = len(name) + len(value)
+        # Called once a field, so it keeps the bytes as they came and bounds their count;
+        # their sizes are checked in one pass when the head (or the trailer section)
+        # ends, its bytes bounded meanwhile by the feed's count. They are decoded then by
+        # _decoded (one call a head, not two a field), values as UTF-8 with
+        # surrogateescape so that any byte survives the round trip upstream (llhttp
+        # allows only ASCII token bytes in a name).
         fields = self._fields
-        # A head parsed in one feed is counted here (the feed count sees unfinished ones).
-        field_bytes = self._field_bytes = self._field_bytes + size + 4
-        if size > MAX_LINE_BYTES or len(fields) >= _MAX_FIELD_BYTES or field_bytes > MAX_HEAD_BYTES:
-            self._over_limit(size, len(fields) >> 1)
-        # Bytes as they came: decoded at the head's end by _decoded (one call a head, not
-        # two a field), values as UTF-8 with surrogateescape so that any byte survives the
-        # round trip upstream (llhttp allows only ASCII token bytes in a name).
         fields += (name, value)
+        if len(fields) > _MAX_FIELD_BYTES:
+            self._check_fields(fields, 0)  # raises (at the latest: too many fields)
 
-    def _over_limit(self, size: int, count: int) -> NoReturn:
-        """The fault of a header field of ``size`` bytes after ``count`` fields, one of
-        :meth:`on_header`'s limits passed."""
-        if size > MAX_LINE_BYTES:
-            raise MalformedRequest("a request line or header field is over the size limit")
-        if count >= MAX_FIELDS:
-            raise MalformedRequest("too many header fields")
-        raise MalformedRequest("the request head is over the size limit")
+    @staticmethod
+    def _check_fields(fields: list[bytes], base: int) -> int:
+        """``base`` plus the bytes of ``fields`` (name, value, ...; 4 more a field for
+        ``: `` and CRLF). Raises :class:`MalformedRequest` for the first field over a
+        limit, tested in this order a field: its line over :data:`MAX_LINE_BYTES`, more
+        than :data:`MAX_FIELDS` fields, over :data:`MAX_HEAD_BYTES` with ``base``."""
+        total = base + sum(map(len, fields)) + 2 * len(fields)
+        if (
+            total - base <= MAX_LINE_BYTES  # then no one field's line is over it either
+            and total <= MAX_HEAD_BYTES
+            and len(fields) <= _MAX_FIELD_BYTES
+        ):
+            return total
+        at = base
+        for index in range(0, len(fields), 2):
+            size = len(fields[index]) + len(fields[index + 1])
+            at += size + 4
+            if size > MAX_LINE_BYTES:
+                raise MalformedRequest("a request line or header field is over the size limit")
+            if index >= _MAX_FIELD_BYTES:
+                raise MalformedRequest("too many header fields")
+            if at > MAX_HEAD_BYTES:
+                raise MalformedRequest("the request head is over the size limit")
+        return total
 
     def on_headers_complete(self) -> None:
         if self._priming:  # our own head (_reframe): the body that follows is the request's
@@ -498,6 +513,7 @@ class RequestFraming:
             self.in_head = False
             return
         parser = self._parser
+        self._field_bytes = self._check_fields(self._fields, 0)
         headers = CIMultiDictProxy(CIMultiDict(_decoded(self._fields)))
         self._fields = []
         self._head_bytes = 0
@@ -542,6 +558,8 @@ class RequestFraming:
         self._ended_here = True
         self._quiet_bytes = 0
         if self._fields:  # fields after the head's end: a chunked body's trailers
+            # Counted on top of the head's, as one section (the trailers' limits).
+            self._check_fields(self._fields, self._field_bytes)
             self.events.append(Trailers(_decoded(self._fields)))
             self._fields = []
         self.events.append(END)

@@ -19,6 +19,7 @@ from proxy._http1 import (
     MalformedRequest,
     RequestFraming,
     RequestHead,
+    Trailers,
 )
 
 SECRET = "sk-framing-secret-1234"
@@ -183,6 +184,20 @@ def test_a_head_over_the_limit_is_refused_even_when_it_arrives_in_one_read() -> 
         assert isinstance(head, RequestHead) and len(head.headers) == 61
 
 
+def test_too_many_fields_are_refused_before_the_head_ends() -> None:
+    """The field count is bounded as fields arrive (their sizes are checked once the
+    head is whole): an endless head of tiny fields is refused at field MAX_FIELDS + 1,
+    not held until its end."""
+    framing = RequestFraming()
+    framing.feed(b"GET / HTTP/1.1\r\nHost: x\r\n")
+    with pytest.raises(MalformedRequest, match="too many header fields"):
+        framing.feed(b"a:\r\n" * (MAX_FIELDS + 1))  # no blank line
+    # The first field over a limit names the fault: a long line before the count is over.
+    long_first = b"X-Long: " + b"A" * MAX_LINE_BYTES + b"\r\n"
+    with pytest.raises(MalformedRequest, match="over the size limit"):
+        feed_all(b"GET / HTTP/1.1\r\nHost: x\r\n" + long_first + b"a:\r\n" * MAX_FIELDS)
+
+
 def test_an_http11_request_without_host_is_refused() -> None:
     """RFC 9112 section 3.2: a server MUST answer 400 to an HTTP/1.1 request without Host."""
     with pytest.raises(MalformedRequest, match="without a Host"):
@@ -217,6 +232,21 @@ def test_a_never_ending_trailer_line_is_refused_before_it_grows_past_the_head_li
     finally:
         tracemalloc.stop()
     assert held < 2 * MAX_HEAD_BYTES
+
+
+def test_trailers_count_on_top_of_the_head_against_the_head_limit() -> None:
+    """Trailer fields are one section with the head: a head and trailers that are each
+    under MAX_HEAD_BYTES but over it together are refused, in one read too."""
+    pad = b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(40))
+    head = b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n" + pad + b"\r\n"
+    body = b"5\r\nhello\r\n0\r\n" + pad + b"\r\n"
+    with pytest.raises(MalformedRequest, match="the request head is over the size limit"):
+        RequestFraming().feed(head + body)
+    # Either alone passes.
+    (first, *_) = feed_all(head + b"0\r\n\r\n")
+    assert isinstance(first, RequestHead)
+    events = feed_all(CHUNKED + body)
+    assert [len(e.fields) for e in events if isinstance(e, Trailers)] == [40]
 
 
 @pytest.mark.parametrize("step", [None, 1, 7])
