@@ -1380,6 +1380,7 @@ _LINE_LIMIT: Final = (
 _HEAD_LIMIT: Final = (
     f"upstream response headers over the parser's limit ({MAX_RESPONSE_HEAD_BYTES} bytes in all)"
 )
+_TOO_MANY_FIELDS: Final = "upstream response headers over the parser's limit (too many fields)"
 
 
 class _Stop(Exception):
@@ -1429,7 +1430,6 @@ class ClientConnection:
         "_declared",
         "_events",
         "_fields",
-        "_framing",
         "_head_bytes",
         "_head_due",
         "_head_only",
@@ -1469,8 +1469,6 @@ class ClientConnection:
         #: The head's (or trailers') fields as llhttp gave them: name, value, name, ...
         #: (decoded all at once at the head's end: see _decoded).
         self._fields: list[bytes] = []
-        #: Where in ``_fields`` the names that may frame the answer are (see on_header).
-        self._framing: list[int] = []
         self._head_bytes = 0
         self._head_due: float | None = None
         self._since_field = 0
@@ -1642,8 +1640,12 @@ class ClientConnection:
         self._body = None
         fields = self._fields
         if fields:
-            self._events.append(EndOfMessage(_decoded(fields)))
             self._fields = []
+            fault = _fields_fault(fields)
+            if fault is not None:
+                self._fault(fault, closed=False)
+                raise _Stop
+            self._events.append(EndOfMessage(_decoded(fields)))
         else:
             self._events.append(_NO_TRAILERS)
 
@@ -1749,35 +1751,27 @@ class ClientConnection:
             raise _Stop
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        size = len(name)
-        if size + len(value) + 2 > MAX_LINE_BYTES:
-            self._fault(_LINE_LIMIT, closed=False)
-            raise _Stop
+        # Called once a field, so it keeps the bytes as they came and bounds their count;
+        # their lines' sizes are checked in one pass when the head (or the trailer
+        # section) ends (_fields_fault), each line bounded meanwhile by the feed's count
+        # (_since_field), and they are decoded then in one call (_decoded).
         self._since_field = 0
         fields = self._fields
-        if len(fields) >= _MAX_FIELD_BYTES:
-            self._fault(
-                "upstream response headers over the parser's limit (too many fields)",
-                closed=False,
-            )
-            raise _Stop
-        if size in _FRAMING_SIZES:
-            # Maybe a field on_headers_complete reads: it looks at these only, not at
-            # every field. (llhttp takes only token bytes in a name, ASCII: lowering it
-            # keeps its length.)
-            self._framing.append(len(fields))
-        # Bytes, as they came: the head's are decoded at once at its end (one call per
-        # head, not two per field).
         fields += (name, value)
+        if len(fields) > _MAX_FIELD_BYTES:
+            self._fault(_fields_fault(fields) or _TOO_MANY_FIELDS, closed=False)
+            raise _Stop
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         status = parser.get_status_code()
-        fields = _decoded(self._fields)
+        raw = self._fields
         self._fields = []
-        framing = self._framing
-        if framing:
-            self._framing = []
+        fault = _fields_fault(raw)
+        if fault is not None:
+            self._fault(fault, closed=False)
+            raise _Stop
+        fields = _decoded(raw)
         if status == 101:
             self._fault("upstream switched protocols", closed=False)
             raise _Stop
@@ -1795,17 +1789,18 @@ class ClientConnection:
             self._head_due = None  # in time (an upload under way stays bounded)
         self.status = status
         self.keep_alive = parser.should_keep_alive()
-        chunked = content_length = False
-        for at in framing:  # (the fields of a framing name's length, in order)
-            name, value = fields[at >> 1]
-            lowered = name.lower()
-            if lowered == "transfer-encoding":
-                # Chunked framing only when chunked is the last coding (RFC 9112 section 6.3).
-                chunked = value.rsplit(",", 1)[-1].strip().lower() == "chunked"
-            elif lowered == "content-length":
-                content_length = True
-            elif lowered == "keep-alive":
-                self.keep_alive_s = keep_alive_timeout(value)
+        # The names lowered in one pass, at C speed (llhttp takes only ASCII token bytes
+        # in a name); of a framing field named twice, the last counts.
+        names = b"\n".join(raw[::2]).lower().split(b"\n")
+        content_length = b"content-length" in names
+        chunked = False
+        if b"transfer-encoding" in names:
+            value = fields[len(names) - 1 - names[::-1].index(b"transfer-encoding")][1]
+            # Chunked framing only when chunked is the last coding (RFC 9112 section 6.3).
+            chunked = value.rsplit(",", 1)[-1].strip().lower() == "chunked"
+        if b"keep-alive" in names:
+            value = fields[len(names) - 1 - names[::-1].index(b"keep-alive")][1]
+            self.keep_alive_s = keep_alive_timeout(value)
         self._events.append(ResponseHead(status, fields, False))
         if self._head_only:
             # No body follows, whatever Content-Length says; llhttp would wait for one,
@@ -1839,9 +1834,21 @@ class ClientConnection:
 
 #: ``_fields`` holds a name and a value per field.
 _MAX_FIELD_BYTES: Final = 2 * MAX_FIELDS
-#: The lengths of the names on_headers_complete reads: keep-alive, content-length,
-#: transfer-encoding.
-_FRAMING_SIZES: Final = frozenset({10, 14, 17})
+
+
+def _fields_fault(fields: list[bytes]) -> str | None:
+    """The fault of the first field of an upstream's head or trailers over a limit, or
+    ``None``: a line (name, ``: ``, value) over :data:`MAX_LINE_BYTES`, or a field past
+    :data:`MAX_FIELDS`, tested in this order a field. ``fields``: name, value, ..."""
+    # Every line is within the limit when all of them together are (one pass in C).
+    if sum(map(len, fields)) + len(fields) <= MAX_LINE_BYTES and len(fields) <= _MAX_FIELD_BYTES:
+        return None
+    for index in range(0, len(fields), 2):
+        if len(fields[index]) + len(fields[index + 1]) + 2 > MAX_LINE_BYTES:
+            return _LINE_LIMIT
+        if index >= _MAX_FIELD_BYTES:
+            return _TOO_MANY_FIELDS
+    return None
 
 
 def _decoded(raw: list[bytes]) -> list[tuple[str, str]]:

@@ -233,10 +233,30 @@ def test_a_close_before_the_framing_ends_is_a_fault(wire: bytes, words: str) -> 
             f"limit ({MAX_LINE_BYTES} bytes a line)",
         ),
         (
+            # Under the feed's bound for a growing line, over the limit once it is whole.
+            b"HTTP/1.1 200 OK\r\nX-1: 1\r\nX-Big: " + b"t" * MAX_LINE_BYTES + b"\r\n\r\n",
+            f"limit ({MAX_LINE_BYTES} bytes a line)",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-Big: "
+            + b"t" * MAX_LINE_BYTES
+            + b"\r\n\r\n",
+            f"limit ({MAX_LINE_BYTES} bytes a line)",
+        ),
+        (
             b"HTTP/1.1 200 OK\r\n"
             + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_FIELDS + 1))
             + b"\r\n",
             "limit (too many fields)",
+        ),
+        (
+            # The first field over a limit names the fault: a long line before the count.
+            b"HTTP/1.1 200 OK\r\nX-Big: "
+            + b"t" * MAX_LINE_BYTES
+            + b"\r\n"
+            + b"".join(b"X-%d: 1\r\n" % i for i in range(MAX_FIELDS + 1))
+            + b"\r\n",
+            f"limit ({MAX_LINE_BYTES} bytes a line)",
         ),
         (b"NOT HTTP\r\n\r\n", "could not be parsed"),
         (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n", "switched protocols"),
@@ -245,7 +265,16 @@ def test_a_close_before_the_framing_ends_is_a_fault(wire: bytes, words: str) -> 
             "body framing is broken",
         ),
     ],
-    ids=["long-line", "many-fields", "garbage", "upgrade", "bad-chunk"],
+    ids=[
+        "long-line",
+        "line-just-over",
+        "long-trailer-line",
+        "many-fields",
+        "long-line-first",
+        "garbage",
+        "upgrade",
+        "bad-chunk",
+    ],
 )
 def test_bad_heads_and_framing_are_faults_in_our_own_words(wire: bytes, words: str) -> None:
     conn = asked()
@@ -338,6 +367,21 @@ def test_the_keep_alive_timeout_is_a_second_less_than_the_upstream_s(
     conn = asked()
     events(conn, b"HTTP/1.1 200 OK\r\nKeep-Alive: %s\r\nContent-Length: 0\r\n\r\n" % value.encode())
     assert conn.keep_alive_s == seconds
+
+
+def test_of_a_framing_field_named_twice_the_last_counts_whatever_its_case() -> None:
+    conn = asked()
+    events(
+        conn,
+        b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=10\r\nX-A: 1\r\nkeep-ALIVE: timeout=4\r\n"
+        b"Content-Length: 0\r\n\r\n",
+    )
+    assert conn.keep_alive_s == 3.0
+    conn = asked()
+    found = events(
+        conn, b"HTTP/1.1 200 OK\r\ntransfer-encoding: CHUNKED\r\n\r\n4\r\ndata\r\n0\r\n\r\n"
+    )
+    assert body_of(found) == b"data" and isinstance(found[-1], EndOfMessage) and conn.reusable
 
 
 # ------------------------------------------------------------------ deadlines
