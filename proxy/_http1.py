@@ -330,9 +330,8 @@ class RequestFraming:
     def __init__(self) -> None:
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
-        # Name, value, name, value, ... as llhttp gave them: decoded once a head is whole.
-        self._fields: list[bytes] = []
-        # Bytes of the current head fed in pieces, and of its whole head's fields.
+        self._fields: list[tuple[str, str]] = []
+        # Bytes of the current head fed in pieces, and parsed in fields (both bounded).
         self._head_bytes = 0
         self._field_bytes = 0
         # Between a request's first byte and its end.
@@ -398,8 +397,7 @@ class RequestFraming:
                 # The head began behind other requests in this read (pipelined): of its
                 # bytes only the parsed ones are known. Its unfinished field is bounded
                 # by the read, and the next reads count whole.
-                fields = self._fields
-                self._head_bytes = sum(map(len, fields)) + 2 * len(fields) + len(self._url)
+                self._head_bytes = self._field_bytes + len(self._url)
             if self._head_bytes > MAX_HEAD_BYTES:
                 raise self._fault("the request head is over the size limit")
         elif self._in_message:
@@ -469,41 +467,25 @@ class RequestFraming:
             raise MalformedRequest("a request line or header field is over the size limit")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Called once a field, so it keeps the bytes as they came and bounds their count;
-        # their sizes are checked in one pass when the head (or the trailer section)
-        # ends, its bytes bounded meanwhile by the feed's count. They are decoded then by
-        # _decoded (one call a head, not two a field), values as UTF-8 with
-        # surrogateescape so that any byte survives the round trip upstream (llhttp
-        # allows only ASCII token bytes in a name).
+        # Called once a field: the three limits are tested in one condition, and only a
+        # field over one of them goes on to _over_limit, which says which (in this order).
+        size = len(name) + len(value)
         fields = self._fields
-        fields += (name, value)
-        if len(fields) > _MAX_FIELD_BYTES:
-            self._check_fields(fields, 0)  # raises (at the latest: too many fields)
+        # A head parsed in one feed is counted here (the feed count sees unfinished ones).
+        field_bytes = self._field_bytes = self._field_bytes + size + 4
+        if size > MAX_LINE_BYTES or len(fields) >= MAX_FIELDS or field_bytes > MAX_HEAD_BYTES:
+            self._over_limit(size, len(fields))
+        # Values as UTF-8 with surrogateescape: any byte survives the round trip upstream.
+        fields.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
-    @staticmethod
-    def _check_fields(fields: list[bytes], base: int) -> int:
-        """``base`` plus the bytes of ``fields`` (name, value, ...; 4 more a field for
-        ``: `` and CRLF). Raises :class:`MalformedRequest` for the first field over a
-        limit, tested in this order a field: its line over :data:`MAX_LINE_BYTES`, more
-        than :data:`MAX_FIELDS` fields, over :data:`MAX_HEAD_BYTES` with ``base``."""
-        total = base + sum(map(len, fields)) + 2 * len(fields)
-        if (
-            total - base <= MAX_LINE_BYTES  # then no one field's line is over it either
-            and total <= MAX_HEAD_BYTES
-            and len(fields) <= _MAX_FIELD_BYTES
-        ):
-            return total
-        at = base
-        for index in range(0, len(fields), 2):
-            size = len(fields[index]) + len(fields[index + 1])
-            at += size + 4
-            if size > MAX_LINE_BYTES:
-                raise MalformedRequest("a request line or header field is over the size limit")
-            if index >= _MAX_FIELD_BYTES:
-                raise MalformedRequest("too many header fields")
-            if at > MAX_HEAD_BYTES:
-                raise MalformedRequest("the request head is over the size limit")
-        return total
+    def _over_limit(self, size: int, count: int) -> NoReturn:
+        """The fault of a header field of ``size`` bytes after ``count`` fields, one of
+        :meth:`on_header`'s limits passed."""
+        if size > MAX_LINE_BYTES:
+            raise MalformedRequest("a request line or header field is over the size limit")
+        if count >= MAX_FIELDS:
+            raise MalformedRequest("too many header fields")
+        raise MalformedRequest("the request head is over the size limit")
 
     def on_headers_complete(self) -> None:
         if self._priming:  # our own head (_reframe): the body that follows is the request's
@@ -513,8 +495,7 @@ class RequestFraming:
             self.in_head = False
             return
         parser = self._parser
-        self._field_bytes = self._check_fields(self._fields, 0)
-        headers = CIMultiDictProxy(CIMultiDict(_decoded(self._fields)))
+        headers = CIMultiDictProxy(CIMultiDict(self._fields))
         self._fields = []
         self._head_bytes = 0
         version = parser.get_http_version()
@@ -558,9 +539,7 @@ class RequestFraming:
         self._ended_here = True
         self._quiet_bytes = 0
         if self._fields:  # fields after the head's end: a chunked body's trailers
-            # Counted on top of the head's, as one section (the trailers' limits).
-            self._check_fields(self._fields, self._field_bytes)
-            self.events.append(Trailers(_decoded(self._fields)))
+            self.events.append(Trailers(self._fields))
             self._fields = []
         self.events.append(END)
 
@@ -1380,7 +1359,6 @@ _LINE_LIMIT: Final = (
 _HEAD_LIMIT: Final = (
     f"upstream response headers over the parser's limit ({MAX_RESPONSE_HEAD_BYTES} bytes in all)"
 )
-_TOO_MANY_FIELDS: Final = "upstream response headers over the parser's limit (too many fields)"
 
 
 class _Stop(Exception):
@@ -1430,6 +1408,7 @@ class ClientConnection:
         "_declared",
         "_events",
         "_fields",
+        "_framing",
         "_head_bytes",
         "_head_due",
         "_head_only",
@@ -1469,6 +1448,8 @@ class ClientConnection:
         #: The head's (or trailers') fields as llhttp gave them: name, value, name, ...
         #: (decoded all at once at the head's end: see _decoded).
         self._fields: list[bytes] = []
+        #: Where in ``_fields`` the names that may frame the answer are (see on_header).
+        self._framing: list[int] = []
         self._head_bytes = 0
         self._head_due: float | None = None
         self._since_field = 0
@@ -1640,12 +1621,8 @@ class ClientConnection:
         self._body = None
         fields = self._fields
         if fields:
-            self._fields = []
-            fault = _fields_fault(fields)
-            if fault is not None:
-                self._fault(fault, closed=False)
-                raise _Stop
             self._events.append(EndOfMessage(_decoded(fields)))
+            self._fields = []
         else:
             self._events.append(_NO_TRAILERS)
 
@@ -1751,27 +1728,35 @@ class ClientConnection:
             raise _Stop
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # Called once a field, so it keeps the bytes as they came and bounds their count;
-        # their lines' sizes are checked in one pass when the head (or the trailer
-        # section) ends (_fields_fault), each line bounded meanwhile by the feed's count
-        # (_since_field), and they are decoded then in one call (_decoded).
+        size = len(name)
+        if size + len(value) + 2 > MAX_LINE_BYTES:
+            self._fault(_LINE_LIMIT, closed=False)
+            raise _Stop
         self._since_field = 0
         fields = self._fields
-        fields += (name, value)
-        if len(fields) > _MAX_FIELD_BYTES:
-            self._fault(_fields_fault(fields) or _TOO_MANY_FIELDS, closed=False)
+        if len(fields) >= _MAX_FIELD_BYTES:
+            self._fault(
+                "upstream response headers over the parser's limit (too many fields)",
+                closed=False,
+            )
             raise _Stop
+        if size in _FRAMING_SIZES:
+            # Maybe a field on_headers_complete reads: it looks at these only, not at
+            # every field. (llhttp takes only token bytes in a name, ASCII: lowering it
+            # keeps its length.)
+            self._framing.append(len(fields))
+        # Bytes, as they came: the head's are decoded at once at its end (one call per
+        # head, not two per field).
+        fields += (name, value)
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         status = parser.get_status_code()
-        raw = self._fields
+        fields = _decoded(self._fields)
         self._fields = []
-        fault = _fields_fault(raw)
-        if fault is not None:
-            self._fault(fault, closed=False)
-            raise _Stop
-        fields = _decoded(raw)
+        framing = self._framing
+        if framing:
+            self._framing = []
         if status == 101:
             self._fault("upstream switched protocols", closed=False)
             raise _Stop
@@ -1789,18 +1774,17 @@ class ClientConnection:
             self._head_due = None  # in time (an upload under way stays bounded)
         self.status = status
         self.keep_alive = parser.should_keep_alive()
-        # The names lowered in one pass, at C speed (llhttp takes only ASCII token bytes
-        # in a name); of a framing field named twice, the last counts.
-        names = b"\n".join(raw[::2]).lower().split(b"\n")
-        content_length = b"content-length" in names
-        chunked = False
-        if b"transfer-encoding" in names:
-            value = fields[len(names) - 1 - names[::-1].index(b"transfer-encoding")][1]
-            # Chunked framing only when chunked is the last coding (RFC 9112 section 6.3).
-            chunked = value.rsplit(",", 1)[-1].strip().lower() == "chunked"
-        if b"keep-alive" in names:
-            value = fields[len(names) - 1 - names[::-1].index(b"keep-alive")][1]
-            self.keep_alive_s = keep_alive_timeout(value)
+        chunked = content_length = False
+        for at in framing:  # (the fields of a framing name's length, in order)
+            name, value = fields[at >> 1]
+            lowered = name.lower()
+            if lowered == "transfer-encoding":
+                # Chunked framing only when chunked is the last coding (RFC 9112 section 6.3).
+                chunked = value.rsplit(",", 1)[-1].strip().lower() == "chunked"
+            elif lowered == "content-length":
+                content_length = True
+            elif lowered == "keep-alive":
+                self.keep_alive_s = keep_alive_timeout(value)
         self._events.append(ResponseHead(status, fields, False))
         if self._head_only:
             # No body follows, whatever Content-Length says; llhttp would wait for one,
@@ -1834,21 +1818,9 @@ class ClientConnection:
 
 #: ``_fields`` holds a name and a value per field.
 _MAX_FIELD_BYTES: Final = 2 * MAX_FIELDS
-
-
-def _fields_fault(fields: list[bytes]) -> str | None:
-    """The fault of the first field of an upstream's head or trailers over a limit, or
-    ``None``: a line (name, ``: ``, value) over :data:`MAX_LINE_BYTES`, or a field past
-    :data:`MAX_FIELDS`, tested in this order a field. ``fields``: name, value, ..."""
-    # Every line is within the limit when all of them together are (one pass in C).
-    if sum(map(len, fields)) + len(fields) <= MAX_LINE_BYTES and len(fields) <= _MAX_FIELD_BYTES:
-        return None
-    for index in range(0, len(fields), 2):
-        if len(fields[index]) + len(fields[index + 1]) + 2 > MAX_LINE_BYTES:
-            return _LINE_LIMIT
-        if index >= _MAX_FIELD_BYTES:
-            return _TOO_MANY_FIELDS
-    return None
+#: The lengths of the names on_headers_complete reads: keep-alive, content-length,
+#: transfer-encoding.
+_FRAMING_SIZES: Final = frozenset({10, 14, 17})
 
 
 def _decoded(raw: list[bytes]) -> list[tuple[str, str]]:
