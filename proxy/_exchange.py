@@ -113,14 +113,18 @@ class Exchange(Books):
         return self._phase
 
     def _move(self, new: Phase) -> None:
-        """Go to ``new`` (raising :class:`IllegalTransition` if it is no legal move), then
-        tell the observer. Callers that must check before any work test ``TRANSITIONS``."""
+        """Go to ``new`` (:meth:`_check`, inline), then tell the observer."""
         old = self._phase
         if new not in TRANSITIONS[old]:
             raise IllegalTransition(self.id, old, new)
         self._phase = new
         if self.observer is not None:
             self.observer(self, old, new)
+
+    def _check(self, new: Phase) -> None:
+        """Raise :class:`IllegalTransition`, before any work, if ``new`` is no legal move."""
+        if new not in TRANSITIONS[self._phase]:
+            raise IllegalTransition(self.id, self._phase, new)
 
     def start_reading(self, declared_bytes: int) -> None:
         """The body is being read; ``declared_bytes`` is its Content-Length (0: none).
@@ -148,8 +152,7 @@ class Exchange(Books):
         """Take the body read from the wire (for a spooled body, the read-only view of
         its file's mapping) and its metadata; raw is the outbound body until a plugin
         changes the body. Raises ``IllegalTransition`` past ``reading``."""
-        if _PARSED not in TRANSITIONS[self._phase]:
-            raise IllegalTransition(self.id, self._phase, _PARSED)
+        self._check(_PARSED)
         self._raw = BodyHolder(buffer)
         self._outbound = self._raw
         self.outbound_size = len(buffer)
@@ -210,8 +213,7 @@ class Exchange(Books):
         meta = self.meta
         if self._preparer is None or meta is None or self._outbound is None:
             raise RuntimeError(f"{self.id}: prepare after release or before the body was read")
-        if _PREPARED not in TRANSITIONS[self._phase]:
-            raise IllegalTransition(self.id, self._phase, _PREPARED)
+        self._check(_PREPARED)
         if self._raw is None and self._parsed is None:
             raise RuntimeError(f"{self.id}: the raw body is gone; cannot prepare again")
         self.fold_level = level
@@ -331,16 +333,14 @@ class Exchange(Books):
         if self._phase is _ACCEPTED:
             self.release()
             return
-        if _ACCEPTED not in TRANSITIONS[self._phase]:
-            raise IllegalTransition(self.id, self._phase, _ACCEPTED)
+        self._check(_ACCEPTED)
         self.release()
         self._move(_ACCEPTED)
 
     def mark_streaming(self, *, upstream_head: HeadHolder | None = None) -> None:
         """The first response byte is going to the client; no resend can follow.
         ``upstream_head`` (the answer the client's head was built from) forgets its fields."""
-        if _STREAMING not in TRANSITIONS[self._phase]:
-            raise IllegalTransition(self.id, self._phase, _STREAMING)
+        self._check(_STREAMING)
         if self._outbound is not None or self._headers is not None:
             self.drop_outbound()
         if upstream_head is not None:
@@ -363,8 +363,7 @@ class Exchange(Books):
         if self.releases and not drops_outbound:
             # Released before and nothing more to let go (close() after accept()): no
             # held bytes change, so none are counted twice over.
-            if self._spool is not None:
-                self._settle_spool()
+            self._settle_spool()
             return
         before = self._held_total()
         if drops_outbound:
@@ -378,8 +377,7 @@ class Exchange(Books):
             # on purpose (untouched bodies are forwarded as is).
             self._raw = None
         self._freed(before)
-        if self._spool is not None:
-            self._settle_spool()
+        self._settle_spool()
 
     def drop_outbound(self) -> None:
         """No resend can follow any more: let the outbound body and its header fields go."""
@@ -389,8 +387,7 @@ class Exchange(Books):
         self._headers = None
         self._raw = None
         self._freed(before)
-        if self._spool is not None:
-            self._settle_spool()
+        self._settle_spool()
 
     def close(self) -> None:
         """Final cleanup in the handler's ``finally``: nothing is held afterwards (idempotent)."""
