@@ -185,9 +185,8 @@ def test_a_head_over_the_limit_is_refused_even_when_it_arrives_in_one_read() -> 
 
 
 def test_too_many_fields_are_refused_before_the_head_ends() -> None:
-    """The field count is bounded as fields arrive (their sizes are checked once the
-    head is whole): an endless head of tiny fields is refused at field MAX_FIELDS + 1,
-    not held until its end."""
+    """The field count is bounded as fields arrive: an endless head of tiny fields is
+    refused at field MAX_FIELDS + 1, not held until its end."""
     framing = RequestFraming()
     framing.feed(b"GET / HTTP/1.1\r\nHost: x\r\n")
     with pytest.raises(MalformedRequest, match="too many header fields"):
